@@ -1,0 +1,203 @@
+"""The user API: ``compile``, ``explain`` and ``reset``."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, overload
+
+import torch
+from optguard import DEFAULT_RECOMPILE_LIMIT, Locals
+from optkernels import Backend, BackendError, get_backend
+from opttrace import eager_step, trace, trace_step
+
+from optcompile._torch_compat import step_post_hooks, step_pre_hooks
+from optcompile.driver import Compiled, newest, reset_all
+from optcompile.errors import CompileError
+
+Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
+F = TypeVar("F", bound=Callable[..., Any])
+
+BACKEND_CHOICES = ("auto", "torch", "triton")
+_OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Compiled] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _backend(name: str) -> Backend:
+    if name not in BACKEND_CHOICES:
+        raise CompileError(f"backend={name!r} is unknown; choose one of {BACKEND_CHOICES}")
+    # "auto" means Triton on CUDA once its kernels land; until then the torch backend.
+    try:
+        return get_backend("torch" if name == "auto" else name)
+    except BackendError as exc:
+        raise CompileError(str(exc)) from exc
+
+
+@overload
+def compile(
+    obj: Opt, *, backend: str = ..., fullgraph: bool = ..., recompile_limit: int = ...
+) -> Opt: ...
+
+
+@overload
+def compile(
+    obj: F, *, backend: str = ..., fullgraph: bool = ..., recompile_limit: int = ...
+) -> F: ...
+
+
+def compile(
+    obj: Any,
+    *,
+    backend: str = "auto",
+    fullgraph: bool = False,
+    recompile_limit: int = DEFAULT_RECOMPILE_LIMIT,
+) -> Any:
+    """Compile an optimizer's ``step`` (returns the same optimizer) or a function.
+
+    ``backend``: "auto" | "torch" | "triton". ``fullgraph=True`` raises where the tracer
+    cannot capture the step instead of falling back to eager with a warning.
+    ``recompile_limit``: entries kept per object before it falls back to eager.
+    """
+    chosen = _backend(backend)
+    if isinstance(obj, torch.optim.Optimizer):
+        return _compile_optimizer(obj, chosen, fullgraph, recompile_limit)
+    if callable(obj):
+        return _compile_function(obj, chosen, fullgraph, recompile_limit)
+    raise CompileError(
+        f"optcompile.compile takes a torch.optim.Optimizer or a function, "
+        f"got {type(obj).__qualname__}"
+    )
+
+
+def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_limit: int) -> Opt:
+    if opt in _OPTIMIZERS:
+        return opt
+    _OPTIMIZERS[opt] = Compiled(
+        f"{type(opt).__name__}.step",
+        lambda L: trace_step(L["opt"]),
+        lambda L: eager_step(L["opt"]),
+        backend,
+        fullgraph,
+        recompile_limit,
+    )
+    opt.step = types.MethodType(_compiled_step, opt)  # type: ignore[method-assign]
+    return opt
+
+
+def _compiled_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    """The compiled ``step``: hooks and the closure run eagerly, the update is compiled."""
+    args: tuple[Any, ...] = (self,)
+    kwargs: dict[str, Any] = {} if closure is None else {"closure": closure}
+    for hook in step_pre_hooks(self):
+        result = hook(self, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    _OPTIMIZERS[self]({"opt": self})
+    self._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers' wrapper sets
+    for hook in step_post_hooks(self):
+        hook(self, args, kwargs)
+    return loss
+
+
+def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit: int) -> F:
+    signature = inspect.signature(fn)
+
+    def call(L: Locals) -> Any:
+        bound = inspect.BoundArguments(signature, dict(L))
+        return fn(*bound.args, **bound.kwargs)
+
+    compiled = Compiled(
+        getattr(fn, "__qualname__", repr(fn)),
+        lambda L: trace(lambda **tracked: call(tracked), L),
+        call,
+        backend,
+        fullgraph,
+        recompile_limit,
+    )
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return compiled(bound.arguments)
+
+    wrapper._optcompile = compiled  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What optcompile did with one compiled object."""
+
+    traces: int
+    retrace_reasons: list[str]
+    guards: list[str]
+    graph_code: str
+    check_code: str
+    gather_code: str
+    replay_code: str
+    backend: str
+    entries: int
+    fallback_reason: str | None
+
+    def __str__(self) -> str:
+        parts = [
+            f"traces: {self.traces}   entries: {self.entries}   backend: {self.backend}",
+            f"fallback: {self.fallback_reason or 'none'}",
+            "retrace reasons:",
+            *(f"  - {r}" for r in self.retrace_reasons or ["(none)"]),
+            f"guards ({len(self.guards)}):",
+            *(f"  - {g}" for g in self.guards),
+            "check code:",
+            self.check_code,
+            "graph code:",
+            self.graph_code,
+            "replay code:",
+            self.replay_code,
+        ]
+        return "\n".join(parts)
+
+
+def _compiled_of(obj: Any) -> Compiled:
+    if isinstance(obj, torch.optim.Optimizer) and obj in _OPTIMIZERS:
+        return _OPTIMIZERS[obj]
+    compiled = getattr(obj, "_optcompile", None)
+    if isinstance(compiled, Compiled):
+        return compiled
+    raise CompileError(
+        f"{type(obj).__qualname__} object was not compiled; pass the result of "
+        "optcompile.compile(...) to optcompile.explain"
+    )
+
+
+def explain(obj: Any) -> Explanation:
+    """Report traces, retrace reasons, guards and generated code of a compiled object."""
+    compiled = _compiled_of(obj)
+    entry = newest(compiled)
+    return Explanation(
+        traces=compiled.stats.traces,
+        retrace_reasons=list(compiled.stats.retrace_reasons),
+        guards=entry.traced.guards.describe() if entry else [],
+        graph_code=entry.plan.describe() if entry else "",
+        check_code=compiled.cache.entries[0].check.code if entry else "",
+        gather_code=entry.gather_code if entry else "",
+        replay_code=entry.replay.code if entry else "",
+        backend=compiled.backend.name,
+        entries=len(compiled.cache.entries),
+        fallback_reason=compiled.stats.fallback_reason,
+    )
+
+
+def reset() -> None:
+    """Drop every compiled entry and statistic; the next call of each compiled object traces."""
+    reset_all()

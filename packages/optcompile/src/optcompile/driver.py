@@ -1,0 +1,142 @@
+"""The driver: check guards, and on a miss trace, lower and cache; then run and replay.
+
+One Compiled object serves one compiled optimizer or function. Each call builds the locals
+``L`` (``{'opt': optimizer}`` or the function's bound arguments), looks for a cache entry
+whose check holds, and runs it: gather the graph's inputs, run the backend's plan, replay the
+side effects. A miss traces anew, unless the recompile limit is reached or tracing failed
+before, in which case the call runs eagerly (with one warning saying why).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from optguard import GuardedCache, Locals, compile_check, compile_fetch
+from optkernels import Backend, Plan
+from optsidefx import Replay, generate_replay
+from opttrace import TracedStep, TraceError
+
+from optcompile.errors import FallbackWarning
+
+Tracer = Callable[[Locals], TracedStep]
+Eager = Callable[[Locals], Any]
+
+
+@dataclass(frozen=True)
+class CompiledEntry:
+    """Everything one cache entry runs: gather inputs, the backend plan, the replay code."""
+
+    traced: TracedStep
+    gather: Callable[[Locals], list[torch.Tensor]]
+    gather_code: str
+    plan: Plan
+    replay: Replay
+
+    def run(self, L: Locals) -> Any:
+        return self.replay(L, self.plan(self.gather(L)))
+
+
+@dataclass
+class Stats:
+    """What happened to one compiled object, for explain()."""
+
+    traces: int = 0
+    retrace_reasons: list[str] = field(default_factory=list)
+    fallback_reason: str | None = None
+    warned: bool = False
+
+
+_ALL: weakref.WeakSet[Compiled] = weakref.WeakSet()
+
+
+class Compiled:
+    """A compiled callable over locals ``L``; see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        tracer: Tracer,
+        eager: Eager,
+        backend: Backend,
+        fullgraph: bool,
+        recompile_limit: int,
+    ) -> None:
+        self.name = name
+        self.tracer = tracer
+        self.eager = eager
+        self.backend = backend
+        self.fullgraph = fullgraph
+        self.cache: GuardedCache[CompiledEntry] = GuardedCache(recompile_limit)
+        self.stats = Stats()
+        _ALL.add(self)
+
+    def __call__(self, L: Locals) -> Any:
+        entry = self.cache.lookup(L)
+        if entry is None:
+            entry = self._miss(L)
+            if entry is None:
+                return self.eager(L)
+        return entry.run(L)
+
+    def _miss(self, L: Locals) -> CompiledEntry | None:
+        if self.stats.fallback_reason is not None:
+            return None
+        reason = self.cache.miss_reason(L)
+        if self.cache.full:
+            self._fall_back(
+                f"recompile limit ({self.cache.limit}) reached; the guard that keeps failing: "
+                f"{reason}. Raise recompile_limit= or keep that input stable"
+            )
+            return None
+        try:
+            traced = self.tracer(L)
+        except TraceError as exc:
+            if self.fullgraph:
+                raise
+            self._fall_back(f"tracing failed at {exc}")
+            return None
+        entry = lower(traced, self.backend)
+        self.cache.add(compile_check(traced.guards), entry)
+        self.stats.traces += 1
+        if reason is not None:
+            self.stats.retrace_reasons.append(reason)
+        return entry
+
+    def _fall_back(self, reason: str) -> None:
+        self.stats.fallback_reason = reason
+        if not self.stats.warned:
+            self.stats.warned = True
+            warnings.warn(
+                f"optcompile: {self.name} runs eagerly: {reason}", FallbackWarning, stacklevel=4
+            )
+
+    def reset(self) -> None:
+        self.cache.clear()
+        self.stats = Stats()
+
+
+def lower(traced: TracedStep, backend: Backend) -> CompiledEntry:
+    """Turn a TracedStep into a runnable entry on ``backend``."""
+    gather, gather_code = compile_fetch(traced.input_sources)
+    return CompiledEntry(
+        traced=traced,
+        gather=gather,
+        gather_code=gather_code,
+        plan=backend.compile(traced.graph_module),
+        replay=generate_replay(traced.effects),
+    )
+
+
+def reset_all() -> None:
+    for compiled in list(_ALL):
+        compiled.reset()
+
+
+def newest(compiled: Compiled) -> CompiledEntry | None:
+    entries: Sequence[Any] = compiled.cache.entries
+    return entries[0].value if entries else None

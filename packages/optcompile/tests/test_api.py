@@ -1,0 +1,205 @@
+from __future__ import annotations
+
+import warnings
+
+import optcompile
+import pytest
+import torch
+from optcompile.testing import assert_same, run_pair, set_grads, step_both
+from optcompile.testing import small_model as make_model
+
+OPTIMIZERS = {
+    "sgd_momentum_foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "sgd_momentum_loop": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw_loop": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_five_compiled_steps_match_eager(name):
+    assert_same(*run_pair(OPTIMIZERS[name], steps=5))
+
+
+def test_compile_returns_the_same_optimizer():
+    opt = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    assert optcompile.compile(opt) is opt
+    assert optcompile.compile(opt) is opt  # compiling twice is a no-op
+
+
+def test_calling_again_with_nothing_changed_does_not_retrace():
+    _, opt, *_ = run_pair(OPTIMIZERS["adamw_foreach"], steps=5)
+    report = optcompile.explain(opt)
+    assert report.traces == 1
+    assert report.retrace_reasons == []
+
+
+def test_state_clear_retraces_once_with_reason():
+    model, opt, *_ = run_pair(OPTIMIZERS["adamw_foreach"], steps=2)
+    opt.state.clear()
+    for step in range(3):
+        set_grads(model, step)
+        opt.step()
+    report = optcompile.explain(opt)
+    assert report.traces == 2
+    assert report.retrace_reasons == ["L['opt'].state: keys changed (4 entries -> 0)"]
+
+
+def test_state_clear_then_steps_match_a_fresh_eager_optimizer():
+    model, opt, reference, eager = run_pair(OPTIMIZERS["adamw_loop"], steps=2)
+    opt.state.clear()
+    eager.state.clear()
+    step_both(model, opt, reference, eager, range(3))
+    assert_same(model, opt, reference, eager)
+
+
+def test_explain_reports_traces_guards_and_graph():
+    _, opt, *_ = run_pair(OPTIMIZERS["adamw_foreach"], steps=1)
+    report = optcompile.explain(opt)
+    assert isinstance(report.traces, int) and report.traces == 1
+    assert isinstance(report.retrace_reasons, list)
+    assert "L['opt'].param_groups[0]['lr'] == 0.01" in report.guards
+    assert "aten._foreach_addcdiv" in report.graph_code
+    assert "def check(L)" in report.check_code
+    assert "traces: 1" in str(report)
+
+
+def test_reset_drops_every_entry():
+    model, opt, *_ = run_pair(OPTIMIZERS["sgd_momentum_foreach"], steps=3)
+    optcompile.reset()
+    assert optcompile.explain(opt).traces == 0
+    set_grads(model, 0)
+    opt.step()
+    report = optcompile.explain(opt)
+    assert report.traces == 1 and report.retrace_reasons == []
+
+
+def test_triton_backend_says_not_available_yet():
+    with pytest.raises(optcompile.CompileError, match="not available yet"):
+        optcompile.compile(torch.optim.SGD(make_model().parameters(), lr=0.1), backend="triton")
+
+
+def test_unknown_backend_is_refused_with_choices():
+    with pytest.raises(optcompile.CompileError, match="auto"):
+        optcompile.compile(torch.optim.SGD(make_model().parameters(), lr=0.1), backend="cuda")
+
+
+def test_compile_refuses_non_callables():
+    with pytest.raises(optcompile.CompileError, match="int"):
+        optcompile.compile(3)
+
+
+def test_explain_refuses_uncompiled_objects():
+    with pytest.raises(optcompile.CompileError, match="not compiled"):
+        optcompile.explain(torch.optim.SGD(make_model().parameters(), lr=0.1))
+
+
+def test_changing_lr_retraces_and_matches_eager():
+    # Hyperparameters are constants in this layer; the change must retrace, never be ignored.
+    model, opt, reference, eager = run_pair(OPTIMIZERS["adamw_foreach"], steps=2)
+    for o in (opt, eager):
+        o.param_groups[0]["lr"] = 5e-3
+    step_both(model, opt, reference, eager, range(2))
+    assert_same(model, opt, reference, eager)
+    assert "['lr']: value changed (0.01 -> 0.005)" in optcompile.explain(opt).retrace_reasons[0]
+
+
+def test_fused_falls_back_to_eager_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt, reference, eager = run_pair(
+            lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True), steps=3
+        )
+    fallbacks = [w for w in caught if issubclass(w.category, optcompile.FallbackWarning)]
+    assert len(fallbacks) == 1 and "fused=True" in str(fallbacks[0].message)
+    assert_same(model, opt, reference, eager)
+    assert "fused=True" in (optcompile.explain(opt).fallback_reason or "")
+
+
+def test_fused_with_fullgraph_raises():
+    opt = optcompile.compile(
+        torch.optim.Adam(make_model().parameters(), fused=True), fullgraph=True
+    )
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match="fused=True"):
+        opt.step()
+
+
+def test_recompile_limit_falls_back_naming_the_guard():
+    model, opt, reference, eager = run_pair(
+        OPTIMIZERS["sgd_momentum_foreach"], steps=1, recompile_limit=2
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for lr in (0.2, 0.3, 0.4):
+            for m, o in ((model, opt), (reference, eager)):
+                o.param_groups[0]["lr"] = lr
+                set_grads(m, 0)
+                o.step()
+    messages = [
+        str(w.message) for w in caught if issubclass(w.category, optcompile.FallbackWarning)
+    ]
+    assert len(messages) == 1 and "recompile limit (2)" in messages[0] and "['lr']" in messages[0]
+    assert_same(model, opt, reference, eager)
+
+
+def test_closure_runs_eagerly_and_its_loss_is_returned():
+    model = make_model()
+    opt = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 6)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.requires_grad
+
+
+def test_step_hooks_run_around_the_compiled_step():
+    model = make_model()
+    opt = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    set_grads(model, 0)
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
+def test_lr_scheduler_wraps_the_compiled_step():
+    model = make_model()
+    opt = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        for step in range(2):
+            set_grads(model, step)
+            opt.step()
+            sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_compiled_function_returns_new_tensors_and_updates_inputs():
+    def update(params, grads, lr):
+        torch._foreach_add_(params, grads, alpha=-lr)
+        return torch._foreach_mul(params, 2.0)
+
+    f = optcompile.compile(update)
+    xs = [torch.ones(3), torch.ones(2)]
+    gs = [torch.full((3,), 2.0), torch.full((2,), 4.0)]
+    out = f(xs, gs, 0.5)
+    torch.testing.assert_close(xs, [torch.zeros(3), torch.full((2,), -1.0)])
+    torch.testing.assert_close(out, [torch.zeros(3), torch.full((2,), -2.0)])
+    f(xs, gs, 0.5)
+    assert optcompile.explain(f).traces == 1
+
+
+def test_compiled_function_returns_its_input_object():
+    f = optcompile.compile(lambda x: x)
+    x = torch.ones(2)
+    assert f(x) is x

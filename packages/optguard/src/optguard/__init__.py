@@ -1,0 +1,60 @@
+"""optguard: sources, guards, the compiled check function and the guarded cache.
+
+A Source names where a value lives (``L['opt'].param_groups[0]['lr']``); a Guard is a fact
+about that value that a compiled entry relies on; all guards of an entry compile into one
+generated ``check(L)`` function; a GuardedCache holds the entries of one compiled object.
+"""
+
+from optguard.cache import DEFAULT_RECOMPILE_LIMIT, Entry, GuardedCache
+from optguard.check import CompiledCheck, GuardSet, GuardSetBuilder, compile_check, first_failure
+from optguard.codegen import SourceCode, build_function, compile_fetch
+from optguard.guards import (
+    ConstantGuard,
+    DictLengthGuard,
+    Guard,
+    KeysGuard,
+    LengthGuard,
+    NoneGuard,
+    TensorMatchGuard,
+    TensorMeta,
+    TypeGuard,
+)
+from optguard.sources import (
+    AttrSource,
+    ItemSource,
+    KeyedSource,
+    Locals,
+    LocalSource,
+    Source,
+    variable_name,
+)
+
+__all__ = [
+    "DEFAULT_RECOMPILE_LIMIT",
+    "AttrSource",
+    "CompiledCheck",
+    "ConstantGuard",
+    "DictLengthGuard",
+    "Entry",
+    "Guard",
+    "GuardSet",
+    "GuardSetBuilder",
+    "GuardedCache",
+    "ItemSource",
+    "KeyedSource",
+    "KeysGuard",
+    "LengthGuard",
+    "LocalSource",
+    "Locals",
+    "NoneGuard",
+    "Source",
+    "SourceCode",
+    "TensorMatchGuard",
+    "TensorMeta",
+    "TypeGuard",
+    "build_function",
+    "compile_check",
+    "compile_fetch",
+    "first_failure",
+    "variable_name",
+]

@@ -1,0 +1,87 @@
+"""Compile all guards of an entry into one check function, and explain its failures.
+
+The fast path is one generated function ``check(L) -> bool`` that fetches each source once
+and tests every guard in order. The slow path (after a miss) walks the guards one by one to
+name the first that fails, with its old and new value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from optguard.codegen import SourceCode, build_function
+from optguard.guards import MISSING, Guard, describe_failure
+from optguard.sources import Locals
+
+CheckFn = Callable[[Locals], bool]
+
+
+@dataclass(frozen=True)
+class GuardSet:
+    """The guards of one compiled entry, in the order they are checked."""
+
+    guards: tuple[Guard, ...]
+
+    def __len__(self) -> int:
+        return len(self.guards)
+
+    def describe(self) -> list[str]:
+        return [g.describe() for g in self.guards]
+
+
+class GuardSetBuilder:
+    """Collects guards while tracing; duplicates are dropped, first insertion order kept."""
+
+    def __init__(self) -> None:
+        self._guards: dict[Guard, None] = {}
+
+    def add(self, guard: Guard) -> None:
+        self._guards.setdefault(guard, None)
+
+    def extend(self, guards: Iterable[Guard]) -> None:
+        for g in guards:
+            self.add(g)
+
+    def build(self) -> GuardSet:
+        return GuardSet(tuple(self._guards))
+
+
+@dataclass(frozen=True)
+class CompiledCheck:
+    """A guard set compiled to one function, with its source for explain()."""
+
+    guards: GuardSet
+    fn: CheckFn
+    code: str
+
+    def __call__(self, L: Locals) -> bool:
+        return self.fn(L)
+
+    def first_failure(self, L: Locals) -> str | None:
+        """Readable reason for the first guard that fails on ``L``, or None if all hold."""
+        return first_failure(self.guards.guards, L)
+
+
+def compile_check(guards: GuardSet) -> CompiledCheck:
+    """Generate ``check(L)``: True when every guard holds; any error while fetching is a miss."""
+    body = SourceCode(indent="        ")
+    for guard in guards.guards:
+        var = body.var(guard.source)
+        body.emit(f"if not {guard.test(var, body)}:")
+        body.emit("    return False")
+    body.emit("return True")
+    lines = ["    try:", *body.lines, "    except Exception:", "        return False"]
+    fn, code = build_function("check", "L", lines, body.constants)
+    return CompiledCheck(guards, fn, code)
+
+
+def first_failure(guards: Sequence[Guard], L: Locals) -> str | None:
+    for guard in guards:
+        try:
+            value = guard.source.fetch(L)
+        except Exception:
+            value = MISSING
+        if value is MISSING or not guard.holds(value):
+            return describe_failure(guard, value)
+    return None

@@ -1,0 +1,75 @@
+"""Emit straight-line Python that fetches many sources, sharing common prefixes.
+
+Guard checks, input gathering and side-effect replay all fetch values by Source; this module
+turns a set of sources into readable statements (one local per distinct source, named after
+it) so the generated functions evaluate each access path once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from optguard.sources import Locals, Source, variable_name
+
+
+class SourceCode:
+    """Accumulates the statements that bind sources to local variables, in dependency order."""
+
+    def __init__(self, indent: str = "    ") -> None:
+        self.indent = indent
+        self.lines: list[str] = []
+        self.names: dict[Source, str] = {}
+        self.constants: dict[str, Any] = {}
+        self._taken: set[str] = {"L"}
+
+    def var(self, source: Source) -> str:
+        """The local variable holding ``source``'s value, emitting its fetch if needed."""
+        if source in self.names:
+            return self.names[source]
+        parents = tuple(self.var(p) for p in source.parents())
+        name = self._fresh(variable_name(source))
+        self.lines.append(f"{self.indent}{name} = {source.expr(parents)}")
+        self.names[source] = name
+        return name
+
+    def constant(self, value: Any, hint: str) -> str:
+        """A global name in the generated function's namespace bound to ``value``."""
+        for name, bound in self.constants.items():
+            if bound is value:
+                return name
+        name = self._fresh(hint)
+        self.constants[name] = value
+        return name
+
+    def emit(self, line: str) -> None:
+        self.lines.append(f"{self.indent}{line}")
+
+    def _fresh(self, base: str) -> str:
+        name, n = base, 1
+        while name in self._taken or name in self.constants:
+            n += 1
+            name = f"{base}_{n}"
+        self._taken.add(name)
+        return name
+
+
+def build_function(
+    name: str, signature: str, lines: Iterable[str], constants: dict[str, Any]
+) -> tuple[Callable[..., Any], str]:
+    """Compile ``def name(signature):`` over indented ``lines``; return the function and source."""
+    code = "\n".join([f"def {name}({signature}):", *lines]) + "\n"
+    namespace: dict[str, Any] = dict(constants)
+    exec(compile(code, f"<optguard:{name}>", "exec"), namespace)
+    fn: Callable[..., Any] = namespace[name]
+    return fn, code
+
+
+def compile_fetch(
+    sources: Iterable[Source], name: str = "gather"
+) -> tuple[Callable[[Locals], list[Any]], str]:
+    """Generate ``name(L) -> [value of each source]`` evaluating shared prefixes once."""
+    body = SourceCode()
+    values = [body.var(s) for s in sources]
+    body.emit(f"return [{', '.join(values)}]")
+    return build_function(name, "L", body.lines, body.constants)

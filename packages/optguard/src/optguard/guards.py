@@ -1,0 +1,251 @@
+"""Guards: facts about the inputs that a compiled entry depends on.
+
+Each guard kind knows three things: the Python expression that tests it (so all guards of an
+entry compile into one function), how to print itself, and how to say what changed when it
+fails ("keys changed (148 entries -> 0)").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from optguard.codegen import SourceCode
+from optguard.sources import Source
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Base of all guards: one fact about the value at ``source``."""
+
+    source: Source
+
+    def test(self, var: str, code: SourceCode) -> str:
+        """A Python expression over ``var`` that is true when the guard holds."""
+        raise NotImplementedError(type(self).__name__)
+
+    def expected(self) -> str:
+        """The fact, printed after the source: ``== 0.001``, ``is None``."""
+        raise NotImplementedError(type(self).__name__)
+
+    def changed(self, value: Any) -> str:
+        """What differs in ``value``, for a failing guard: ``(1e-3 -> 2e-3)``."""
+        return f"expected {self.expected()}, found {_short(value)}"
+
+    def describe(self) -> str:
+        return f"{self.source.name()} {self.expected()}"
+
+    def holds(self, value: Any) -> bool:
+        """Evaluate this guard alone (slow path: reasons, tests); same code as the fast check."""
+        return bool(_single_test(self)(value))
+
+
+_TESTS: dict[Guard, Callable[[Any], Any]] = {}
+
+
+def _single_test(guard: Guard) -> Callable[[Any], Any]:
+    fn = _TESTS.get(guard)
+    if fn is None:
+        code = SourceCode()
+        expr = guard.test("value", code)
+        namespace = dict(code.constants)
+        exec(f"def test(value):\n    return {expr}\n", namespace)
+        fn = _TESTS[guard] = namespace["test"]
+    return fn
+
+
+@dataclass(frozen=True)
+class TypeGuard(Guard):
+    """``type(value) is cls``."""
+
+    cls: type
+
+    def test(self, var: str, code: SourceCode) -> str:
+        return f"type({var}) is {code.constant(self.cls, _type_hint(self.cls))}"
+
+    def expected(self) -> str:
+        return f"has type {self.cls.__qualname__}"
+
+    def changed(self, value: Any) -> str:
+        return f"type changed ({self.cls.__qualname__} -> {type(value).__qualname__})"
+
+
+@dataclass(frozen=True)
+class ConstantGuard(Guard):
+    """A Python constant the trace baked in: same type and equal value."""
+
+    value: bool | int | float | str | None
+
+    def test(self, var: str, code: SourceCode) -> str:
+        if self.value is None or isinstance(self.value, bool):
+            return f"{var} is {self.value!r}"
+        cls = code.constant(type(self.value), _type_hint(type(self.value)))
+        return f"(type({var}) is {cls} and {var} == {self.value!r})"
+
+    def expected(self) -> str:
+        return f"== {self.value!r}"
+
+    def changed(self, value: Any) -> str:
+        return f"value changed ({self.value!r} -> {_short(value)})"
+
+
+@dataclass(frozen=True)
+class LengthGuard(Guard):
+    """``len(value) == length`` for lists, tuples and dicts."""
+
+    length: int
+
+    def test(self, var: str, code: SourceCode) -> str:
+        return f"len({var}) == {self.length}"
+
+    def expected(self) -> str:
+        return f"has length {self.length}"
+
+    def changed(self, value: Any) -> str:
+        try:
+            return f"length changed ({self.length} -> {len(value)})"
+        except TypeError:
+            return super().changed(value)
+
+
+@dataclass(frozen=True)
+class DictLengthGuard(LengthGuard):
+    """The number of entries of a dict whose keys are objects (e.g. ``Optimizer.state``)."""
+
+    def expected(self) -> str:
+        return f"has {self.length} entries"
+
+    def changed(self, value: Any) -> str:
+        try:
+            return f"keys changed ({self.length} entries -> {len(value)})"
+        except TypeError:
+            return super().changed(value)
+
+
+@dataclass(frozen=True)
+class KeysGuard(Guard):
+    """A dict with exactly these string keys, in this order; ``keys=None`` means absent."""
+
+    keys: tuple[str, ...] | None
+
+    def test(self, var: str, code: SourceCode) -> str:
+        if self.keys is None:
+            return f"{var} is None"
+        return f"({var} is not None and tuple({var}) == {self.keys!r})"
+
+    def expected(self) -> str:
+        return "is absent" if self.keys is None else f"has keys {list(self.keys)}"
+
+    def changed(self, value: Any) -> str:
+        found = None if value is None else list(value)
+        before = "absent" if self.keys is None else list(self.keys)
+        return f"keys changed ({before} -> {'absent' if found is None else found})"
+
+
+@dataclass(frozen=True)
+class NoneGuard(Guard):
+    """``value is None`` (``is_none=True``) or ``value is not None``."""
+
+    is_none: bool
+
+    def test(self, var: str, code: SourceCode) -> str:
+        return f"{var} is None" if self.is_none else f"{var} is not None"
+
+    def expected(self) -> str:
+        return "is None" if self.is_none else "is not None"
+
+    def changed(self, value: Any) -> str:
+        return "became a tensor (was None)" if self.is_none else "became None"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a compiled entry assumes about a tensor input."""
+
+    cls: type
+    dtype: torch.dtype
+    device: torch.device
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool
+    layout: torch.layout = field(default=torch.strided)
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(
+            type(t),
+            t.dtype,
+            t.device,
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.requires_grad,
+            t.layout,
+        )
+
+    def diff(self, t: Any) -> str | None:
+        """The first field where ``t`` differs, as ``"dtype (float32 -> bfloat16)"``."""
+        if not isinstance(t, torch.Tensor):
+            return f"is no longer a tensor ({type(t).__qualname__})"
+        found = TensorMeta.of(t)
+        for name in ("cls", "dtype", "device", "layout", "shape", "stride", "requires_grad"):
+            old, new = getattr(self, name), getattr(found, name)
+            if old != new:
+                show = (lambda c: c.__qualname__) if name == "cls" else str
+                return f"{'type' if name == 'cls' else name} changed ({show(old)} -> {show(new)})"
+        return None
+
+
+@dataclass(frozen=True)
+class TensorMatchGuard(Guard):
+    """A tensor with the same type, dtype, device, layout, shape, stride and requires_grad."""
+
+    meta: TensorMeta
+
+    def test(self, var: str, code: SourceCode) -> str:
+        m = self.meta
+        cls = code.constant(m.cls, _type_hint(m.cls))
+        dtype = code.constant(m.dtype, str(m.dtype).replace("torch.", ""))
+        device = code.constant(m.device, f"{m.device.type}_device")
+        layout = code.constant(m.layout, str(m.layout).replace("torch.", ""))
+        return (
+            f"(type({var}) is {cls} and {var}.dtype is {dtype} and {var}.device == {device}"
+            f" and {var}.shape == {m.shape!r} and {var}.stride() == {m.stride!r}"
+            f" and {var}.requires_grad is {m.requires_grad} and {var}.layout is {layout})"
+        )
+
+    def expected(self) -> str:
+        m = self.meta
+        grad = ", requires_grad" if m.requires_grad else ""
+        return (
+            f"is {m.cls.__name__}({str(m.dtype).replace('torch.', '')}, {m.device}, "
+            f"shape={list(m.shape)}, stride={list(m.stride)}{grad})"
+        )
+
+    def changed(self, value: Any) -> str:
+        return self.meta.diff(value) or super().changed(value)
+
+
+def _type_hint(cls: type) -> str:
+    return f"{cls.__name__}_type"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor({str(value.dtype).replace('torch.', '')}, shape={list(value.shape)})"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def describe_failure(guard: Guard, value: Any) -> str:
+    """``"<source>: <what changed>"`` for a guard that failed on ``value``."""
+    if value is _MISSING:
+        return f"{guard.source.name()}: no longer reachable"
+    return f"{guard.source.name()}: {guard.changed(value)}"
+
+
+MISSING = _MISSING

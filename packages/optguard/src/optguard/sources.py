@@ -1,0 +1,132 @@
+"""Sources: where a value the trace read lives, as a readable path from the call's inputs.
+
+A Source prints as the access path a user would write (``L['opt'].param_groups[0]['lr']``),
+fetches its value from live inputs, and emits the Python expression that fetches it, so
+guard, gather and replay code can be generated from the same objects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Locals = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Base of all sources: a path from the call's locals ``L`` to one value."""
+
+    def name(self) -> str:
+        raise NotImplementedError(type(self).__name__)
+
+    def fetch(self, L: Locals) -> Any:
+        raise NotImplementedError(type(self).__name__)
+
+    def parents(self) -> tuple[Source, ...]:
+        """Sources whose values this one's expression reads (evaluated first)."""
+        return ()
+
+    def expr(self, parent_vars: tuple[str, ...]) -> str:
+        """Python expression for this value, given variables holding the parents' values."""
+        raise NotImplementedError(type(self).__name__)
+
+    def __str__(self) -> str:
+        return self.name()
+
+    def __repr__(self) -> str:
+        return self.name()
+
+
+@dataclass(frozen=True, repr=False)
+class LocalSource(Source):
+    """An argument of the compiled call: ``L['opt']``."""
+
+    local: str
+
+    def name(self) -> str:
+        return f"L[{self.local!r}]"
+
+    def fetch(self, L: Locals) -> Any:
+        return L[self.local]
+
+    def expr(self, parent_vars: tuple[str, ...]) -> str:
+        return f"L[{self.local!r}]"
+
+
+@dataclass(frozen=True, repr=False)
+class AttrSource(Source):
+    """An attribute of another source's value: ``L['opt'].param_groups``, ``p.grad``."""
+
+    base: Source
+    attr: str
+
+    def name(self) -> str:
+        return f"{self.base.name()}.{self.attr}"
+
+    def fetch(self, L: Locals) -> Any:
+        return getattr(self.base.fetch(L), self.attr)
+
+    def parents(self) -> tuple[Source, ...]:
+        return (self.base,)
+
+    def expr(self, parent_vars: tuple[str, ...]) -> str:
+        return f"{parent_vars[0]}.{self.attr}"
+
+
+@dataclass(frozen=True, repr=False)
+class ItemSource(Source):
+    """An item of a list, tuple or dict with a constant key: ``group['lr']``, ``params[3]``."""
+
+    base: Source
+    key: int | str
+
+    def name(self) -> str:
+        return f"{self.base.name()}[{self.key!r}]"
+
+    def fetch(self, L: Locals) -> Any:
+        return self.base.fetch(L)[self.key]
+
+    def parents(self) -> tuple[Source, ...]:
+        return (self.base,)
+
+    def expr(self, parent_vars: tuple[str, ...]) -> str:
+        return f"{parent_vars[0]}[{self.key!r}]"
+
+
+@dataclass(frozen=True, repr=False)
+class KeyedSource(Source):
+    """A dict entry keyed by another source's value: ``L['opt'].state[<param>]``.
+
+    Fetching uses ``dict.get`` so that a missing entry reads as None instead of raising
+    or, on a defaultdict such as ``Optimizer.state``, creating the entry.
+    """
+
+    base: Source
+    key: Source
+
+    def name(self) -> str:
+        return f"{self.base.name()}[{self.key.name()}]"
+
+    def fetch(self, L: Locals) -> Any:
+        return self.base.fetch(L).get(self.key.fetch(L))
+
+    def parents(self) -> tuple[Source, ...]:
+        return (self.base, self.key)
+
+    def expr(self, parent_vars: tuple[str, ...]) -> str:
+        return f"{parent_vars[0]}.get({parent_vars[1]})"
+
+
+_NOT_IDENT = re.compile(r"[^0-9a-zA-Z]+")
+
+
+def variable_name(source: Source) -> str:
+    """An identifier for a source: ``L['opt'].param_groups[0]`` -> ``opt_param_groups_0``."""
+    text = source.name().replace("L[", "[")
+    ident = _NOT_IDENT.sub("_", text).strip("_")
+    if not ident or ident[0].isdigit():
+        ident = f"v_{ident}"
+    return ident

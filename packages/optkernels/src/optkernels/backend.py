@@ -1,0 +1,29 @@
+"""The backend contract: a backend turns an ATen ``fx.GraphModule`` into a runnable Plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import fx
+
+
+class Plan(Protocol):
+    """A compiled graph: call it with the graph's inputs, in placeholder order."""
+
+    backend: str
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
+
+    def describe(self) -> str:
+        """What runs on each call (the generated code), for explain()."""
+        ...
+
+
+class Backend(Protocol):
+    """Lowers graphs for one kind of execution (torch ops, Triton kernels)."""
+
+    name: str
+
+    def compile(self, gm: fx.GraphModule) -> Plan: ...

@@ -1,0 +1,186 @@
+"""The state of one trace: graph inputs by Source, guards, the ledger, graph outputs.
+
+A trace runs in two phases. ``collect`` walks the real inputs before tracing and registers
+every reachable tensor (parameters, their grads, optimizer state, tensors in param groups)
+as a graph input with the Source it was found at. Inside the traced function, ``read`` turns
+each value the step touches into what the step should see: a fake tensor bound to its
+placeholder, a tracked container, or a Python constant with a guard on it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from typing import Any
+
+import torch
+from optguard import (
+    AttrSource,
+    ConstantGuard,
+    DictLengthGuard,
+    Guard,
+    GuardSetBuilder,
+    ItemSource,
+    KeyedSource,
+    KeysGuard,
+    LengthGuard,
+    NoneGuard,
+    Source,
+    TensorMatchGuard,
+    TensorMeta,
+    TypeGuard,
+)
+from optsidefx import Build, Const, Input, Ledger, Output, Ref
+
+from opttrace.errors import TraceError
+from opttrace.trackers import TrackedDict, TrackedList, TrackedStateDict
+from opttrace.view import optimizer_view, view_source
+
+CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+def is_constant(value: Any) -> bool:
+    return type(value) in CONSTANT_TYPES
+
+
+def _is_state_dict(value: dict[Any, Any]) -> bool:
+    return isinstance(value, defaultdict) or any(isinstance(k, torch.Tensor) for k in value)
+
+
+class TraceContext:
+    """Inputs, guards, ledger and outputs of one trace."""
+
+    def __init__(self) -> None:
+        self.guards = GuardSetBuilder()
+        self.ledger = Ledger()
+        self.input_sources: list[Source] = []
+        self.input_tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+        self._fakes: list[torch.Tensor] = []
+        self._fake_index: dict[int, int] = {}
+        self._grad_bound: set[int] = set()
+        self.outputs: list[torch.Tensor] = []
+        self._output_index: dict[int, int] = {}
+
+    # -- phase 1: before tracing ------------------------------------------------------------
+
+    def collect(self, value: Any, source: Source, _seen: set[int] | None = None) -> None:
+        """Register every tensor reachable from ``value`` as a graph input."""
+        seen = set() if _seen is None else _seen
+        if isinstance(value, torch.Tensor):
+            self._register(value, source)
+            if value.grad is not None:
+                self._register(value.grad, AttrSource(source, "grad"))
+            return
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.optim.Optimizer):
+            # Params first: state is keyed by them and named through their sources.
+            self.collect(value.param_groups, AttrSource(source, "param_groups"), seen)
+            for name, attr in vars(value).items():
+                self.collect(attr, AttrSource(source, name), seen)
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                self.collect(item, ItemSource(source, i), seen)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str | int):
+                    self.collect(item, ItemSource(source, key), seen)
+                elif isinstance(key, torch.Tensor) and id(key) in self._index:
+                    key_source = self.input_sources[self._index[id(key)]]
+                    self.collect(item, KeyedSource(source, key_source), seen)
+
+    def _register(self, tensor: torch.Tensor, source: Source) -> None:
+        if id(tensor) not in self._index:
+            self._index[id(tensor)] = len(self.input_tensors)
+            self.input_tensors.append(tensor)
+            self.input_sources.append(source)
+
+    # -- phase 2: inside the traced function ------------------------------------------------
+
+    def bind(self, fakes: tuple[torch.Tensor, ...]) -> None:
+        """Attach the fake tensors make_fx created, one per registered input."""
+        self._fakes = list(fakes)
+        self._fake_index = {id(f): i for i, f in enumerate(fakes)}
+
+    def guard(self, guard: Guard) -> None:
+        self.guards.add(guard)
+
+    def source_of(self, fake: Any) -> Source | None:
+        i = self._fake_index.get(id(fake))
+        return None if i is None else self.input_sources[i]
+
+    def real_of(self, fake: Any) -> Any:
+        i = self._fake_index.get(id(fake))
+        return None if i is None else self.input_tensors[i]
+
+    def note_absent(self, source: Source) -> None:
+        """The step looked for a dict entry that does not exist (e.g. state of a new param)."""
+        self.guard(KeysGuard(source, None))
+
+    def read(self, value: Any, source: Source) -> Any:
+        """What the step sees for the input ``value`` found at ``source``; installs guards."""
+        if is_constant(value):
+            self.guard(ConstantGuard(source, value))
+            return value
+        if isinstance(value, torch.Tensor):
+            return self._fake(value, source)
+        self.guard(TypeGuard(source, type(value)))
+        if isinstance(value, torch.optim.Optimizer):
+            return optimizer_view(self, value, source)
+        if type(value) in (list, tuple):
+            self.guard(LengthGuard(source, len(value)))
+            items = [self.read(v, ItemSource(source, i)) for i, v in enumerate(value)]
+            return TrackedList(self, source, items) if type(value) is list else tuple(items)
+        if type(value) in (dict, OrderedDict, defaultdict):
+            if _is_state_dict(value):
+                self.guard(DictLengthGuard(source, len(value)))
+                factory = value.default_factory if isinstance(value, defaultdict) else None
+                return TrackedStateDict(self, source, value, factory)
+            self.guard(KeysGuard(source, tuple(value)))
+            return TrackedDict(self, source, value)
+        return value
+
+    def _fake(self, real: torch.Tensor, source: Source) -> torch.Tensor:
+        i = self._index.get(id(real))
+        if i is None:
+            raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")
+        self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
+        fake = self._fakes[i]
+        if (real.requires_grad or real.grad is not None) and i not in self._grad_bound:
+            self._grad_bound.add(i)
+            grad_source = AttrSource(source, "grad")
+            self.guard(NoneGuard(grad_source, real.grad is None))
+            if real.grad is not None:
+                fake.grad = self._fake(real.grad, grad_source)
+        return fake
+
+    # -- after the step ran -----------------------------------------------------------------
+
+    def resolve(self, value: Any) -> Ref:
+        """The Ref replay uses for a value the step stored or returned."""
+        if isinstance(value, torch.Tensor):
+            source = self.source_of(value)
+            if source is not None:
+                return Input(source)
+            if id(value) not in self._output_index:
+                self._output_index[id(value)] = len(self.outputs)
+                self.outputs.append(value)
+            return Output(self._output_index[id(value)])
+        if is_constant(value) or isinstance(value, torch.dtype | torch.device):
+            return Const(value)
+        source = getattr(value, "source", None)
+        if isinstance(value, TrackedDict | TrackedList | TrackedStateDict) and source is not None:
+            return Input(source)
+        optimizer = view_source(value)
+        if optimizer is not None:
+            return Input(optimizer)
+        if type(value) in (list, tuple):
+            return Build(type(value), tuple(self.resolve(v) for v in value))
+        if type(value) is dict and all(is_constant(k) for k in value):
+            return Build(dict, tuple(self.resolve(v) for v in value.values()), tuple(value))
+        raise TraceError(
+            f"the step keeps a value of type {type(value).__qualname__} that the compiled "
+            "step cannot rebuild on each call (supported: tensors, Python scalars, and "
+            "lists, tuples and str-keyed dicts of them)"
+        )

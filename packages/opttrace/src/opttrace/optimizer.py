@@ -1,0 +1,65 @@
+"""Tracing ``torch.optim.Optimizer.step``: real state initialization, then the traced step."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from opttrace._torch_compat import raw_step
+from opttrace.errors import TraceError
+from opttrace.tracer import TracedStep, trace
+
+EAGER_ONLY_OPTIONS = ("fused", "differentiable")
+
+
+def eager_only_reason(opt: torch.optim.Optimizer) -> str | None:
+    """Why this optimizer's step must run eagerly (an option the compiler does not trace)."""
+    for i, group in enumerate(opt.param_groups):
+        for option in EAGER_ONLY_OPTIONS:
+            if group.get(option):
+                return (
+                    f"param_groups[{i}] has {option}=True, which runs eagerly; "
+                    f"pass {option}=False to compile this optimizer"
+                )
+    return None
+
+
+def _init_group_arity(cls: type) -> int | None:
+    """How many output lists ``cls._init_group(group, *lists)`` takes, if it has that form."""
+    init = getattr(cls, "_init_group", None)
+    if init is None:
+        return None
+    params = list(inspect.signature(init).parameters.values())[2:]  # self, group
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind not in positional or p.default is not p.empty for p in params):
+        return None
+    return len(params)
+
+
+def init_state(opt: torch.optim.Optimizer) -> None:
+    """Run the optimizer's own ``_init_group`` for real, so lazily created state exists
+    (with eager's exact values) before the step is traced."""
+    arity = _init_group_arity(type(opt))
+    if arity is None:
+        return
+    init: Any = type(opt)._init_group  # type: ignore[attr-defined]
+    with torch.no_grad():
+        for group in opt.param_groups:
+            init(opt, group, *([] for _ in range(arity)))
+
+
+def trace_step(opt: torch.optim.Optimizer) -> TracedStep:
+    """Trace ``opt.step()`` (no closure) into a TracedStep whose inputs are ``L['opt']...``."""
+    reason = eager_only_reason(opt)
+    if reason is not None:
+        raise TraceError(reason)
+    init_state(opt)
+    step = raw_step(type(opt))
+    return trace(lambda opt: step(opt), {"opt": opt})
+
+
+def eager_step(opt: torch.optim.Optimizer) -> Any:
+    """Run ``opt``'s own step eagerly, without torch.optim's hook wrapper (hooks run outside)."""
+    return raw_step(type(opt))(opt)

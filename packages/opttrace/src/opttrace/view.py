@@ -1,0 +1,100 @@
+"""The optimizer seen through a tracking view while its step is traced.
+
+The view is an instance of a subclass of the optimizer's class sharing its attributes, so
+``step`` and every helper it calls run unchanged; attribute reads go through the
+TraceContext (guards, fake tensors, tracked containers) and attribute stores go to the
+ledger. Param groups are shown with ``capturable=True``: torch.optim then keeps step counts
+and bias corrections as tensors instead of calling ``.item()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from optguard import AttrSource, ItemSource, LengthGuard, Source, TypeGuard
+from optsidefx import Input
+
+from opttrace.trackers import TrackedDict, TrackedList
+
+if TYPE_CHECKING:
+    from opttrace.context import TraceContext
+
+_INFO = "_opttrace_view"
+TRACE_OVERRIDES = {"capturable": True}
+_VIEW_CLASSES: dict[type, type] = {}
+
+
+@dataclass
+class ViewInfo:
+    """What the view tracks: where the real optimizer is, what was read and written."""
+
+    ctx: TraceContext
+    source: Source
+    cache: dict[str, Any] = field(default_factory=dict)
+    written: set[str] = field(default_factory=set)
+
+    def read(self, name: str, raw: Any) -> Any:
+        if name in self.written:
+            return raw
+        if name not in self.cache:
+            source = AttrSource(self.source, name)
+            if name == "param_groups":
+                self.cache[name] = self._param_groups(raw, source)
+            else:
+                self.cache[name] = self.ctx.read(raw, source)
+        return self.cache[name]
+
+    def _param_groups(self, groups: list[dict[str, Any]], source: Source) -> TrackedList:
+        self.ctx.guard(TypeGuard(source, type(groups)))
+        self.ctx.guard(LengthGuard(source, len(groups)))
+        items = []
+        for i, group in enumerate(groups):
+            group_source = ItemSource(source, i)
+            self.ctx.read(group, group_source)  # installs the group's type and key guards
+            overrides = {k: v for k, v in TRACE_OVERRIDES.items() if k in group}
+            items.append(TrackedDict(self.ctx, group_source, group, overrides))
+        return TrackedList(self.ctx, source, items)
+
+
+def _getattribute(self: Any, name: str) -> Any:
+    d = object.__getattribute__(self, "__dict__")
+    if name != _INFO and name in d:
+        info: ViewInfo = d[_INFO]
+        return info.read(name, d[name])
+    return object.__getattribute__(self, name)
+
+
+def _setattr(self: Any, name: str, value: Any) -> None:
+    d = object.__getattribute__(self, "__dict__")
+    info: ViewInfo = d[_INFO]
+    info.ctx.ledger.store_attr(Input(info.source), name, value)
+    info.written.add(name)
+    d[name] = value
+
+
+def _view_class(cls: type) -> type:
+    view = _VIEW_CLASSES.get(cls)
+    if view is None:
+        namespace = {"__getattribute__": _getattribute, "__setattr__": _setattr}
+        view = _VIEW_CLASSES[cls] = type(cls.__name__, (cls,), namespace)
+    return view
+
+
+def optimizer_view(ctx: TraceContext, opt: torch.optim.Optimizer, source: Source) -> Any:
+    """A tracking view of ``opt`` for the step to run on."""
+    view: Any = object.__new__(_view_class(type(opt)))
+    d = object.__getattribute__(view, "__dict__")
+    d.update(vars(opt))
+    d.pop("step", None)  # an instance-level step (ours, or an LR scheduler's) must not shadow
+    d[_INFO] = ViewInfo(ctx, source)
+    return view
+
+
+def view_source(value: Any) -> Source | None:
+    """The Source of the optimizer behind a view, or None if ``value`` is not a view."""
+    if type(value) not in _VIEW_CLASSES.values():
+        return None
+    info: ViewInfo = object.__getattribute__(value, "__dict__")[_INFO]
+    return info.source

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from optsidefx import Build, ItemStore, Output
+from opttrace import TraceError, eager_only_reason, init_state, trace_step
+
+
+def test_init_state_creates_the_state_eager_would(params):
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    eager = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params])
+    init_state(opt)
+    assert set(opt.state[params[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert opt.state[params[0]]["step"].item() == 0.0
+    assert opt.state[params[0]]["exp_avg"].abs().sum().item() == 0.0
+    assert not eager.state  # untouched optimizer: state is created lazily
+
+
+def test_init_state_skips_params_without_grad(params):
+    params[0].grad = None
+    opt = torch.optim.Adam(params)
+    init_state(opt)
+    assert params[0] not in opt.state
+    assert params[1] in opt.state
+
+
+def test_sgd_momentum_first_step_stores_new_buffers_in_state(params):
+    traced = trace_step(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    stores = [e for e in traced.effects if isinstance(e, ItemStore)]
+    assert len(stores) == len(params)
+    assert all(e.key.value == "momentum_buffer" and isinstance(e.value, Output) for e in stores)
+    assert traced.num_outputs == len(params)
+
+
+def test_state_entry_created_in_step_is_built_fresh(params):
+    class Lazy(torch.optim.Optimizer):
+        def __init__(self, ps):
+            super().__init__(ps, {"lr": 0.1})
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state[p]
+                    if "avg" not in state:
+                        self.state[p] = {"avg": torch.zeros_like(p)}
+                    self.state[p]["avg"].add_(p.grad)
+                    p.add_(self.state[p]["avg"], alpha=-group["lr"])
+
+    traced = trace_step(Lazy(params))
+    stores = [e for e in traced.effects if isinstance(e, ItemStore)]
+    assert len(stores) == len(params)
+    assert all(isinstance(e.value, Build) and e.value.keys == ("avg",) for e in stores)
+
+
+@pytest.mark.parametrize("option", ["fused", "differentiable"])
+def test_eager_only_options_are_refused_with_reason(params, option):
+    opt = torch.optim.Adam(params, **{option: True})
+    assert option in (eager_only_reason(opt) or "")
+    with pytest.raises(TraceError, match=f"{option}=True"):
+        trace_step(opt)
+
+
+def test_hyperparameters_read_become_guards(params):
+    traced = trace_step(torch.optim.AdamW(params, lr=1e-3, betas=(0.8, 0.9)))
+    guards = traced.guards.describe()
+    assert "L['opt'].param_groups[0]['lr'] == 0.001" in guards
+    assert "L['opt'].param_groups[0]['betas'][0] == 0.8" in guards
+    # The trace forces capturable=True but guards the user's value.
+    assert "L['opt'].param_groups[0]['capturable'] == False" in guards
+
+
+def test_keys_the_step_never_reads_are_not_guarded(params):
+    opt = torch.optim.SGD(params, lr=0.1)
+    opt.param_groups[0]["initial_lr"] = 0.1  # what an LR scheduler adds
+    guards = trace_step(opt).guards.describe()
+    assert not any("['initial_lr'] ==" in g for g in guards)
+
+
+def test_tracing_leaves_the_real_optimizer_untouched(params):
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    before = [p.detach().clone() for p in params]
+    trace_step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert opt.param_groups[0]["capturable"] is False
+    assert all(opt.state[p]["step"].item() == 0.0 for p in params)

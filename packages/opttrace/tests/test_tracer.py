@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import torch
+from optguard import LocalSource
+from optsidefx import Input, Output, Return, TensorWrite
+from opttrace import TraceError, trace, trace_step
+
+ATEN = torch._ops.OpOverload
+
+
+def _call_targets(traced):
+    return [n.target for n in traced.graph.nodes if n.op == "call_function"]
+
+
+def test_adamw_foreach_traces_to_aten_ops_only(params):
+    traced = trace_step(torch.optim.AdamW(params, lr=1e-3, foreach=True))
+    targets = _call_targets(traced)
+    assert targets
+    assert all(isinstance(t, ATEN) or t.__name__ == "getitem" for t in targets)
+    assert any("_foreach_" in str(t) for t in targets)
+
+
+def test_adamw_for_loop_has_no_foreach_ops(params):
+    traced = trace_step(torch.optim.AdamW(params, lr=1e-3, foreach=False))
+    assert not any("_foreach_" in str(t) for t in _call_targets(traced))
+
+
+def test_step_writes_params_and_state_through_trailing_copies(params):
+    traced = trace_step(torch.optim.AdamW(params, lr=1e-3, foreach=True))
+    writes = [e.target.name() for e in traced.effects if isinstance(e, TensorWrite)]
+    assert "L['opt'].param_groups[0]['params'][0]" in writes
+    assert "L['opt'].state[L['opt'].param_groups[0]['params'][2]]['exp_avg_sq']" in writes
+    nodes = list(traced.graph.nodes)
+    copies = [n for n in nodes if n.target is torch.ops.aten.copy_.default]
+    assert len(copies) == len(writes) == 3 * 4  # param, step, exp_avg, exp_avg_sq per param
+    assert nodes[-len(copies) - 1 : -1] == copies  # all writes come last, before the output
+
+
+def test_no_item_call_in_traced_step(params):
+    traced = trace_step(torch.optim.AdamW(params, lr=1e-3, foreach=False))
+    assert torch.ops.aten._local_scalar_dense.default not in _call_targets(traced)
+
+
+def test_placeholders_are_named_after_their_sources(params):
+    traced = trace_step(torch.optim.SGD(params, lr=0.1))
+    names = [n.name for n in traced.graph.nodes if n.op == "placeholder"]
+    assert names[0] == "opt_param_groups_0_params_0"
+    assert [s.name() for s in traced.input_sources][:2] == [
+        "L['opt'].param_groups[0]['params'][0]",
+        "L['opt'].param_groups[0]['params'][0].grad",
+    ]
+
+
+def test_params_without_grad_are_not_inputs(params):
+    params[1].grad = None
+    traced = trace_step(torch.optim.SGD(params, lr=0.1))
+    assert "L['opt'].param_groups[0]['params'][1]" not in [s.name() for s in traced.input_sources]
+    assert "L['opt'].param_groups[0]['params'][1].grad is None" in traced.guards.describe()
+
+
+def test_function_over_tensor_list_returns_new_tensors_and_writes_inputs():
+    def update(xs, ys, alpha):
+        torch._foreach_add_(xs, ys, alpha=alpha)
+        return torch._foreach_mul(xs, 2.0)
+
+    xs = [torch.ones(3), torch.ones(2)]
+    ys = [torch.ones(3), torch.ones(2)]
+    traced = trace(update, {"xs": xs, "ys": ys, "alpha": 0.5})
+    assert traced.num_outputs == 2
+    ret = next(e for e in traced.effects if isinstance(e, Return))
+    assert ret.value.items == (Output(0), Output(1))
+    assert "L['alpha'] == 0.5" in traced.guards.describe()
+    assert {e.target.name() for e in traced.effects if isinstance(e, TensorWrite)} == {
+        "L['xs'][0]",
+        "L['xs'][1]",
+    }
+
+
+def test_returning_an_input_resolves_to_that_input():
+    traced = trace(lambda x: x, {"x": torch.ones(2)})
+    ret = next(e for e in traced.effects if isinstance(e, Return))
+    assert ret.value == Input(LocalSource("x"))
+
+
+def test_control_flow_on_tensor_value_names_file_and_line():
+    def step(x):
+        if x.sum() > 0:  # data-dependent: cannot be traced
+            return x * 2
+        return x
+
+    try:
+        trace(step, {"x": torch.ones(2)})
+    except TraceError as exc:
+        assert exc.where is not None and exc.where.endswith(f"{step.__code__.co_firstlineno + 1}")
+        assert __file__ in exc.where
+        assert "tensor's value" in exc.reason
+    else:
+        raise AssertionError("expected a TraceError")
+
+
+def test_is_compiling_reports_true_inside_the_trace():
+    seen = []
+
+    def fn(x):
+        seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+    trace(fn, {"x": torch.ones(2)})
+    assert seen == [True]
+    assert torch.compiler.is_compiling() is False
