@@ -1,21 +1,31 @@
 """Build, test, typecheck and lint sessions for the optcompile monorepo.
 
-Run through the bootstrap script at the repo root: ``./nox`` (every session) or
+Run through the bootstrap script at the repo root: ``./nox`` (every session CI needs) or
 ``./nox -s demo``. ``./nox -l`` lists the sessions.
 
-Torch is always installed first, in its own pip call: the CPU wheel (``torch==2.13.0``) on
-machines without ``nvidia-smi``, ``torch>=2.11`` on GPU machines. Nothing installed later can
-then pull in a CUDA build of torch on a CPU-only machine.
+Environments are layered to keep CI fast on 2 cores:
+- ``.nox/_base`` holds the third-party tools once: torch (the CPU wheel ``torch==2.13.0`` on
+  machines without ``nvidia-smi``, installed first and alone, so nothing can pull in a CUDA
+  build), triton, numpy, pytest, hypothesis, mypy, ruff.
+- ``.nox/_layer-<package>`` sees the base through a ``.pth`` file and pip-installs, editable,
+  only that package and its lower layers (pip resolves their dependencies; torch is already
+  satisfied). A layer's tests and typecheck therefore run without any higher layer installed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shutil
+import sys
+from pathlib import Path
 
 import nox
 
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "none"
 nox.options.reuse_existing_virtualenvs = True
+
+ROOT = Path(__file__).parent
+ENVS = ROOT / ".nox"
 
 # Layers, lowest first. A package depends only on packages listed before it.
 PACKAGES = ["optguard", "optsidefx", "opttrace", "optkernels", "optcompile"]
@@ -29,11 +39,13 @@ LOCAL_DEPS: dict[str, list[str]] = {
     "optcompile": ["optguard", "optsidefx", "opttrace", "optkernels"],
 }
 
+TORCH = "torch>=2.11" if shutil.which("nvidia-smi") else "torch==2.13.0"
+TOOLS = ["triton>=3.6", "numpy", "pytest>=8", "hypothesis>=6", "mypy", "ruff"]
 TEST_ENV = {"TRITON_INTERPRET": "1"}
 
 
 def lower_layers(package: str) -> list[str]:
-    """The repo packages `package` depends on, transitively, in layer order."""
+    """The repo packages ``package`` depends on, transitively, in layer order."""
     needed: set[str] = set()
     stack = list(LOCAL_DEPS[package])
     while stack:
@@ -44,73 +56,122 @@ def lower_layers(package: str) -> list[str]:
     return [p for p in PACKAGES if p in needed]
 
 
-def install_torch(session: nox.Session) -> None:
-    """Install torch on its own, before anything that depends on it."""
-    if shutil.which("nvidia-smi"):
-        session.install("torch>=2.11")
-    else:
-        session.install("torch==2.13.0")
+def _python(env: Path) -> str:
+    return str(env / "bin" / "python")
 
 
-def install_packages(session: nox.Session, package: str, *, extra: str = "") -> None:
-    """Editable-install `package` and its lower layers (never a higher one)."""
-    args: list[str] = []
-    for dep in lower_layers(package):
-        args += ["-e", f"packages/{dep}"]
-    args += ["-e", f"packages/{package}{extra}"]
-    session.install(*args)
+def _site_packages(session: nox.Session, env: Path) -> str:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    out = session.run(_python(env), "-c", code, silent=True, external=True)
+    return str(out).strip()
 
 
-def install_all(session: nox.Session) -> None:
-    args: list[str] = []
-    for package in PACKAGES:
-        args += ["-e", f"packages/{package}"]
-    session.install(*args)
+def _fresh(session: nox.Session, env: Path, stamp: str) -> bool:
+    """Create ``env`` unless it exists with the same ``stamp``; True if it must be filled."""
+    marker = env / ".optcompile-stamp"
+    if marker.exists() and marker.read_text() == stamp:
+        return False
+    if env.exists():
+        shutil.rmtree(env)
+    session.run(sys.executable, "-m", "venv", str(env), external=True)
+    return True
+
+
+def _mark(env: Path, stamp: str) -> None:
+    (env / ".optcompile-stamp").write_text(stamp)
+
+
+def base_env(session: nox.Session) -> Path:
+    """The shared environment with torch and the tools (built once, reused)."""
+    env = ENVS / "_base"
+    stamp = "\n".join([TORCH, *TOOLS])
+    if _fresh(session, env, stamp):
+        pip = [_python(env), "-m", "pip", "install", "-q"]
+        session.run(*pip, TORCH, external=True)
+        session.run(*pip, *TOOLS, external=True)
+        _mark(env, stamp)
+    return env
+
+
+def layer_env(session: nox.Session, package: str) -> Path:
+    """An environment with ``package`` and its lower layers (editable) on top of the base."""
+    base = base_env(session)
+    env = ENVS / f"_layer-{package}"
+    pyprojects = [
+        ROOT / "packages" / p / "pyproject.toml" for p in [*lower_layers(package), package]
+    ]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in pyprojects)).hexdigest()
+    stamp = f"{base}\n{digest}"
+    if _fresh(session, env, stamp):
+        pth = Path(_site_packages(session, env)) / "_optcompile_base.pth"
+        pth.write_text(_site_packages(session, base) + "\n")
+        editables = [
+            arg for p in [*lower_layers(package), package] for arg in ("-e", f"packages/{p}")
+        ]
+        session.run(_python(env), "-m", "pip", "install", "-q", *editables, external=True)
+        _mark(env, stamp)
+    return env
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
+    python = _python(base_env(session))
+    session.run(python, "-m", "ruff", "check", ".", external=True)
+    session.run(python, "-m", "ruff", "format", "--check", ".", external=True)
 
 
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def typecheck(session: nox.Session, package: str) -> None:
-    install_torch(session)
-    install_packages(session, package)
-    session.install("mypy")
+    python = _python(layer_env(session, package))
+    config = f"packages/{package}/pyproject.toml"
     session.run(
+        python,
+        "-m",
         "mypy",
         "--strict",
         "--config-file",
-        f"packages/{package}/pyproject.toml",
+        config,
         f"packages/{package}/src",
+        external=True,
     )
 
 
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
-    install_torch(session)
-    install_packages(session, package, extra="[test]")
-    session.run("pytest", f"packages/{package}/tests", "-q", *session.posargs, env=TEST_ENV)
+    python = _python(layer_env(session, package))
+    session.run(
+        python,
+        "-m",
+        "pytest",
+        f"packages/{package}/tests",
+        "-q",
+        *session.posargs,
+        env=TEST_ENV,
+        external=True,
+    )
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    install_torch(session)
-    install_all(session)
-    session.install("pytest>=8", "hypothesis>=6")
-    session.run("pytest", "integration_tests", "-q", *session.posargs, env=TEST_ENV)
+    python = _python(layer_env(session, "optcompile"))
+    session.run(
+        python,
+        "-m",
+        "pytest",
+        "integration_tests",
+        "-q",
+        *session.posargs,
+        env=TEST_ENV,
+        external=True,
+    )
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    install_torch(session)
-    install_all(session)
-    session.run("python", "-m", "optcompile.demo", *session.posargs)
+    python = _python(layer_env(session, "optcompile"))
+    session.run(python, "-m", "optcompile.demo", *session.posargs, external=True)
 
 
 # Everything, in this order; a parametrized name selects all of its parametrizations.

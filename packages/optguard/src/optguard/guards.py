@@ -80,6 +80,11 @@ class ConstantGuard(Guard):
     """A Python constant the trace baked in: same type and equal value."""
 
     value: bool | int | float | str | None
+    # Part of equality and hashing: 1, 1.0 and True are equal in Python but not to a trace.
+    value_type: type = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "value_type", type(self.value))
 
     def test(self, var: str, code: SourceCode) -> str:
         if self.value is None or isinstance(self.value, bool):
