@@ -137,35 +137,34 @@ def typecheck(session: nox.Session, package: str) -> None:
     )
 
 
+# Run in a layer's environment: importing the package must import no other repo package
+# that is not one of its lower layers.
+LAYER_CHECK = """
+import importlib, sys
+package, allowed, repo = sys.argv[1], set(sys.argv[2].split()), set(sys.argv[3].split())
+importlib.import_module(package)
+extra = sorted({m.split(".")[0] for m in sys.modules} & repo - allowed - {package})
+sys.exit(f"{package} imports higher layers: {extra}" if extra else 0)
+"""
+
+
+def _pytest(session: nox.Session, package: str, path: str) -> None:
+    python = _python(layer_env(session, package))
+    session.run(python, "-m", "pytest", path, "-q", *session.posargs, env=TEST_ENV, external=True)
+
+
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     python = _python(layer_env(session, package))
-    session.run(
-        python,
-        "-m",
-        "pytest",
-        f"packages/{package}/tests",
-        "-q",
-        *session.posargs,
-        env=TEST_ENV,
-        external=True,
-    )
+    allowed = " ".join(lower_layers(package))
+    session.run(python, "-c", LAYER_CHECK, package, allowed, " ".join(PACKAGES), external=True)
+    _pytest(session, package, f"packages/{package}/tests")
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    python = _python(layer_env(session, "optcompile"))
-    session.run(
-        python,
-        "-m",
-        "pytest",
-        "integration_tests",
-        "-q",
-        *session.posargs,
-        env=TEST_ENV,
-        external=True,
-    )
+    _pytest(session, "optcompile", "integration_tests")
 
 
 @nox.session
