@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import ast
+
 import torch
 from optguard import (
     AttrSource,
@@ -8,6 +10,8 @@ from optguard import (
     GuardSet,
     GuardSetBuilder,
     ItemSource,
+    KeyedSource,
+    KeysGuard,
     LengthGuard,
     LocalSource,
     TensorMatchGuard,
@@ -104,3 +108,58 @@ def test_cache_limit_must_be_positive():
         assert "at least 1" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_check_fails_when_only_the_last_guard_fails():
+    opt = _opt()
+    check = compile_check(_guards(opt))
+    opt.param_groups[0]["params"][1] = torch.nn.Parameter(torch.zeros(4))
+    assert check({"opt": opt}) is False
+
+
+def test_first_failure_is_none_when_every_guard_holds():
+    opt = _opt()
+    assert compile_check(_guards(opt)).first_failure({"opt": opt}) is None
+
+
+def test_empty_guard_set_always_holds():
+    assert compile_check(GuardSet(()))({}) is True
+
+
+def test_generated_check_is_valid_python_defining_check():
+    tree = ast.parse(compile_check(_guards(_opt())).code)
+    assert [node.name for node in tree.body] == ["check"]  # type: ignore[attr-defined]
+
+
+def test_guard_set_describe_lists_the_guards_in_order():
+    guards = GuardSet((LengthGuard(GROUPS, 1), ConstantGuard(ItemSource(GROUP, "lr"), 0.1)))
+    assert guards.describe() == [
+        "L['opt'].param_groups has length 1",
+        "L['opt'].param_groups[0]['lr'] == 0.1",
+    ]
+
+
+def test_check_reads_a_missing_state_entry_as_absent_without_creating_it():
+    opt = _opt()
+    state = KeyedSource(AttrSource(OPT, "state"), ItemSource(PARAMS, 0))
+    assert compile_check(GuardSet((KeysGuard(state, None),)))({"opt": opt}) is True
+    assert len(opt.state) == 0
+
+
+def test_first_failure_explains_a_list_that_became_none():
+    check = compile_check(GuardSet((LengthGuard(PARAMS, 2),)))
+    opt = _opt()
+    opt.param_groups[0]["params"] = None
+    assert check.first_failure({"opt": opt}) == (
+        "L['opt'].param_groups[0]['params']: expected has length 2, found None"
+    )
+
+
+def test_check_holds_when_an_argument_is_named_like_a_builtin():
+    guards = (ConstantGuard(LocalSource("lr"), 0.1), ConstantGuard(LocalSource("type"), "sgd"))
+    assert compile_check(GuardSet(guards))({"lr": 0.1, "type": "sgd"}) is True
+
+
+def test_check_holds_on_an_infinite_constant():
+    check = compile_check(GuardSet((ConstantGuard(LocalSource("max_norm"), float("inf")),)))
+    assert check({"max_norm": float("inf")}) is True

@@ -82,3 +82,72 @@ def test_tensor_match_fails_on_each_metadata_change(change, reason):
 def test_guard_describe_starts_with_its_source():
     guard = ConstantGuard(ItemSource(GROUP, "lr"), 0.1)
     assert guard.describe() == "L['opt'].param_groups[0]['lr'] == 0.1"
+
+
+@pytest.mark.parametrize(
+    ("guard", "text"),
+    [
+        (TypeGuard(OPT, list), "L['opt'] has type list"),
+        (ConstantGuard(OPT, 1e-3), "L['opt'] == 0.001"),
+        (LengthGuard(OPT, 2), "L['opt'] has length 2"),
+        (DictLengthGuard(OPT, 3), "L['opt'] has 3 entries"),
+        (KeysGuard(OPT, ("a", "b")), "L['opt'] has keys ['a', 'b']"),
+        (KeysGuard(OPT, None), "L['opt'] is absent"),
+        (NoneGuard(OPT, is_none=True), "L['opt'] is None"),
+        (NoneGuard(OPT, is_none=False), "L['opt'] is not None"),
+        (
+            TensorMatchGuard(OPT, TensorMeta.of(torch.zeros(2, 3))),
+            "L['opt'] is Tensor(float32, cpu, shape=[2, 3], stride=[3, 1])",
+        ),
+    ],
+)
+def test_describe_names_the_source_and_the_expected_fact(guard, text):
+    assert guard.describe() == text
+
+
+def test_describe_of_tensor_match_mentions_requires_grad():
+    guard = TensorMatchGuard(PARAM, TensorMeta.of(torch.nn.Parameter(torch.zeros(2))))
+    assert guard.describe().endswith("stride=[1], requires_grad)")
+
+
+def test_constant_guards_on_1_and_1_0_and_true_are_three_guards():
+    assert len({ConstantGuard(OPT, 1), ConstantGuard(OPT, 1.0), ConstantGuard(OPT, True)}) == 3
+
+
+@pytest.mark.parametrize("other", [1, True])
+def test_float_constant_guard_rejects_an_equal_int_or_bool(other):
+    assert not ConstantGuard(OPT, 1.0).holds(other)
+
+
+def test_constant_guard_holds_on_infinity():
+    assert ConstantGuard(OPT, float("inf")).holds(float("inf"))
+
+
+def test_keys_guard_fails_when_the_key_order_changes():
+    assert not KeysGuard(OPT, ("a", "b")).holds({"b": 1, "a": 2})
+
+
+def test_keys_guard_reports_a_dict_that_became_absent():
+    assert KeysGuard(OPT, ("a",)).changed(None) == "keys changed (['a'] -> absent)"
+
+
+def test_length_guard_reports_a_value_without_a_length():
+    assert LengthGuard(OPT, 2).changed(None) == "expected has length 2, found None"
+
+
+def test_tensor_match_holds_on_the_tensor_it_was_built_from():
+    t = torch.zeros(2, 3)
+    assert TensorMatchGuard(PARAM, TensorMeta.of(t)).holds(t)
+
+
+def test_tensor_match_fails_on_a_device_change():
+    guard = TensorMatchGuard(PARAM, TensorMeta.of(torch.zeros(2)))
+    moved = torch.empty(2, device="meta")
+    assert not guard.holds(moved)
+    assert guard.changed(moved) == "device changed (cpu -> meta)"
+
+
+def test_tensor_match_fails_on_a_value_that_is_no_tensor():
+    guard = TensorMatchGuard(PARAM, TensorMeta.of(torch.zeros(2)))
+    assert not guard.holds(3)
+    assert guard.changed(3) == "is no longer a tensor (int)"

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from optkernels import BackendError, TorchBackend, get_backend
 from torch import fx
 
@@ -48,3 +50,44 @@ def test_get_backend_by_name():
         get_backend("triton")
     with pytest.raises(BackendError, match="torch, triton"):
         get_backend("tpu")
+
+
+def test_plan_returns_a_tuple_of_outputs():
+    outs = TorchBackend().compile(_sgd_graph())([torch.ones(2), torch.ones(2)])
+    assert type(outs) is tuple and len(outs) == 1
+
+
+def test_a_graph_with_one_bare_output_returns_a_one_tuple():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(aten.neg.default, (x,)))
+    outs = TorchBackend().compile(fx.GraphModule(torch.nn.Module(), graph))([torch.ones(2)])
+    assert type(outs) is tuple and len(outs) == 1 and torch.equal(outs[0], -torch.ones(2))
+
+
+def test_outputs_carry_no_autograd_history():
+    p = torch.nn.Parameter(torch.ones(3))
+    (doubled,) = TorchBackend().compile(_sgd_graph())([p, torch.ones(3)])
+    assert not doubled.requires_grad
+
+
+def test_backend_and_plan_are_named_torch():
+    assert TorchBackend.name == TorchBackend().compile(_sgd_graph()).backend == "torch"
+
+
+def test_describe_shows_the_trailing_copy():
+    assert "aten.copy_.default" in TorchBackend().compile(_sgd_graph()).describe()
+
+
+@settings(deadline=None)  # the first example pays for torch's dispatch warm-up
+@given(
+    shape=st.lists(st.integers(0, 4), max_size=3),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+)
+def test_plan_matches_the_same_aten_ops_run_eagerly(shape, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    p, g = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    new_p = aten.add.Tensor(p, g, alpha=-0.5)
+    (doubled,) = TorchBackend().compile(_sgd_graph())([p, g])
+    assert torch.equal(p, new_p) and torch.equal(doubled, aten.mul.Tensor(new_p, 2.0))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,5 +138,5 @@ def reset_all() -> None:
 
 
 def newest(compiled: Compiled) -> CompiledEntry | None:
-    entries: Sequence[Any] = compiled.cache.entries
+    entries = compiled.cache.entries
     return entries[0].value if entries else None

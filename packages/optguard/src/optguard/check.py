@@ -82,6 +82,14 @@ def first_failure(guards: Sequence[Guard], L: Locals) -> str | None:
             value = guard.source.fetch(L)
         except Exception:
             value = MISSING
-        if value is MISSING or not guard.holds(value):
+        if value is MISSING or not _holds(guard, value):
             return describe_failure(guard, value)
     return None
+
+
+def _holds(guard: Guard, value: object) -> bool:
+    # The fast check treats any error as a miss; the explanation must do the same.
+    try:
+        return guard.holds(value)
+    except Exception:
+        return False

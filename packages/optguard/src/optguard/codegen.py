@@ -7,6 +7,9 @@ it) so the generated functions evaluate each access path once.
 
 from __future__ import annotations
 
+import builtins
+import keyword
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,7 +24,9 @@ class SourceCode:
         self.lines: list[str] = []
         self.names: dict[Source, str] = {}
         self.constants: dict[str, Any] = {}
-        self._taken: set[str] = {"L"}
+        # Generated locals must not shadow builtins the code calls (type, len, tuple) or be
+        # keywords: an argument named ``type`` would otherwise break every check.
+        self._taken: set[str] = {"L", *dir(builtins), *keyword.kwlist}
 
     def var(self, source: Source) -> str:
         """The local variable holding ``source``'s value, emitting its fetch if needed."""
@@ -41,6 +46,14 @@ class SourceCode:
         name = self._fresh(hint)
         self.constants[name] = value
         return name
+
+    def literal(self, value: Any) -> str:
+        """Source text for a constant: its repr where that evaluates back to it (not inf/nan
+        or arbitrary objects), else a name bound to the value."""
+        plain = type(value) in (bool, int, str, type(None))
+        if plain or (type(value) is float and math.isfinite(value)):
+            return repr(value)
+        return self.constant(value, "const")
 
     def emit(self, line: str) -> None:
         self.lines.append(f"{self.indent}{line}")

@@ -7,6 +7,7 @@ fails ("keys changed (148 entries -> 0)").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from optguard.codegen import SourceCode
 from optguard.sources import Source
 
-_MISSING = object()
+MISSING = object()  # a source that could not be fetched (structure changed)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,9 @@ class ConstantGuard(Guard):
         if self.value is None or isinstance(self.value, bool):
             return f"{var} is {self.value!r}"
         cls = code.constant(type(self.value), _type_hint(type(self.value)))
-        return f"(type({var}) is {cls} and {var} == {self.value!r})"
+        if isinstance(self.value, float) and math.isnan(self.value):
+            return f"(type({var}) is {cls} and {var} != {var})"
+        return f"(type({var}) is {cls} and {var} == {code.literal(self.value)})"
 
     def expected(self) -> str:
         return f"== {self.value!r}"
@@ -248,9 +251,6 @@ def _short(value: Any) -> str:
 
 def describe_failure(guard: Guard, value: Any) -> str:
     """``"<source>: <what changed>"`` for a guard that failed on ``value``."""
-    if value is _MISSING:
+    if value is MISSING:
         return f"{guard.source.name()}: no longer reachable"
     return f"{guard.source.name()}: {guard.changed(value)}"
-
-
-MISSING = _MISSING

@@ -25,8 +25,6 @@ from optsidefx.ledger import (
 
 ReplayFn = Callable[[Locals, Sequence[torch.Tensor]], Any]
 
-_LITERALS = (int, float, bool, str, type(None))
-
 
 @dataclass(frozen=True)
 class Replay:
@@ -51,9 +49,7 @@ def generate_replay(effects: Sequence[Effect]) -> Replay:
         if isinstance(r, Input):
             return code.var(r.source)
         if isinstance(r, Const):
-            if isinstance(r.value, _LITERALS) and r.value == r.value:
-                return repr(r.value)
-            return code.constant(r.value, "const")
+            return code.literal(r.value)
         if isinstance(r, Build):
             items = [ref(i) for i in r.items]
             if r.kind is dict:
