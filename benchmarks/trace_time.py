@@ -50,7 +50,7 @@ def main() -> None:
         [
             "# Trace time: AdamW.step, 8x8 float32 params, CPU",
             "",
-            f"Command: `python benchmarks/trace_time.py {' '.join(sys.argv[1:])}`".rstrip() + "  ",
+            f"Command: `{' '.join(['python', 'benchmarks/trace_time.py', *sys.argv[1:]])}`  ",
             f"Machine: {platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads; Python {platform.python_version()}, "
             f"torch {torch.__version__}  ",
