@@ -19,11 +19,7 @@ from optguard import (
     compile_check,
     compile_fetch,
 )
-
-OPT = LocalSource("opt")
-GROUPS = AttrSource(OPT, "param_groups")
-GROUP = ItemSource(GROUPS, 0)
-PARAMS = ItemSource(GROUP, "params")
+from optguard_paths import GROUP, GROUPS, OPT, PARAMS
 
 
 def _opt(lr=0.1, n=2):

@@ -14,11 +14,7 @@ from optguard import (
     build_function,
     compile_fetch,
 )
-
-OPT = LocalSource("opt")
-GROUPS = AttrSource(OPT, "param_groups")
-GROUP = ItemSource(GROUPS, 0)
-PARAMS = ItemSource(GROUP, "params")
+from optguard_paths import GROUP, GROUPS, OPT, PARAMS
 
 
 def _opt() -> torch.optim.Optimizer:

@@ -12,16 +12,12 @@ from optguard import (
     KeyedSource,
     KeysGuard,
     LengthGuard,
-    LocalSource,
     NoneGuard,
     TensorMatchGuard,
     TensorMeta,
     TypeGuard,
 )
-
-OPT = LocalSource("opt")
-GROUP = ItemSource(AttrSource(OPT, "param_groups"), 0)
-PARAM = ItemSource(ItemSource(GROUP, "params"), 0)
+from optguard_paths import GROUP, OPT, PARAM
 
 
 def test_sources_print_readable_access_paths():

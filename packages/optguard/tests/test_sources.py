@@ -4,11 +4,7 @@ from collections import defaultdict
 
 import torch
 from optguard import AttrSource, ItemSource, KeyedSource, LocalSource, variable_name
-
-OPT = LocalSource("opt")
-GROUP = ItemSource(AttrSource(OPT, "param_groups"), 0)
-PARAM = ItemSource(ItemSource(GROUP, "params"), 0)
-STATE = KeyedSource(AttrSource(OPT, "state"), PARAM)
+from optguard_paths import GROUP, OPT, PARAM, STATE
 
 
 def _opt(lr: float = 0.1) -> torch.optim.Optimizer:
