@@ -7,19 +7,19 @@ import pytest
 import torch
 from optcompile.testing import assert_same, run_pair
 
-O = torch.optim
+optim = torch.optim
 OPTIMIZERS = {
-    "Adam": lambda ps, f: O.Adam(ps, lr=1e-2, foreach=f),
-    "AdamW": lambda ps, f: O.AdamW(ps, lr=1e-2, foreach=f),
-    "NAdam": lambda ps, f: O.NAdam(ps, lr=1e-2, foreach=f),
-    "RAdam": lambda ps, f: O.RAdam(ps, lr=1e-2, foreach=f),
-    "Adamax": lambda ps, f: O.Adamax(ps, lr=1e-2, foreach=f),
-    "Adadelta": lambda ps, f: O.Adadelta(ps, foreach=f),
-    "Adagrad": lambda ps, f: O.Adagrad(ps, lr=1e-2, foreach=f),
-    "RMSprop": lambda ps, f: O.RMSprop(ps, lr=1e-2, foreach=f),
-    "Rprop": lambda ps, f: O.Rprop(ps, lr=1e-2, foreach=f),
-    "SGD": lambda ps, f: O.SGD(ps, lr=1e-2, momentum=0.9, foreach=f),
-    "ASGD": lambda ps, f: O.ASGD(ps, lr=1e-2, foreach=f),
+    "Adam": lambda ps, f: optim.Adam(ps, lr=1e-2, foreach=f),
+    "AdamW": lambda ps, f: optim.AdamW(ps, lr=1e-2, foreach=f),
+    "NAdam": lambda ps, f: optim.NAdam(ps, lr=1e-2, foreach=f),
+    "RAdam": lambda ps, f: optim.RAdam(ps, lr=1e-2, foreach=f),
+    "Adamax": lambda ps, f: optim.Adamax(ps, lr=1e-2, foreach=f),
+    "Adadelta": lambda ps, f: optim.Adadelta(ps, foreach=f),
+    "Adagrad": lambda ps, f: optim.Adagrad(ps, lr=1e-2, foreach=f),
+    "RMSprop": lambda ps, f: optim.RMSprop(ps, lr=1e-2, foreach=f),
+    "Rprop": lambda ps, f: optim.Rprop(ps, lr=1e-2, foreach=f),
+    "SGD": lambda ps, f: optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=f),
+    "ASGD": lambda ps, f: optim.ASGD(ps, lr=1e-2, foreach=f),
 }
 
 
