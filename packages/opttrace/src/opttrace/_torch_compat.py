@@ -3,32 +3,47 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import fx
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from opttrace.meta import Spec
+
+DispatchMode = TorchDispatchMode
 
 
-def trace_functional(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> fx.GraphModule:
-    """ATen graph of ``fn`` over fake copies of ``inputs``, functionalized.
-
-    In-place writes to inputs appear as trailing ``aten.copy_(input, value)`` nodes and
-    everything before them is out-of-place. Inputs must not require grad.
-    """
-    functional = torch.func.functionalize(fn, remove="mutations_and_views")
-    gm: fx.GraphModule = make_fx(functional, tracing_mode="fake")(*inputs)
-    return gm
+def make_wrapper_tensor(
+    cls: type, spec: Spec, device: torch.device, requires_grad: bool
+) -> Any:
+    """A tensor of class ``cls`` with this metadata and no storage (its ops dispatch to Python)."""
+    return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        cls,
+        spec.shape,
+        strides=spec.stride,
+        dtype=spec.dtype,
+        device=device,
+        requires_grad=requires_grad,
+    )
 
 
 @contextlib.contextmanager
 def compiling() -> Iterator[None]:
     """Make ``torch.compiler.is_compiling()`` report True, so torch.optim takes its
     compile paths (no ``.item()`` syncs, no per-device grouping)."""
-    with mock.patch("torch.compiler.is_compiling", return_value=True):
+    original = torch.compiler.is_compiling
+    torch.compiler.is_compiling = _true
+    try:
         yield
+    finally:
+        torch.compiler.is_compiling = original
+
+
+def _true() -> bool:
+    return True
 
 
 def raw_step(cls: type) -> Callable[..., Any]:
@@ -44,3 +59,59 @@ def rename_placeholder(graph: fx.Graph, node: fx.Node, name: str) -> None:
     """Give a placeholder a readable name (fx has no public API to rename nodes)."""
     node._rename(name)
     node.target = node.name
+
+
+@functools.cache
+def written_args(func: Any) -> tuple[str, ...]:
+    """Names of the arguments an ATen op writes to (``self`` of ``add_``, ``out`` of ``.out``)."""
+    return tuple(
+        a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+@functools.cache
+def is_view(func: Any) -> bool:
+    """Whether an op's output aliases an input (``view``, ``squeeze``, ``t``, ...)."""
+    return any(
+        r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+    )
+
+
+@functools.cache
+def functional_variant(func: Any) -> Any:
+    """The out-of-place overload computing what an in-place or ``out=`` op writes, or None."""
+    schema = func._schema
+    name = schema.name.split("::")[-1]
+    written = set(written_args(func))
+    if name.endswith("_") and not name.endswith("__") and "self" in written:
+        packet = getattr(torch.ops.aten, name[:-1], None)
+        return getattr(packet, func._overloadname, None) if packet is not None else None
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return None
+    wanted = [(a.name, str(a.type)) for a in schema.arguments if a.name not in written]
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        args = [(a.name, str(a.type)) for a in candidate._schema.arguments]
+        if args == wanted and not written_args(candidate):
+            return candidate
+    return None
+
+
+def drop_out_args(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """The arguments of ``functional_variant(func)``: ``out=`` arguments removed."""
+    name = func._schema.name.split("::")[-1]
+    if name.endswith("_"):
+        return args, kwargs
+    written = set(written_args(func))
+    return args, {k: v for k, v in kwargs.items() if k not in written}
+
+
+def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule that generates its Python code only when asked (``.code``, a call):
+    backends that interpret or lower the graph never pay for codegen."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from optguard import (
     AttrSource,
+    variable_name,
     ConstantGuard,
     DictLengthGuard,
     Guard,
@@ -32,6 +33,7 @@ from optguard import (
 from optsidefx import Build, Const, Input, Ledger, Output, Ref
 
 from opttrace.errors import TraceError
+from opttrace.recorder import Recorder, TracedTensor
 from opttrace.trackers import TrackedDict, TrackedList, TrackedStateDict
 from opttrace.view import optimizer_view, view_source
 
@@ -49,14 +51,15 @@ def _is_state_dict(value: dict[Any, Any]) -> bool:
 class TraceContext:
     """Inputs, guards, ledger and outputs of one trace."""
 
-    def __init__(self) -> None:
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
         self.guards = GuardSetBuilder()
         self.ledger = Ledger()
         self.input_sources: list[Source] = []
         self.input_tensors: list[torch.Tensor] = []
         self._index: dict[int, int] = {}
-        self._fakes: list[torch.Tensor] = []
-        self._fake_index: dict[int, int] = {}
+        self._fakes: dict[int, TracedTensor] = {}  # input index -> its traced tensor
+        self._fake_index: dict[int, int] = {}  # id(traced tensor) -> input index
         self._grad_bound: set[int] = set()
         self.outputs: list[torch.Tensor] = []
         self._output_index: dict[int, int] = {}
@@ -97,11 +100,6 @@ class TraceContext:
             self.input_sources.append(source)
 
     # -- phase 2: inside the traced function ------------------------------------------------
-
-    def bind(self, fakes: tuple[torch.Tensor, ...]) -> None:
-        """Attach the fake tensors make_fx created, one per registered input."""
-        self._fakes = list(fakes)
-        self._fake_index = {id(f): i for i, f in enumerate(fakes)}
 
     def guard(self, guard: Guard) -> None:
         self.guards.add(guard)
@@ -146,7 +144,10 @@ class TraceContext:
         if i is None:
             raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")
         self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
-        fake = self._fakes[i]
+        fake = self._fakes.get(i)
+        if fake is None:
+            fake = self._fakes[i] = self.recorder.placeholder(variable_name(source), real)
+            self._fake_index[id(fake)] = i
         if (real.requires_grad or real.grad is not None) and i not in self._grad_bound:
             self._grad_bound.add(i)
             grad_source = AttrSource(source, "grad")
@@ -156,6 +157,18 @@ class TraceContext:
         return fake
 
     # -- after the step ran -----------------------------------------------------------------
+
+    def input_writes(self) -> list[tuple[Source, Any]]:
+        """(Source, graph node) for each input tensor the step wrote in place."""
+        writes = []
+        for i, fake in self._fakes.items():
+            node = self.recorder.node_of(fake)
+            if node.op != "placeholder":
+                writes.append((self.input_sources[i], node))
+        return writes
+
+    def output_nodes(self) -> list[Any]:
+        return [self.recorder.node_of(t) for t in self.outputs]  # type: ignore[arg-type]
 
     def resolve(self, value: Any) -> Ref:
         """The Ref replay uses for a value the step stored or returned."""

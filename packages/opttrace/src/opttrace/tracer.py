@@ -12,13 +12,14 @@ from typing import Any
 import optguard
 import optsidefx
 import torch
-from optguard import GuardSet, LocalSource, Source, variable_name
+from optguard import GuardSet, LocalSource, Source
 from optsidefx import Effect, TensorWrite, append_writebacks
 from torch import fx
 
-from opttrace._torch_compat import compiling, rename_placeholder, trace_functional
+from opttrace._torch_compat import compiling, lazy_graph_module
 from opttrace.context import TraceContext
 from opttrace.errors import TraceError
+from opttrace.recorder import Recorder
 
 
 @dataclass(frozen=True)
@@ -45,39 +46,38 @@ class TracedStep:
 def trace(fn: Callable[..., Any], inputs: Mapping[str, Any]) -> TracedStep:
     """Trace ``fn(**inputs)``; every value it reads from ``inputs`` is named ``L['<arg>']...``."""
     start = time.perf_counter()
-    ctx = TraceContext()
+    recorder = Recorder()
+    ctx = TraceContext(recorder)
     for name, value in inputs.items():
         ctx.collect(value, LocalSource(name))
-    effects: list[Effect] = []
-
-    def body(*fakes: torch.Tensor) -> list[torch.Tensor]:
-        ctx.bind(fakes)
-        args = {name: ctx.read(value, LocalSource(name)) for name, value in inputs.items()}
-        with compiling():
+    try:
+        with recorder, compiling():
+            args = {name: ctx.read(value, LocalSource(name)) for name, value in inputs.items()}
             result = fn(**args)
         ctx.ledger.returned(result)
-        effects.extend(ctx.ledger.finalize(ctx.resolve))
-        return list(ctx.outputs)
-
-    try:
-        gm = trace_functional(body, [t.detach() for t in ctx.input_tensors])
-    except TraceError:
+        effects = ctx.ledger.finalize(ctx.resolve)
+        for source, node in ctx.input_writes():
+            ctx.ledger.write_tensor(source, node)
+        graph = recorder.graph
+        graph.output(ctx.output_nodes())
+    except TraceError as exc:
+        if exc.where is None:
+            raise TraceError(exc.reason, _where(exc)) from exc
         raise
     except Exception as exc:
         raise TraceError(_reason(exc), _where(exc)) from exc
 
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    by_source = dict(zip(ctx.input_sources, placeholders, strict=True))
-    for source, value in _take_input_writes(gm.graph, placeholders, ctx.input_sources):
-        ctx.ledger.write_tensor(source, value)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    sources = [ctx.source_of(n.meta["val"]) for n in placeholders]
+    by_source = dict(zip(sources, placeholders, strict=True))
     writes = [e for e in ctx.ledger.effects if isinstance(e, TensorWrite)]
-    append_writebacks(gm.graph, writes, by_source)
-    sources = _drop_unused_inputs(gm.graph, placeholders, ctx.input_sources)
-    gm.graph.lint()
-    gm.recompile()
+    append_writebacks(graph, writes, by_source)
+    _eliminate_dead_code(graph)
+    kept = _drop_unused_inputs(graph, placeholders, sources)
+    gm = lazy_graph_module(_constants_module(recorder.constants), graph)
     return TracedStep(
         graph_module=gm,
-        input_sources=sources,
+        input_sources=kept,
         guards=ctx.guards.build(),
         effects=(*effects, *writes),
         num_outputs=len(ctx.outputs),
@@ -85,17 +85,23 @@ def trace(fn: Callable[..., Any], inputs: Mapping[str, Any]) -> TracedStep:
     )
 
 
-def _take_input_writes(
-    graph: fx.Graph, placeholders: list[fx.Node], sources: list[Source]
-) -> list[tuple[Source, fx.Node]]:
-    """Remove functionalization's trailing ``copy_(input, value)`` nodes; return the writes."""
-    source_of = dict(zip(placeholders, sources, strict=True))
-    writes = []
-    for node in list(graph.nodes):
-        if node.target is torch.ops.aten.copy_.default and node.args[0] in source_of:
-            writes.append((source_of[node.args[0]], node.args[1]))
+def _eliminate_dead_code(graph: fx.Graph) -> None:
+    """Erase ops whose values nothing uses. The recorded graph is functional: only the
+    writebacks (``copy_``) and the output have effects."""
+    for node in reversed(graph.nodes):
+        if node.op == "call_function" and not node.users and not _is_writeback(node):
             graph.erase_node(node)
-    return writes
+
+
+def _is_writeback(node: fx.Node) -> bool:
+    return node.target is torch.ops.aten.copy_.default
+
+
+def _constants_module(constants: dict[str, torch.Tensor]) -> torch.nn.Module:
+    root = torch.nn.Module()
+    for name, value in constants.items():
+        root.register_buffer(name, value)
+    return root
 
 
 def _drop_unused_inputs(
@@ -107,7 +113,6 @@ def _drop_unused_inputs(
         if not node.users:
             graph.erase_node(node)
             continue
-        rename_placeholder(graph, node, variable_name(source))
         kept.append(source)
     return tuple(kept)
 

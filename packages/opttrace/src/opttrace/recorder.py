@@ -1,0 +1,304 @@
+"""The recorder: run tensor code on traced tensors and record it as a functional ATen graph.
+
+A TracedTensor carries a tensor's metadata (shape, stride, dtype, device) and the graph
+value it currently holds, no data. While a Recorder is active every ATen op goes through
+it: the op becomes a graph node, its output metadata comes from ``meta.infer``, and its
+outputs are new TracedTensors. In-place and ``out=`` ops are recorded as their functional
+forms and the written tensor is rebound to the new value, so the graph has no mutation and
+the Python objects the step holds (parameters keying ``state``) keep their identity. After
+the step, an input whose value changed is an in-place write the caller turns into a
+writeback.
+
+Foreach ops return one list node; an item becomes its own ``getitem`` node only when
+something uses it alone, and a list that is exactly a previous op's output is passed as
+that node.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from opttrace import _torch_compat as compat
+from opttrace import meta
+from opttrace.errors import TraceError
+from opttrace.meta import Spec
+
+aten = torch.ops.aten
+
+# Ops whose output is read back into Python: the step depends on a tensor's value.
+_DATA_DEPENDENT = {aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default}
+
+
+class TracedTensor(torch.Tensor):
+    """A tensor of a traced step: metadata and the graph value it holds, no storage."""
+
+    _recorder: Recorder | None
+    _node: fx.Node | None
+    _item: tuple[fx.Node, int] | None  # (list node, index) for foreach outputs
+
+    @staticmethod
+    def __new__(
+        cls,
+        recorder: Recorder,
+        spec: Spec,
+        device: torch.device,
+        requires_grad: bool = False,
+    ) -> TracedTensor:
+        t: TracedTensor = compat.make_wrapper_tensor(cls, spec, device, requires_grad)
+        t._recorder = recorder
+        t._node = None
+        t._item = None
+        return t
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        raise TraceError(
+            f"{func} was called on a traced tensor outside its trace; a traced step must not "
+            "keep tensors it received (or made) past its own return"
+        )
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"TracedTensor({dtype}, shape={list(self.shape)}, device={self.device})"
+
+
+class Recorder(compat.DispatchMode):
+    """Records every ATen op run while it is active into ``graph``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graph = fx.Graph()
+        self.constants: dict[str, torch.Tensor] = {}
+        self._list_len: dict[fx.Node, int] = {}
+        self._last_placeholder: fx.Node | None = None
+
+    # -- values -------------------------------------------------------------------------
+
+    def placeholder(self, name: str, real: torch.Tensor) -> TracedTensor:
+        """A traced stand-in for the input tensor ``real``, bound to a new placeholder."""
+        t = TracedTensor(self, meta.spec_of(real), real.device, real.requires_grad)
+        # Placeholders stay ahead of every op, in the order the step first read them.
+        if self._last_placeholder is None:
+            where = self.graph.inserting_before(None)
+        else:
+            where = self.graph.inserting_after(self._last_placeholder)
+        with where:
+            t._node = self._last_placeholder = self.graph.placeholder(name)
+        t._node.meta["val"] = t
+        return t
+
+    def node_of(self, t: TracedTensor) -> fx.Node:
+        if t._recorder is not self:
+            raise TraceError("a tensor from another trace reached this one")
+        if t._node is None:
+            assert t._item is not None
+            lst, i = t._item
+            t._node = self.graph.call_function(operator.getitem, (lst, i))
+            t._node.meta["val"] = t
+        return t._node
+
+    def _arg(self, a: Any) -> Any:
+        """The graph argument for one op argument (a node, a list of nodes, a constant)."""
+        if isinstance(a, TracedTensor):
+            return self.node_of(a)
+        if isinstance(a, torch.Tensor):
+            return self._constant(a)
+        if isinstance(a, list | tuple) and a and isinstance(a[0], TracedTensor):
+            whole = self._whole_list(a)
+            if whole is not None:
+                return whole
+            return type(a)(self._arg(x) for x in a)
+        if isinstance(a, list | tuple):
+            return type(a)(self._arg(x) for x in a)
+        return a
+
+    def _whole_list(self, items: Sequence[Any]) -> fx.Node | None:
+        first = items[0]._item if isinstance(items[0], TracedTensor) else None
+        if first is None or first[1] != 0 or self._list_len.get(first[0]) != len(items):
+            return None
+        lst = first[0]
+        for i, t in enumerate(items):
+            if not isinstance(t, TracedTensor) or t._item != (lst, i):
+                return None
+        return lst
+
+    def _constant(self, t: torch.Tensor) -> fx.Node:
+        if t.numel() > 1 or t.requires_grad:
+            raise TraceError(
+                f"the step uses a tensor of shape {list(t.shape)} that is not one of its "
+                "inputs (a global, a closure variable or an attribute the tracer does not "
+                "follow); pass it as an argument or store it in the optimizer's state"
+            )
+        name = f"_const{len(self.constants)}"
+        self.constants[name] = t.detach().clone()
+        node = self.graph.get_attr(name)
+        node.meta["val"] = TracedTensor(self, meta.spec_of(t), t.device)
+        return node
+
+    # -- ops ----------------------------------------------------------------------------
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _DATA_DEPENDENT:
+            raise TraceError(
+                f"the step reads a tensor's value ({func}): Python control flow on tensor "
+                "values, .item() and bool(tensor) cannot be traced"
+            )
+        if func.name().startswith("aten::_foreach_"):
+            return self._foreach(func, args, kwargs)
+        specs = meta.infer(func, _specs(args), _specs_kw(kwargs))
+        written = compat.written_args(func)
+        device = _device(args, kwargs)
+        if not written:
+            node = self._record(func, args, kwargs, specs)
+            return self._wrap(node, specs, device)
+        functional = compat.functional_variant(func)
+        if functional is None:
+            raise TraceError(f"{func} writes to its input and has no functional form to trace")
+        targets = [_lookup(func, args, kwargs, name) for name in written]
+        pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
+        out_specs = [specs] if isinstance(specs, Spec) else list(specs)
+        node = self._record(functional, pure_args, pure_kwargs, specs)
+        if len(targets) == 1:
+            self._rebind(targets[0], node, out_specs[0])
+            return targets[0]
+        for i, (target, spec) in enumerate(zip(targets, out_specs, strict=True)):
+            item = self.graph.call_function(operator.getitem, (node, i))
+            self._rebind(target, item, spec)
+        return tuple(targets)
+
+    def _foreach(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        first_list = next(a for a in args if isinstance(a, list | tuple))
+        n = len(first_list)
+        written = compat.written_args(func)
+        if not written:
+            specs = []
+            for i in range(n):
+                item_args = _specs([_item_arg(a, i) for a in args])
+                item_kwargs = _specs_kw({k: _item_arg(v, i) for k, v in kwargs.items()})
+                specs.append(_single(meta.infer_foreach_item(func, item_args, item_kwargs)))
+            devices = [t.device for t in first_list]
+            node = self._record(func, args, kwargs, specs)
+            return self._wrap_list(node, specs, devices)
+        functional = compat.functional_variant(func)
+        if functional is None or len(written) != 1:
+            raise TraceError(f"{func} writes to its inputs and has no functional form to trace")
+        targets = _lookup(func, args, kwargs, written[0])
+        pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
+        specs = [t_spec(t) for t in targets]
+        node = self._record(functional, pure_args, pure_kwargs, specs)
+        self._list_len[node] = n
+        for i, t in enumerate(targets):
+            t._node, t._item = None, (node, i)
+        return None if not func._schema.returns else targets
+
+    def _record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], specs: Any) -> Any:
+        node_args = tuple(self._arg(a) for a in args)
+        node_kwargs = {k: self._arg(v) for k, v in kwargs.items()}
+        node = self.graph.call_function(func, node_args, node_kwargs)
+        return node
+
+    def _wrap(self, node: fx.Node, specs: Any, device: torch.device) -> Any:
+        if isinstance(specs, Spec):
+            t = TracedTensor(self, specs, device)
+            t._node = node
+            node.meta["val"] = t
+            return t
+        if isinstance(specs, list | tuple):
+            outs = []
+            for i, s in enumerate(specs):
+                item = self.graph.call_function(operator.getitem, (node, i))
+                outs.append(self._wrap(item, s, device))
+            node.meta["val"] = tuple(outs)
+            return type(specs)(outs)
+        return specs
+
+    def _wrap_list(
+        self, node: fx.Node, specs: list[Spec], devices: list[torch.device]
+    ) -> list[TracedTensor]:
+        self._list_len[node] = len(specs)
+        outs = []
+        for i, (spec, device) in enumerate(zip(specs, devices, strict=True)):
+            t = TracedTensor(self, spec, device)
+            t._item = (node, i)
+            outs.append(t)
+        return outs
+
+    def _rebind(self, target: TracedTensor, node: fx.Node, spec: Spec) -> None:
+        if spec.shape != tuple(target.shape) or spec.dtype != target.dtype:
+            raise TraceError(
+                f"an in-place op changes a tensor's shape or dtype ({list(target.shape)} "
+                f"{target.dtype} -> {list(spec.shape)} {spec.dtype}); resize in place "
+                "cannot be traced"
+            )
+        target._node, target._item = node, None
+        node.meta["val"] = target
+
+
+def t_spec(t: TracedTensor) -> Spec:
+    return Spec(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _single(s: Any) -> Spec:
+    if isinstance(s, list | tuple):
+        return s[0]  # type: ignore[no-any-return]
+    return s  # type: ignore[no-any-return]
+
+
+def _specs(args: Sequence[Any]) -> list[Any]:
+    return [_spec_arg(a) for a in args]
+
+
+def _specs_kw(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: _spec_arg(v) for k, v in kwargs.items()}
+
+
+def _spec_arg(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return Spec(tuple(a.shape), tuple(a.stride()), a.dtype)
+    if isinstance(a, list | tuple):
+        return type(a)(_spec_arg(x) for x in a)
+    return a
+
+
+def _item_arg(a: Any, i: int) -> Any:
+    if isinstance(a, list | tuple) and len(a) > 0:
+        return [a[i]]
+    return a
+
+
+def _device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device:
+    """The device of an op's outputs: an explicit ``device=``, else its tensors' device
+    (a 0-dim CPU tensor next to CUDA tensors does not count, as in TensorIterator)."""
+    device = kwargs.get("device")
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        return torch.device(device)
+    fallback = None
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, list | tuple) else (a,):
+            if isinstance(t, torch.Tensor):
+                if t.device.type != "cpu" or t.dim() > 0:
+                    return t.device
+                fallback = fallback or t.device
+    return fallback or torch.device("cpu")
+
+
+def _lookup(func: Any, args: Sequence[Any], kwargs: dict[str, Any], name: str) -> Any:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            return kwargs[name] if name in kwargs or i >= len(args) else args[i]
+    raise TraceError(f"{func} has no argument {name!r}")
