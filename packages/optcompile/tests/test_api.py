@@ -58,7 +58,7 @@ def test_explain_reports_traces_guards_and_graph():
     report = optcompile.explain(opt)
     assert isinstance(report.traces, int) and report.traces == 1
     assert isinstance(report.retrace_reasons, list)
-    assert "L['opt'].param_groups[0]['lr'] == 0.01" in report.guards
+    assert "L['opt'].param_groups[0]['lr'] has type float" in report.guards
     assert "aten._foreach_addcdiv" in report.graph_code
     assert "def check(L)" in report.check_code
     assert "traces: 1" in str(report)
@@ -94,14 +94,26 @@ def test_explain_refuses_uncompiled_objects():
         optcompile.explain(torch.optim.SGD(make_model().parameters(), lr=0.1))
 
 
-def test_changing_lr_retraces_and_matches_eager():
-    # Hyperparameters are constants in this layer; the change must retrace, never be ignored.
+def test_changing_float_hyperparameters_never_retraces_and_matches_eager():
     model, opt, reference, eager = run_pair(OPTIMIZERS["adamw_foreach"], steps=2)
     for o in (opt, eager):
         o.param_groups[0]["lr"] = 5e-3
+        o.param_groups[0]["betas"] = (0.8, 0.95)
+        o.param_groups[0]["weight_decay"] = 0.05
     step_both(model, opt, reference, eager, range(2))
     assert_same(model, opt, reference, eager)
-    assert "['lr']: value changed (0.01 -> 0.005)" in optcompile.explain(opt).retrace_reasons[0]
+    assert optcompile.explain(opt).traces == 1
+
+
+def test_an_int_hyperparameter_is_a_constant_and_its_change_retraces():
+    model, opt, reference, eager = run_pair(
+        lambda ps: torch.optim.SGD(ps, lr=1, momentum=0.0), steps=1
+    )
+    for o in (opt, eager):
+        o.param_groups[0]["lr"] = 2
+    step_both(model, opt, reference, eager, range(1, 2))
+    assert_same(model, opt, reference, eager)
+    assert "['lr']: value changed (1 -> 2)" in optcompile.explain(opt).retrace_reasons[0]
 
 
 def test_fused_falls_back_to_eager_with_one_warning():
@@ -132,7 +144,7 @@ def test_recompile_limit_falls_back_naming_the_guard():
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for lr in (0.2, 0.3, 0.4):
+        for lr in (2, 3, 4):  # ints are constants: each value is a new trace
             for m, o in ((model, opt), (reference, eager)):
                 o.param_groups[0]["lr"] = lr
                 set_grads(m, 0)

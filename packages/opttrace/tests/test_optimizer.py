@@ -37,6 +37,7 @@ def test_state_entry_created_in_step_is_built_fresh(params):
         def __init__(self, ps):
             super().__init__(ps, {"lr": 0.1})
 
+        @torch.no_grad()
         def step(self, closure=None):
             for group in self.param_groups:
                 for p in group["params"]:
@@ -60,11 +61,14 @@ def test_eager_only_options_are_refused_with_reason(params, option):
         trace_step(opt)
 
 
-def test_hyperparameters_read_become_guards(params):
+def test_float_hyperparameters_are_graph_inputs_guarded_by_type_only(params):
     traced = trace_step(torch.optim.AdamW(params, lr=1e-3, betas=(0.8, 0.9)))
     guards = traced.guards.describe()
-    assert "L['opt'].param_groups[0]['lr'] == 0.001" in guards
-    assert "L['opt'].param_groups[0]['betas'][0] == 0.8" in guards
+    inputs = [s.name() for s in traced.input_sources]
+    for name in ("['lr']", "['betas'][0]", "['betas'][1]", "['eps']", "['weight_decay']"):
+        assert f"L['opt'].param_groups[0]{name}" in inputs
+        assert f"L['opt'].param_groups[0]{name} has type float" in guards
+        assert not any(g.startswith(f"L['opt'].param_groups[0]{name} ==") for g in guards)
     # The trace forces capturable=True but guards the user's value.
     assert "L['opt'].param_groups[0]['capturable'] == False" in guards
 

@@ -16,7 +16,8 @@ def test_adamw_foreach_traces_to_aten_ops_only(params):
     traced = trace_step(torch.optim.AdamW(params, lr=1e-3, foreach=True))
     targets = _call_targets(traced)
     assert targets
-    assert all(isinstance(t, ATEN) or t.__name__ == "getitem" for t in targets)
+    # ATen ops on tensors; Python operators on symbolic hyperparameters (1 - beta1, ...).
+    assert all(isinstance(t, ATEN) or t.__module__ == "_operator" for t in targets)
     assert any("_foreach_" in str(t) for t in targets)
 
 
@@ -69,7 +70,8 @@ def test_function_over_tensor_list_returns_new_tensors_and_writes_inputs():
     assert traced.num_outputs == 2
     ret = next(e for e in traced.effects if isinstance(e, Return))
     assert ret.value.items == (Output(0), Output(1))
-    assert "L['alpha'] == 0.5" in traced.guards.describe()
+    assert "L['alpha'] has type float" in traced.guards.describe()
+    assert traced.input_sources[-1] == LocalSource("alpha")  # a graph input, not a constant
     assert {e.target.name() for e in traced.effects if isinstance(e, TensorWrite)} == {
         "L['xs'][0]",
         "L['xs'][1]",

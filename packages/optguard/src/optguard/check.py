@@ -79,7 +79,7 @@ def compile_check(guards: GuardSet) -> CompiledCheck:
 def first_failure(guards: Sequence[Guard], L: Locals) -> str | None:
     for guard in guards:
         try:
-            value = guard.source.fetch(L)
+            value = guard.fetch(L)
         except Exception:
             value = MISSING
         if value is MISSING or not _holds(guard, value):

@@ -45,6 +45,10 @@ class Guard:
         """Evaluate this guard alone (slow path: reasons, tests); same code as the fast check."""
         return bool(_single_test(self)(value))
 
+    def fetch(self, L: Any) -> Any:
+        """The value(s) this guard tests, from live inputs (slow path)."""
+        return self.source.fetch(L)
+
 
 _TESTS: dict[Guard, Callable[[Any], Any]] = {}
 
@@ -169,6 +173,60 @@ class NoneGuard(Guard):
 
     def changed(self, value: Any) -> str:
         return "became a tensor (was None)" if self.is_none else "became None"
+
+
+@dataclass(frozen=True)
+class PredicateGuard(Guard):
+    """A Python decision the trace took on input scalars keeps its outcome.
+
+    ``template`` is Python text over ``{0}`` (``source``), ``{1}``... (``others``), e.g.
+    ``({0} != 0)``; the guard holds while it evaluates to ``outcome``. The step may read the
+    scalars' values freely otherwise: they are graph inputs, not constants.
+    """
+
+    template: str
+    outcome: bool | int | float
+    others: tuple[Source, ...] = ()
+
+    def test(self, var: str, code: SourceCode) -> str:
+        names = [var, *(code.var(o) for o in self.others)]
+        if "math." in self.template:
+            code.constant(math, "math")
+        expr = self.template.format(*names)
+        if isinstance(self.outcome, bool):
+            return f"(bool({expr}) is {self.outcome})"
+        return f"(({expr}) == {code.literal(self.outcome)})"
+
+    def text(self) -> str:
+        return self.template.format(*(s.name() for s in (self.source, *self.others)))
+
+    def describe(self) -> str:
+        return f"{self.text()} {self.expected()}"
+
+    def expected(self) -> str:
+        return f"is {self.outcome!r}"
+
+    def fetch(self, L: Any) -> Any:
+        return tuple(s.fetch(L) for s in (self.source, *self.others))
+
+    def _evaluate(self, values: Any) -> Any:
+        return eval(self.template.format(*map(repr, values)), {"math": math})
+
+    def holds(self, value: Any) -> bool:
+        try:
+            found = self._evaluate(value)
+        except Exception:
+            return False
+        if isinstance(self.outcome, bool):
+            return bool(found) is self.outcome
+        return bool(found == self.outcome)
+
+    def changed(self, value: Any) -> str:
+        try:
+            found = self._evaluate(value)
+        except Exception as exc:
+            found = f"error: {exc}"
+        return f"{self.text()} changed ({self.outcome!r} -> {found!r})"
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,9 @@ from opttrace.meta import Spec
 DispatchMode = TorchDispatchMode
 
 
-def make_wrapper_tensor(
-    cls: type, spec: Spec, device: torch.device, requires_grad: bool
-) -> Any:
+def make_wrapper_tensor(cls: type, spec: Spec, device: torch.device, requires_grad: bool) -> Any:
     """A tensor of class ``cls`` with this metadata and no storage (its ops dispatch to Python)."""
-    return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+    return torch.Tensor._make_wrapper_subclass(
         cls,
         spec.shape,
         strides=spec.stride,
@@ -72,9 +70,7 @@ def written_args(func: Any) -> tuple[str, ...]:
 @functools.cache
 def is_view(func: Any) -> bool:
     """Whether an op's output aliases an input (``view``, ``squeeze``, ``t``, ...)."""
-    return any(
-        r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
-    )
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
 @functools.cache

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from optguard import (
     AttrSource,
-    variable_name,
     ConstantGuard,
     DictLengthGuard,
     Guard,
@@ -25,15 +24,18 @@ from optguard import (
     KeysGuard,
     LengthGuard,
     NoneGuard,
+    PredicateGuard,
     Source,
     TensorMatchGuard,
     TensorMeta,
     TypeGuard,
+    variable_name,
 )
 from optsidefx import Build, Const, Input, Ledger, Output, Ref
 
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder, TracedTensor
+from opttrace.symbolic import ScalarNode, guard_template, node_of
 from opttrace.trackers import TrackedDict, TrackedList, TrackedStateDict
 from opttrace.view import optimizer_view, view_source
 
@@ -60,8 +62,9 @@ class TraceContext:
         self._index: dict[int, int] = {}
         self._fakes: dict[int, TracedTensor] = {}  # input index -> its traced tensor
         self._fake_index: dict[int, int] = {}  # id(traced tensor) -> input index
+        recorder.on_decision = self._decided
         self._grad_bound: set[int] = set()
-        self.outputs: list[torch.Tensor] = []
+        self.outputs: list[Any] = []  # tensors and symbolic scalars the replay needs
         self._output_index: dict[int, int] = {}
 
     # -- phase 1: before tracing ------------------------------------------------------------
@@ -112,12 +115,24 @@ class TraceContext:
         i = self._fake_index.get(id(fake))
         return None if i is None else self.input_tensors[i]
 
+    def _decided(self, node: ScalarNode, value: Any) -> None:
+        """Guard the outcome of a Python decision on symbolic scalars."""
+        assert node.expr is not None
+        template, sources = guard_template(node.expr)
+        if not sources:
+            return
+        self.guard(PredicateGuard(sources[0], template, value, tuple(sources[1:])))
+
     def note_absent(self, source: Source) -> None:
         """The step looked for a dict entry that does not exist (e.g. state of a new param)."""
         self.guard(KeysGuard(source, None))
 
     def read(self, value: Any, source: Source) -> Any:
         """What the step sees for the input ``value`` found at ``source``; installs guards."""
+        if type(value) is float:
+            # A hyperparameter: a graph input, so changing it never retraces.
+            self.guard(TypeGuard(source, float))
+            return self.recorder.scalar_placeholder(variable_name(source), value, source)
         if is_constant(value):
             self.guard(ConstantGuard(source, value))
             return value
@@ -146,7 +161,8 @@ class TraceContext:
         self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
         fake = self._fakes.get(i)
         if fake is None:
-            fake = self._fakes[i] = self.recorder.placeholder(variable_name(source), real)
+            name = variable_name(source)
+            fake = self._fakes[i] = self.recorder.placeholder(name, real, source)
             self._fake_index[id(fake)] = i
         if (real.requires_grad or real.grad is not None) and i not in self._grad_bound:
             self._grad_bound.add(i)
@@ -168,12 +184,19 @@ class TraceContext:
         return writes
 
     def output_nodes(self) -> list[Any]:
-        return [self.recorder.node_of(t) for t in self.outputs]  # type: ignore[arg-type]
+        nodes = []
+        for value in self.outputs:
+            scalar = node_of(value)
+            nodes.append(self.recorder.node_of(value) if scalar is None else scalar.fx_node)
+        return nodes
 
     def resolve(self, value: Any) -> Ref:
         """The Ref replay uses for a value the step stored or returned."""
-        if isinstance(value, torch.Tensor):
-            source = self.source_of(value)
+        scalar = node_of(value)
+        if scalar is not None and scalar.fx_node is None:
+            return Const(scalar.hint)
+        if isinstance(value, torch.Tensor) or scalar is not None:
+            source = self.source_of(value) if scalar is None else None
             if source is not None:
                 return Input(source)
             if id(value) not in self._output_index:

@@ -17,21 +17,23 @@ that node.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import fx
 
 from opttrace import _torch_compat as compat
-from opttrace import meta
+from opttrace import meta, symbolic
 from opttrace.errors import TraceError
 from opttrace.meta import Spec
+from opttrace.symbolic import ScalarNode
 
 aten = torch.ops.aten
 
 # Ops whose output is read back into Python: the step depends on a tensor's value.
-_DATA_DEPENDENT = {aten._local_scalar_dense.default, aten.nonzero.default, aten.equal.default}
+_DATA_DEPENDENT = {aten.nonzero.default, aten.equal.default}
+_SCALAR_TYPES = {True: float, False: int}
 
 
 class TracedTensor(torch.Tensor):
@@ -72,30 +74,53 @@ class TracedTensor(torch.Tensor):
         return f"TracedTensor({dtype}, shape={list(self.shape)}, device={self.device})"
 
 
-class Recorder(compat.DispatchMode):
+class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
     """Records every ATen op run while it is active into ``graph``."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.graph = fx.Graph()
         self.constants: dict[str, torch.Tensor] = {}
         self._list_len: dict[fx.Node, int] = {}
         self._last_placeholder: fx.Node | None = None
+        # Told of each Python decision taken on a symbolic scalar (the context guards it).
+        self.on_decision: Callable[[ScalarNode, Any], None] | None = None
 
     # -- values -------------------------------------------------------------------------
 
-    def placeholder(self, name: str, real: torch.Tensor) -> TracedTensor:
+    def placeholder(self, name: str, real: torch.Tensor, source: Any) -> TracedTensor:
         """A traced stand-in for the input tensor ``real``, bound to a new placeholder."""
         t = TracedTensor(self, meta.spec_of(real), real.device, real.requires_grad)
+        t._node = self._placeholder(name, source, t)
+        return t
+
+    def scalar_placeholder(self, name: str, value: float, source: Any) -> symbolic.SymScalar:
+        """A symbolic Python scalar for the input ``value``, bound to a new placeholder."""
+        node = ScalarNode(self, type(value), value, None, ("source", source))
+        node.fx_node = self._placeholder(name, source, value)
+        return symbolic.wrap(node)
+
+    def _placeholder(self, name: str, source: Any, val: Any) -> fx.Node:
         # Placeholders stay ahead of every op, in the order the step first read them.
         if self._last_placeholder is None:
             where = self.graph.inserting_before(None)
         else:
             where = self.graph.inserting_after(self._last_placeholder)
         with where:
-            t._node = self._last_placeholder = self.graph.placeholder(name)
-        t._node.meta["val"] = t
-        return t
+            node = self._last_placeholder = self.graph.placeholder(name)
+        node.meta["val"] = val
+        node.meta["source"] = source
+        return node
+
+    def scalar_op(self, fn: Any, args: tuple[Any, ...], example: Any) -> fx.Node:
+        """A graph node computing a Python scalar from other scalars."""
+        node = self.graph.call_function(fn, args)
+        node.meta["val"] = example
+        return node
+
+    def decided(self, node: ScalarNode, value: Any) -> None:
+        if self.on_decision is not None:
+            self.on_decision(node, value)
 
     def node_of(self, t: TracedTensor) -> fx.Node:
         if t._recorder is not self:
@@ -113,6 +138,9 @@ class Recorder(compat.DispatchMode):
             return self.node_of(a)
         if isinstance(a, torch.Tensor):
             return self._constant(a)
+        scalar = symbolic.node_of(a)
+        if scalar is not None:
+            return scalar.fx_node if scalar.fx_node is not None else scalar.hint
         if isinstance(a, list | tuple) and a and isinstance(a[0], TracedTensor):
             whole = self._whole_list(a)
             if whole is not None:
@@ -156,6 +184,8 @@ class Recorder(compat.DispatchMode):
                 f"the step reads a tensor's value ({func}): Python control flow on tensor "
                 "values, .item() and bool(tensor) cannot be traced"
             )
+        if func is aten._local_scalar_dense.default:
+            return self._read_scalar(args[0])
         if func.name().startswith("aten::_foreach_"):
             return self._foreach(func, args, kwargs)
         specs = meta.infer(func, _specs(args), _specs_kw(kwargs))
@@ -178,6 +208,16 @@ class Recorder(compat.DispatchMode):
             item = self.graph.call_function(operator.getitem, (node, i))
             self._rebind(target, item, spec)
         return tuple(targets)
+
+    def _read_scalar(self, t: Any) -> symbolic.SymScalar:
+        """A tensor's value used as a Python number (``.item()``, a 0-dim tensor passed
+        where a Scalar is expected): a symbolic scalar read in the graph, never a constant."""
+        if not isinstance(t, TracedTensor) or t.numel() != 1:
+            raise TraceError(f"the step reads the value of a tensor of shape {list(t.shape)}")
+        pytype = bool if t.dtype is torch.bool else _SCALAR_TYPES[t.dtype.is_floating_point]
+        node = self.graph.call_function(aten._local_scalar_dense.default, (self.node_of(t),))
+        node.meta["val"] = pytype()
+        return symbolic.wrap(ScalarNode(self, pytype, None, node, None))
 
     def _foreach(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         first_list = next(a for a in args if isinstance(a, list | tuple))
@@ -270,7 +310,7 @@ def _spec_arg(a: Any) -> Any:
         return Spec(tuple(a.shape), tuple(a.stride()), a.dtype)
     if isinstance(a, list | tuple):
         return type(a)(_spec_arg(x) for x in a)
-    return a
+    return symbolic.hint_of(a)
 
 
 def _item_arg(a: Any, i: int) -> Any:

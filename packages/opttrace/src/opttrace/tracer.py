@@ -68,7 +68,7 @@ def trace(fn: Callable[..., Any], inputs: Mapping[str, Any]) -> TracedStep:
         raise TraceError(_reason(exc), _where(exc)) from exc
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    sources = [ctx.source_of(n.meta["val"]) for n in placeholders]
+    sources = [n.meta["source"] for n in placeholders]
     by_source = dict(zip(sources, placeholders, strict=True))
     writes = [e for e in ctx.ledger.effects if isinstance(e, TensorWrite)]
     append_writebacks(graph, writes, by_source)

@@ -1,0 +1,283 @@
+"""Symbolic Python scalars: hyperparameters that enter the graph as inputs, not constants.
+
+A float read from the inputs (``group['lr']``, ``betas[0]``) reaches the step as a
+``torch.SymFloat`` whose node is a ScalarNode: arithmetic on it (``1 - beta1``,
+``lr * weight_decay``) records graph nodes over Python operators, and passing it to a torch
+op puts that node into the op's arguments, so changing the hyperparameter never retraces.
+A Python decision on it (``if weight_decay != 0``) is taken on the value seen while tracing
+and becomes a guard on the decision's outcome, so the entry is reused until the outcome flips.
+A tensor used where a Python number is required (``value=-clr`` with a 0-dim tensor) becomes
+a scalar read in the graph; a decision on such a value cannot be guarded and is refused.
+
+torch calls the methods below from ``SymInt``/``SymFloat``/``SymBool`` magic methods and from
+C++; names and signatures follow ``torch.fx.experimental.sym_node.SymNode``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import operator
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from optguard import Source
+from torch import fx
+
+from opttrace.errors import TraceError
+
+if TYPE_CHECKING:
+    from opttrace.recorder import Recorder
+
+Scalar = bool | int | float
+SymScalar = torch.SymInt | torch.SymFloat | torch.SymBool
+
+# name -> (Python function, its text with {0}/{1} for operands, result type or None = promote)
+_BINARY: dict[str, tuple[Callable[[Any, Any], Any], str, type | None]] = {
+    "add": (operator.add, "({0} + {1})", None),
+    "sub": (operator.sub, "({0} - {1})", None),
+    "mul": (operator.mul, "({0} * {1})", None),
+    "mod": (operator.mod, "({0} % {1})", None),
+    "float_truediv": (operator.truediv, "({0} / {1})", float),
+    "int_truediv": (operator.truediv, "({0} / {1})", float),
+    "truediv": (operator.truediv, "({0} / {1})", float),
+    "int_floordiv": (operator.floordiv, "({0} // {1})", int),
+    "float_pow": (operator.pow, "({0} ** {1})", float),
+    "pow_by_natural": (operator.pow, "({0} ** {1})", int),
+    "pow": (operator.pow, "({0} ** {1})", None),
+    "sym_min": (min, "min({0}, {1})", None),
+    "sym_max": (max, "max({0}, {1})", None),
+    "eq": (operator.eq, "({0} == {1})", bool),
+    "ne": (operator.ne, "({0} != {1})", bool),
+    "lt": (operator.lt, "({0} < {1})", bool),
+    "le": (operator.le, "({0} <= {1})", bool),
+    "gt": (operator.gt, "({0} > {1})", bool),
+    "ge": (operator.ge, "({0} >= {1})", bool),
+    "sym_and": (operator.and_, "({0} and {1})", bool),
+    "sym_or": (operator.or_, "({0} or {1})", bool),
+}
+_UNARY: dict[str, tuple[Callable[[Any], Any], str, type | None]] = {
+    "neg": (operator.neg, "(-{0})", None),
+    "pos": (operator.pos, "(+{0})", None),
+    "abs": (abs, "abs({0})", None),
+    "sym_float": (float, "float({0})", float),
+    "sym_int": (int, "int({0})", int),
+    "sym_not": (operator.not_, "(not {0})", bool),
+    "ceil": (math.ceil, "math.ceil({0})", int),
+    "floor": (math.floor, "math.floor({0})", int),
+    "trunc": (math.trunc, "math.trunc({0})", int),
+    "sym_sqrt": (math.sqrt, "math.sqrt({0})", float),
+    "sym_log2": (math.log2, "math.log2({0})", float),
+}
+
+# What a guard expression may use, besides the operators: the functions named above.
+GUARD_GLOBALS = {"math": math, "min": min, "max": max, "abs": abs, "float": float, "int": int}
+
+
+class ScalarNode:
+    """The node behind one symbolic Python scalar of a trace."""
+
+    def __init__(
+        self,
+        recorder: Recorder,
+        pytype: type,
+        hint: Scalar | None,
+        node: fx.Node | None,
+        expr: tuple[Any, ...] | None,
+    ) -> None:
+        self.recorder = recorder
+        self.pytype = pytype
+        self.hint = hint  # the value while tracing; None for a tensor's data
+        self.fx_node = node  # None for constants wrapped by arithmetic with Python numbers
+        # How to recompute the value from the inputs, for guards: ("source", Source),
+        # ("const", value), ("op", template, operands), or None (depends on tensor data).
+        self.expr = expr
+
+    # -- constructors -------------------------------------------------------------------
+
+    def _wrap_const(self, value: Scalar) -> ScalarNode:
+        return ScalarNode(self.recorder, type(value), value, None, ("const", value))
+
+    def wrap_int(self, num: int) -> ScalarNode:
+        return self._wrap_const(num)
+
+    def wrap_float(self, num: float) -> ScalarNode:
+        return self._wrap_const(num)
+
+    def wrap_bool(self, num: bool) -> ScalarNode:
+        return self._wrap_const(num)
+
+    def _apply(
+        self, name: str, fn: Callable[..., Any], text: str, rtype: type | None, *others: Any
+    ) -> ScalarNode:
+        operands = (self, *others)
+        hints = [o.hint for o in operands]
+        hint = None if any(h is None for h in hints) else fn(*hints)
+        if rtype is None:
+            rtype = float if any(o.pytype is float for o in operands) else int
+            if all(o.pytype is bool for o in operands) and name in ("sym_min", "sym_max"):
+                rtype = bool
+        if hint is not None and rtype is not type(hint):
+            hint = rtype(hint)
+        assert hint is None or isinstance(hint, bool | int | float)
+        exprs = [o.expr for o in operands]
+        expr = None if any(e is None for e in exprs) else ("op", text, tuple(exprs))
+        args = tuple(o.fx_node if o.fx_node is not None else o.hint for o in operands)
+        node = self.recorder.scalar_op(fn, args, hint if hint is not None else rtype())
+        return ScalarNode(self.recorder, rtype, hint, node, expr)
+
+    # -- what torch asks of a node --------------------------------------------------------
+
+    def is_int(self) -> bool:
+        return self.pytype is int
+
+    def is_float(self) -> bool:
+        return self.pytype is float
+
+    def is_bool(self) -> bool:
+        return self.pytype is bool
+
+    def is_nested_int(self) -> bool:
+        return False
+
+    def is_symbolic(self) -> bool:
+        return True
+
+    def is_constant(self) -> bool:
+        return False
+
+    def has_hint(self) -> bool:
+        return self.hint is not None
+
+    @property
+    def constant(self) -> None:
+        return None
+
+    def maybe_as_int(self) -> None:
+        return None
+
+    def nested_int(self) -> None:
+        return None
+
+    def _graph_repr(self) -> builtins.str:
+        return self._text()
+
+    def __str__(self) -> builtins.str:
+        return self._text()
+
+    def _text(self) -> builtins.str:
+        if self.expr is None:
+            return f"a {self.pytype.__name__} read from a tensor"
+        template, sources = guard_template(self.expr)
+        return template.format(*(s.name() for s in sources))
+
+    # -- decisions: take the traced value, guard its outcome --------------------------------
+
+    def _decide(self, file: str | None = None, line: int | None = None) -> Scalar:
+        if self.hint is None or self.expr is None:
+            raise TraceError(
+                f"the step makes a Python decision on a tensor's value ({self._text()}): "
+                "Python control flow on tensor values, .item() and bool(tensor) cannot be traced"
+            )
+        self.recorder.decided(self, self.hint)
+        return self.hint
+
+    def bool_(self) -> bool:
+        return bool(self._decide())
+
+    def guard_bool(self, file: str, line: int) -> bool:
+        return bool(self._decide(file, line))
+
+    def expect_true(self, file: str, line: int) -> bool:
+        return bool(self._decide(file, line))
+
+    def guard_or_false(self, file: str, line: int) -> bool:
+        return bool(self._decide(file, line))
+
+    def guard_or_true(self, file: str, line: int) -> bool:
+        return bool(self._decide(file, line))
+
+    def statically_known_true(self, file: str, line: int) -> bool:
+        return bool(self._decide(file, line))
+
+    def guard_size_oblivious(self, file: str, line: int) -> bool:
+        return bool(self._decide(file, line))
+
+    def guard_float(self, file: str, line: int) -> float:
+        return float(self._decide(file, line))
+
+    def guard_int(self, file: str, line: int) -> int:
+        return int(self._decide(file, line))
+
+    def int_(self) -> int:
+        return int(self._decide())
+
+
+def _install_methods() -> None:
+    ScalarNode.str = ScalarNode._text  # type: ignore[attr-defined]  # torch calls node.str()
+    for name, (fn, text, _) in _BINARY.items():
+
+        def binary(
+            self: ScalarNode, other: ScalarNode, _n: str = name, _f: Any = fn, _t: str = text
+        ) -> ScalarNode:
+            return self._apply(_n, _f, _t, _BINARY[_n][2], other)
+
+        setattr(ScalarNode, name, binary)
+    for name, (ufn, text, _) in _UNARY.items():
+
+        def unary(self: ScalarNode, _n: str = name, _f: Any = ufn, _t: str = text) -> ScalarNode:
+            return self._apply(_n, _f, _t, _UNARY[_n][2])
+
+        setattr(ScalarNode, name, unary)
+
+
+_install_methods()
+
+
+def wrap(node: ScalarNode) -> SymScalar:
+    """The torch symbolic scalar (SymFloat, SymInt or SymBool) for ``node``."""
+    if node.pytype is float:
+        return torch.SymFloat(node)  # type: ignore[no-untyped-call]
+    if node.pytype is bool:
+        return torch.SymBool(node)  # type: ignore[no-untyped-call]
+    return torch.SymInt(node)  # type: ignore[no-untyped-call]
+
+
+def node_of(value: Any) -> ScalarNode | None:
+    """The ScalarNode behind a symbolic scalar of this tracer, or None."""
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        node = value.node
+        return node if isinstance(node, ScalarNode) else None
+    return None
+
+
+def hint_of(value: Any) -> Any:
+    """A plain Python value standing in for ``value`` where only its type matters (metadata)."""
+    node = node_of(value)
+    if node is None:
+        return value
+    return node.hint if node.hint is not None else node.pytype(1)
+
+
+def guard_template(expr: tuple[Any, ...]) -> tuple[str, list[Source]]:
+    """Python text of ``expr`` with ``{i}`` for the i-th distinct Source, and those Sources."""
+    sources: list[Source] = []
+
+    def text(e: tuple[Any, ...]) -> str:
+        kind = e[0]
+        if kind == "source":
+            if e[1] not in sources:
+                sources.append(e[1])
+            return "{" + str(sources.index(e[1])) + "}"
+        if kind == "const":
+            value = e[1]
+            return (
+                repr(value)
+                if not isinstance(value, float) or math.isfinite(value)
+                else (f"float({str(value)!r})")
+            )
+        template, operands = e[1], e[2]
+        return str(template.format(*(text(o) for o in operands)))
+
+    return text(expr), sources
