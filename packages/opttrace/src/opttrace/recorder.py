@@ -34,6 +34,7 @@ aten = torch.ops.aten
 # Ops whose output is read back into Python: the step depends on a tensor's value.
 _DATA_DEPENDENT = {aten.nonzero.default, aten.equal.default}
 _SCALAR_TYPES = {True: float, False: int}
+_NAMES: dict[Any, str] = {}  # node name stem per call target
 
 
 class TracedTensor(torch.Tensor):
@@ -42,6 +43,11 @@ class TracedTensor(torch.Tensor):
     _recorder: Recorder | None
     _node: fx.Node | None
     _item: tuple[fx.Node, int] | None  # (list node, index) for foreach outputs
+    _spec: Spec
+
+    # No torch-function layer: every method call on a traced tensor would otherwise pay for
+    # re-wrapping its results, and the dispatch mode records ops below it anyway.
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(
@@ -55,6 +61,7 @@ class TracedTensor(torch.Tensor):
         t._recorder = recorder
         t._node = None
         t._item = None
+        t._spec = spec
         return t
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -83,6 +90,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self.constants: dict[str, torch.Tensor] = {}
         self._list_len: dict[fx.Node, int] = {}
         self._last_placeholder: fx.Node | None = None
+        self._scalar_ops: dict[tuple[Any, ...], fx.Node] = {}  # one node per scalar expression
         # Told of each Python decision taken on a symbolic scalar (the context guards it).
         self.on_decision: Callable[[ScalarNode, Any], None] | None = None
 
@@ -114,8 +122,24 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
 
     def scalar_op(self, fn: Any, args: tuple[Any, ...], example: Any) -> fx.Node:
         """A graph node computing a Python scalar from other scalars."""
-        node = self.graph.call_function(fn, args)
-        node.meta["val"] = example
+        key = (fn, args, tuple(type(a) for a in args))  # 1 - x and 1.0 - x differ
+        node = self._scalar_ops.get(key)
+        if node is None:
+            node = self._scalar_ops[key] = self.call(fn, args)
+            node.meta["val"] = example
+        return node
+
+    def call(self, target: Any, args: tuple[Any, ...], kwargs: Any = None) -> fx.Node:
+        """Append a ``call_function`` node. Arguments are set after creation: fx's
+        ``create_node`` scans them with pytree (for stray SymInts), which for the
+        thousands of nodes of a large step costs more than everything else it does."""
+        name = _NAMES.get(target)
+        if name is None:
+            name = _NAMES[target] = self.graph._target_to_str(target)
+        node = self.graph.create_node("call_function", target, name=name)
+        node.args = args
+        if kwargs:
+            node.kwargs = kwargs
         return node
 
     def decided(self, node: ScalarNode, value: Any) -> None:
@@ -128,7 +152,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         if t._node is None:
             assert t._item is not None
             lst, i = t._item
-            t._node = self.graph.call_function(operator.getitem, (lst, i))
+            t._node = self.call(operator.getitem, (lst, i))
             t._node.meta["val"] = t
         return t._node
 
@@ -205,7 +229,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             self._rebind(targets[0], node, out_specs[0])
             return targets[0]
         for i, (target, spec) in enumerate(zip(targets, out_specs, strict=True)):
-            item = self.graph.call_function(operator.getitem, (node, i))
+            item = self.call(operator.getitem, (node, i))
             self._rebind(target, item, spec)
         return tuple(targets)
 
@@ -215,7 +239,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         if not isinstance(t, TracedTensor) or t.numel() != 1:
             raise TraceError(f"the step reads the value of a tensor of shape {list(t.shape)}")
         pytype = bool if t.dtype is torch.bool else _SCALAR_TYPES[t.dtype.is_floating_point]
-        node = self.graph.call_function(aten._local_scalar_dense.default, (self.node_of(t),))
+        node = self.call(aten._local_scalar_dense.default, (self.node_of(t),))
         node.meta["val"] = pytype()
         return symbolic.wrap(ScalarNode(self, pytype, None, node, None))
 
@@ -247,7 +271,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
     def _record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], specs: Any) -> Any:
         node_args = tuple(self._arg(a) for a in args)
         node_kwargs = {k: self._arg(v) for k, v in kwargs.items()}
-        node = self.graph.call_function(func, node_args, node_kwargs)
+        node = self.call(func, node_args, node_kwargs)
         return node
 
     def _wrap(self, node: fx.Node, specs: Any, device: torch.device) -> Any:
@@ -259,7 +283,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         if isinstance(specs, list | tuple):
             outs = []
             for i, s in enumerate(specs):
-                item = self.graph.call_function(operator.getitem, (node, i))
+                item = self.call(operator.getitem, (node, i))
                 outs.append(self._wrap(item, s, device))
             node.meta["val"] = tuple(outs)
             return type(specs)(outs)
@@ -288,7 +312,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
 
 
 def t_spec(t: TracedTensor) -> Spec:
-    return Spec(tuple(t.shape), tuple(t.stride()), t.dtype)
+    return t._spec
 
 
 def _single(s: Any) -> Spec:
@@ -306,6 +330,8 @@ def _specs_kw(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spec_arg(a: Any) -> Any:
+    if isinstance(a, TracedTensor):
+        return a._spec
     if isinstance(a, torch.Tensor):
         return Spec(tuple(a.shape), tuple(a.stride()), a.dtype)
     if isinstance(a, list | tuple):
