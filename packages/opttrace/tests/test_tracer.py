@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from optguard import LocalSource
 from optsidefx import Input, Output, Return, TensorWrite
-from opttrace import TraceError, trace, trace_step
+from opttrace import TraceError, init_state, trace, trace_step
 
 ATEN = torch._ops.OpOverload
 
@@ -37,9 +37,32 @@ def test_step_writes_params_and_state_through_trailing_copies(params):
     assert nodes[-len(copies) - 1 : -1] == copies  # all writes come last, before the output
 
 
-def test_no_item_call_in_traced_step(params):
+def test_eager_path_reads_step_counts_as_graph_scalars_not_constants(params):
     traced = trace_step(torch.optim.AdamW(params, lr=1e-3, foreach=False))
+    reads = [
+        n for n in traced.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default
+    ]
+    # step + 1, read back as eager's step.item() does, once per parameter
+    assert len(reads) == len(params)
+    for read in reads:
+        incremented = read.args[0]
+        assert incremented.target is torch.ops.aten.add.Tensor
+        assert incremented.args[0].op == "placeholder"
+        assert incremented.args[0].name.endswith("_step")
+    assert not traced.capturable
+
+
+def test_capturable_trace_keeps_every_value_on_the_device(params):
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    init_state(opt)
+    traced = trace(lambda opt: opt.step.__wrapped__(opt), {"opt": opt}, capturable=True)
     assert torch.ops.aten._local_scalar_dense.default not in _call_targets(traced)
+    assert traced.capturable
+
+
+def test_radam_falls_back_to_its_capturable_path_when_eager_decides_on_step_counts(params):
+    traced = trace_step(torch.optim.RAdam(params, lr=1e-3, foreach=False))
+    assert traced.capturable
 
 
 def test_placeholders_are_named_after_their_sources(params):
@@ -100,7 +123,7 @@ def test_control_flow_on_tensor_value_names_file_and_line():
         raise AssertionError("expected a TraceError")
 
 
-def test_is_compiling_reports_true_inside_the_trace():
+def test_is_compiling_reports_true_only_inside_a_capturable_trace():
     seen = []
 
     def fn(x):
@@ -108,5 +131,6 @@ def test_is_compiling_reports_true_inside_the_trace():
         return x + 1
 
     trace(fn, {"x": torch.ones(2)})
-    assert seen == [True]
+    trace(fn, {"x": torch.ones(2)}, capturable=True)
+    assert seen == [False, True]
     assert torch.compiler.is_compiling() is False

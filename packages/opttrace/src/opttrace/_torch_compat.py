@@ -111,3 +111,11 @@ def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     return _LazyGraphModule(root, graph)
+
+
+def default_foreach(params: list[torch.Tensor]) -> bool:
+    """Whether torch.optim takes its foreach path for these parameters when foreach=None."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+    return bool(foreach)

@@ -53,8 +53,9 @@ def _is_state_dict(value: dict[Any, Any]) -> bool:
 class TraceContext:
     """Inputs, guards, ledger and outputs of one trace."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, capturable: bool = False) -> None:
         self.recorder = recorder
+        self.capturable = capturable  # show optimizers capturable=True (see view.py)
         self.guards = GuardSetBuilder()
         self.ledger = Ledger()
         self.input_sources: list[Source] = []

@@ -57,7 +57,17 @@ def trace_step(opt: torch.optim.Optimizer) -> TracedStep:
         raise TraceError(reason)
     init_state(opt)
     step = raw_step(type(opt))
-    return trace(lambda opt: step(opt), {"opt": opt})
+    try:
+        return trace(lambda opt: step(opt), {"opt": opt})
+    except TraceError as exc:
+        if not any(group.get("capturable") is False for group in opt.param_groups):
+            raise
+        # Some non-capturable paths decide on step counts in Python (RAdam's rectification,
+        # ASGD's averaging): the capturable path computes the same update on the device.
+        try:
+            return trace(lambda opt: step(opt), {"opt": opt}, capturable=True)
+        except TraceError:
+            raise exc from None
 
 
 def eager_step(opt: torch.optim.Optimizer) -> Any:

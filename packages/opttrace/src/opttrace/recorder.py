@@ -47,7 +47,7 @@ class TracedTensor(torch.Tensor):
 
     # No torch-function layer: every method call on a traced tensor would otherwise pay for
     # re-wrapping its results, and the dispatch mode records ops below it anyway.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(
@@ -141,6 +141,11 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         if kwargs:
             node.kwargs = kwargs
         return node
+
+    def assert_true(self, node: ScalarNode, where: str) -> None:
+        """A runtime check in the graph that a scalar condition holds (``torch._check``)."""
+        cond = node.fx_node if node.fx_node is not None else node.hint
+        self.call(aten._assert_scalar.default, (cond, f"torch._check failed at {where}"))
 
     def decided(self, node: ScalarNode, value: Any) -> None:
         if self.on_decision is not None:

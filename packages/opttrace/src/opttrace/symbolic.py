@@ -190,6 +190,11 @@ class ScalarNode:
         return bool(self._decide(file, line))
 
     def expect_true(self, file: str, line: int) -> bool:
+        # torch._check(cond): on a value read from a tensor, a runtime assertion in the graph
+        # (as eager would raise there); on inputs' scalars, a guarded decision.
+        if self.hint is None or self.expr is None:
+            self.recorder.assert_true(self, f"{file}:{line}")
+            return True
         return bool(self._decide(file, line))
 
     def guard_or_false(self, file: str, line: int) -> bool:

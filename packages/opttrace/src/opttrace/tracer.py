@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -38,33 +39,42 @@ class TracedStep:
     effects: tuple[Effect, ...]
     num_outputs: int
     seconds: float
+    capturable: bool = False
 
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
 
-def trace(fn: Callable[..., Any], inputs: Mapping[str, Any]) -> TracedStep:
-    """Trace ``fn(**inputs)``; every value it reads from ``inputs`` is named ``L['<arg>']...``."""
+def trace(
+    fn: Callable[..., Any], inputs: Mapping[str, Any], *, capturable: bool = False
+) -> TracedStep:
+    """Trace ``fn(**inputs)``; every value it reads from ``inputs`` is named ``L['<arg>']...``.
+
+    By default the step runs exactly the Python eager would, so the graph computes what eager
+    computes, operation for operation. ``capturable=True`` shows optimizers with
+    ``capturable=True`` and ``torch.compiler.is_compiling()`` reporting True: the paths
+    torch.optim keeps on the device, for steps whose eager path decides on tensor values.
+    """
     # A trace allocates tens of thousands of small objects that all live until it ends; the
     # cyclic collector would rescan them again and again (a third of the time at 1,000 params).
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _trace(fn, inputs)
+        return _trace(fn, inputs, capturable)
     finally:
         if collecting:
             gc.enable()
 
 
-def _trace(fn: Callable[..., Any], inputs: Mapping[str, Any]) -> TracedStep:
+def _trace(fn: Callable[..., Any], inputs: Mapping[str, Any], capturable: bool) -> TracedStep:
     start = time.perf_counter()
     recorder = Recorder()
-    ctx = TraceContext(recorder)
+    ctx = TraceContext(recorder, capturable)
     for name, value in inputs.items():
         ctx.collect(value, LocalSource(name))
     try:
-        with recorder, compiling():
+        with recorder, compiling() if capturable else contextlib.nullcontext():
             args = {name: ctx.read(value, LocalSource(name)) for name, value in inputs.items()}
             result = fn(**args)
         ctx.ledger.returned(result)
@@ -95,6 +105,7 @@ def _trace(fn: Callable[..., Any], inputs: Mapping[str, Any]) -> TracedStep:
         effects=(*effects, *writes),
         num_outputs=len(ctx.outputs),
         seconds=time.perf_counter() - start,
+        capturable=capturable,
     )
 
 
@@ -107,7 +118,10 @@ def _eliminate_dead_code(graph: fx.Graph) -> None:
 
 
 def _is_writeback(node: fx.Node) -> bool:
-    return node.target is torch.ops.aten.copy_.default
+    return node.target in _EFFECTFUL
+
+
+_EFFECTFUL = (torch.ops.aten.copy_.default, torch.ops.aten._assert_scalar.default)
 
 
 def _constants_module(constants: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -2,9 +2,10 @@
 
 The view is an instance of a subclass of the optimizer's class sharing its attributes, so
 ``step`` and every helper it calls run unchanged; attribute reads go through the
-TraceContext (guards, fake tensors, tracked containers) and attribute stores go to the
-ledger. Param groups are shown with ``capturable=True``: torch.optim then keeps step counts
-and bias corrections as tensors instead of calling ``.item()``.
+TraceContext (guards, traced tensors, tracked containers) and attribute stores go to the
+ledger. ``foreach=None`` is shown as the path eager would take. A capturable trace shows
+param groups with ``capturable=True``: torch.optim then keeps step counts and bias
+corrections as tensors and never reads them back into Python.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from optguard import AttrSource, ItemSource, LengthGuard, Source, TypeGuard
 from optsidefx import Input
 
+from opttrace._torch_compat import default_foreach
 from opttrace.trackers import TrackedDict, TrackedList
 
 if TYPE_CHECKING:
@@ -53,9 +55,22 @@ class ViewInfo:
         for i, group in enumerate(groups):
             group_source = ItemSource(source, i)
             self.ctx.read(group, group_source)  # installs the group's type and key guards
-            overrides = {k: v for k, v in TRACE_OVERRIDES.items() if k in group}
+            overrides = _overrides(group, self.ctx.capturable)
             items.append(TrackedDict(self.ctx, group_source, group, overrides))
         return TrackedList(self.ctx, source, items)
+
+
+def _overrides(group: dict[str, Any], capturable: bool) -> dict[str, Any]:
+    """What the step should see instead of the user's values for some options."""
+    overrides = {}
+    if capturable and "capturable" in group:
+        overrides.update(TRACE_OVERRIDES)
+    if "foreach" in group and group["foreach"] is None:
+        # Eager decides from the parameters' types and devices; traced tensors would
+        # mislead that decision, so show the step the one eager takes.
+        params = [p for p in group["params"] if isinstance(p, torch.Tensor)]
+        overrides["foreach"] = default_foreach(params)
+    return overrides
 
 
 def _getattribute(self: Any, name: str) -> Any:
