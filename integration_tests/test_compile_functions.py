@@ -68,10 +68,30 @@ def test_train_step_with_closure_matches_eager_and_returns_the_loss():
 
 
 def test_train_step_with_closure_is_compiled():
-    *_, compiled_step, _, _ = _run_train_steps()
+    _, opt, *_, compiled_step, _, _ = _run_train_steps()
     report = optcompile.explain(compiled_step)
     assert report.fallback_reason is None
-    assert report.traces >= 1
+    # The first call sees params without grads (the closure makes them): one retrace, no more.
+    assert report.traces == 2, report.retrace_reasons
+    assert report.retrace_reasons == ["L['params'][0].grad: became a tensor (was None)"]
+    # The function replays the optimizer's step as a call; that step is itself compiled.
+    assert "result_0 = opt.step(closure)" in report.replay_code
+    step_report = optcompile.explain(opt)
+    assert step_report.fallback_reason is None and step_report.traces == 2  # + momentum state
+
+
+def test_tensor_work_after_step_in_a_compiled_function_is_refused_with_reason():
+    def step_then_scale(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> Any:
+        opt.step()
+        return torch._foreach_mul(params, 2.0)
+
+    model = small_model()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = optcompile.compile(step_then_scale, fullgraph=True)
+    with pytest.raises(TraceError, match=r"after calling L\['opt'\]\.step"):
+        compiled(list(model.parameters()), opt)
 
 
 # --- (b) a functional foreach update --------------------------------------------------------

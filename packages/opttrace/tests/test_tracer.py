@@ -55,7 +55,8 @@ def test_eager_path_reads_step_counts_as_graph_scalars_not_constants(params):
 def test_capturable_trace_keeps_every_value_on_the_device(params):
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
     init_state(opt)
-    traced = trace(lambda opt: opt.step.__wrapped__(opt), {"opt": opt}, capturable=True)
+    step = torch.optim.AdamW.step.__wrapped__  # without torch.optim's hook wrapper
+    traced = trace(lambda opt: step(opt), {"opt": opt}, capturable=True)
     assert torch.ops.aten._local_scalar_dense.default not in _call_targets(traced)
     assert traced.capturable
 

@@ -129,6 +129,11 @@ def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        for value in bound.arguments.values():
+            # The function's trace replays opt.step(...) as a call: the optimizer's own step
+            # is compiled, with the same options.
+            if isinstance(value, torch.optim.Optimizer):
+                _compile_optimizer(value, backend, fullgraph, recompile_limit)
         return compiled(bound.arguments)
 
     wrapper._optcompile = compiled  # type: ignore[attr-defined]

@@ -10,6 +10,8 @@ from optsidefx.errors import SideEffectError
 from optsidefx.ledger import (
     AttrStore,
     Build,
+    Call,
+    CallResult,
     Const,
     Effect,
     Input,
@@ -26,6 +28,8 @@ from optsidefx.writeback import append_writebacks
 __all__ = [
     "AttrStore",
     "Build",
+    "Call",
+    "CallResult",
     "Const",
     "Effect",
     "Input",

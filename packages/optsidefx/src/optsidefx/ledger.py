@@ -46,7 +46,14 @@ class Build:
     keys: tuple[Any, ...] = ()
 
 
-Ref = Output | Input | Const | Build
+@dataclass(frozen=True)
+class CallResult:
+    """What the ``index``-th recorded Call returned, on this run."""
+
+    index: int
+
+
+Ref = Output | Input | Const | Build | CallResult
 
 
 @dataclass(frozen=True)
@@ -76,13 +83,24 @@ class TensorWrite:
 
 
 @dataclass(frozen=True)
+class Call:
+    """``target.method(*args)``, run by the replay in program order (e.g. ``opt.step(closure)``
+    inside a compiled function: the optimizer runs its own, separately compiled step)."""
+
+    target: Input
+    method: str
+    args: tuple[Any, ...]
+    index: int
+
+
+@dataclass(frozen=True)
 class Return:
     """The value the compiled call returns."""
 
     value: Any
 
 
-Effect = ItemStore | AttrStore | TensorWrite | Return
+Effect = ItemStore | AttrStore | TensorWrite | Call | Return
 
 
 class Ledger:
@@ -99,6 +117,12 @@ class Ledger:
 
     def write_tensor(self, target: Source, value: Any) -> None:
         self._effects.append(TensorWrite(target, value))
+
+    def call(self, target: Input, method: str, args: tuple[Any, ...]) -> CallResult:
+        """Record a call the replay makes; returns the Ref of its result."""
+        index = sum(isinstance(e, Call) for e in self._effects)
+        self._effects.append(Call(target, method, args, index))
+        return CallResult(index)
 
     def returned(self, value: Any) -> None:
         self._effects.append(Return(value))
@@ -140,4 +164,6 @@ def _resolve(e: Effect, resolve: Callable[[Any], Ref]) -> Effect:
         return AttrStore(e.target, e.attr, resolve(e.value))
     if isinstance(e, Return):
         return Return(resolve(e.value))
+    if isinstance(e, Call):
+        return Call(e.target, e.method, tuple(resolve(a) for a in e.args), e.index)
     return e

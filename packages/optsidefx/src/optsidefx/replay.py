@@ -13,6 +13,8 @@ from optsidefx.errors import SideEffectError
 from optsidefx.ledger import (
     AttrStore,
     Build,
+    Call,
+    CallResult,
     Const,
     Effect,
     Input,
@@ -50,6 +52,8 @@ def generate_replay(effects: Sequence[Effect]) -> Replay:
             return code.var(r.source)
         if isinstance(r, Const):
             return code.literal(r.value)
+        if isinstance(r, CallResult):
+            return f"result_{r.index}"
         if isinstance(r, Build):
             items = [ref(i) for i in r.items]
             if r.kind is dict:
@@ -68,6 +72,9 @@ def generate_replay(effects: Sequence[Effect]) -> Replay:
         elif isinstance(e, AttrStore):
             target, value = ref(e.target), ref(e.value)
             code.emit(f"{target}.{e.attr} = {value}")
+        elif isinstance(e, Call):
+            args = ", ".join(ref(a) for a in e.args)
+            code.emit(f"result_{e.index} = {ref(e.target)}.{e.method}({args})")
         elif isinstance(e, Return):
             result = ref(e.value)
         elif not isinstance(e, TensorWrite):

@@ -31,7 +31,7 @@ from optguard import (
     TypeGuard,
     variable_name,
 )
-from optsidefx import Build, Const, Input, Ledger, Output, Ref
+from optsidefx import Build, CallResult, Const, Input, Ledger, Output, Ref
 
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder, TracedTensor
@@ -44,6 +44,24 @@ CONSTANT_TYPES = (bool, int, float, str, type(None))
 
 def is_constant(value: Any) -> bool:
     return type(value) in CONSTANT_TYPES
+
+
+class Pending:
+    """The result of a call the replay makes after the graph (``opt.step(closure)`` in a
+    compiled function): the traced code may return it, not use it."""
+
+    def __init__(self, result: CallResult, what: str) -> None:
+        self.result = result
+        self.what = what
+
+    def __getattr__(self, name: str) -> Any:
+        raise TraceError(
+            f"the result of {self.what}(...) exists only after the compiled function's graph "
+            f"ran; return it from the function instead of using it (it used .{name})"
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.__getattr__("__bool__"))
 
 
 def _is_state_dict(value: dict[Any, Any]) -> bool:
@@ -64,6 +82,7 @@ class TraceContext:
         self._fakes: dict[int, TracedTensor] = {}  # input index -> its traced tensor
         self._fake_index: dict[int, int] = {}  # id(traced tensor) -> input index
         recorder.on_decision = self._decided
+        self._object_sources: dict[int, Source] = {}  # other objects read, for the replay
         self._grad_bound: set[int] = set()
         self.outputs: list[Any] = []  # tensors and symbolic scalars the replay needs
         self._output_index: dict[int, int] = {}
@@ -124,6 +143,14 @@ class TraceContext:
             return
         self.guard(PredicateGuard(sources[0], template, value, tuple(sources[1:])))
 
+    def call_after_graph(self, target: Source, method: str, args: tuple[Any, ...]) -> Any:
+        """Record ``target.method(*args)`` for the replay; the trace sees a Pending result.
+
+        The replay runs after the graph, so tensor work after this call would run before it:
+        from here on the recorder refuses ops, with a message that says so."""
+        self.recorder.closed_by = f"{target.name()}.{method}(...)"
+        return Pending(self.ledger.call(Input(target), method, args), f"{target.name()}.{method}")
+
     def note_absent(self, source: Source) -> None:
         """The step looked for a dict entry that does not exist (e.g. state of a new param)."""
         self.guard(KeysGuard(source, None))
@@ -140,6 +167,7 @@ class TraceContext:
         if isinstance(value, torch.Tensor):
             return self._fake(value, source)
         self.guard(TypeGuard(source, type(value)))
+        self._object_sources[id(value)] = source
         if isinstance(value, torch.optim.Optimizer):
             return optimizer_view(self, value, source)
         if type(value) in (list, tuple):
@@ -193,6 +221,10 @@ class TraceContext:
 
     def resolve(self, value: Any) -> Ref:
         """The Ref replay uses for a value the step stored or returned."""
+        if isinstance(value, Pending):
+            return value.result
+        if id(value) in self._object_sources:
+            return Input(self._object_sources[id(value)])
         scalar = node_of(value)
         if scalar is not None and scalar.fx_node is None:
             return Const(scalar.hint)

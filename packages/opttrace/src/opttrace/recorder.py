@@ -93,6 +93,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self._scalar_ops: dict[tuple[Any, ...], fx.Node] = {}  # one node per scalar expression
         # Told of each Python decision taken on a symbolic scalar (the context guards it).
         self.on_decision: Callable[[ScalarNode, Any], None] | None = None
+        self.closed_by: str | None = None  # set when no more ops may be recorded, and why
 
     # -- values -------------------------------------------------------------------------
 
@@ -208,6 +209,11 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if self.closed_by is not None:
+            raise TraceError(
+                f"the function runs {func} after calling {self.closed_by}, which runs after "
+                "the compiled graph; move this work into the closure, or before the call"
+            )
         if func in _DATA_DEPENDENT:
             raise TraceError(
                 f"the step reads a tensor's value ({func}): Python control flow on tensor "

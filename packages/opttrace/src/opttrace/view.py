@@ -89,10 +89,18 @@ def _setattr(self: Any, name: str, value: Any) -> None:
     d[name] = value
 
 
+def _step(self: Any, closure: Any = None) -> Any:
+    """``opt.step(closure)`` called by a traced function: not traced into this graph but
+    replayed as a call, so the optimizer runs its own step (compiled separately) after the
+    function's tensor work, and the closure runs eagerly, as it must, each time."""
+    info: ViewInfo = object.__getattribute__(self, "__dict__")[_INFO]
+    return info.ctx.call_after_graph(info.source, "step", () if closure is None else (closure,))
+
+
 def _view_class(cls: type) -> type:
     view = _VIEW_CLASSES.get(cls)
     if view is None:
-        namespace = {"__getattribute__": _getattribute, "__setattr__": _setattr}
+        namespace = {"__getattribute__": _getattribute, "__setattr__": _setattr, "step": _step}
         view = _VIEW_CLASSES[cls] = type(cls.__name__, (cls,), namespace)
     return view
 
