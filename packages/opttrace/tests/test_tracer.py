@@ -135,3 +135,36 @@ def test_is_compiling_reports_true_only_inside_a_capturable_trace():
     trace(fn, {"x": torch.ones(2)}, capturable=True)
     assert seen == [False, True]
     assert torch.compiler.is_compiling() is False
+
+
+@torch.library.custom_op("opttrace_test::halve", mutates_args=())
+def _halve(x: torch.Tensor) -> torch.Tensor:
+    return x / 2
+
+
+@torch.library.custom_op("opttrace_test::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x * 3  # no fake (meta) implementation registered
+
+
+@_halve.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_custom_op_with_a_fake_implementation_is_traced_as_one_node():
+    traced = trace(lambda x: _halve(x) + 1, {"x": torch.ones(3)})
+    assert torch.ops.opttrace_test.halve.default in _call_targets(traced)
+
+
+def test_op_without_meta_kernel_names_the_op_file_and_line():
+    def step(x):
+        return _opaque(x)  # the op has no meta kernel
+
+    try:
+        trace(step, {"x": torch.ones(2)})
+    except TraceError as exc:
+        assert "opttrace_test.opaque" in exc.reason and "meta" in exc.reason
+        assert exc.where == f"{__file__}:{step.__code__.co_firstlineno + 1}"
+    else:
+        raise AssertionError("expected a TraceError")

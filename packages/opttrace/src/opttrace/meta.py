@@ -134,8 +134,16 @@ def _run_meta(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     meta_kwargs = {k: to_meta(v) for k, v in kwargs.items()}
     try:
         out = func(*(to_meta(a) for a in args), **meta_kwargs)
-    except NotImplementedError as exc:
-        raise TraceError(f"{func} has no meta kernel, so the tracer cannot run it") from exc
+    except (NotImplementedError, RuntimeError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        missing = isinstance(exc, NotImplementedError) or "fake impl" in detail
+        if missing:
+            raise TraceError(
+                f"{func} has no meta kernel (a shape/dtype rule), so the tracer cannot run "
+                f"it: {detail}. Register one (for a custom op: register_fake) or run the "
+                "step eagerly"
+            ) from exc
+        raise TraceError(f"{func} fails on these inputs: {detail}") from exc
     return _to_specs(out)
 
 
