@@ -1,12 +1,15 @@
 """Trace time of AdamW.step for N parameters on the CPU (issue: < 1 s for 1,000 params).
 
 Usage: python benchmarks/trace_time.py [--sizes 10 100 1000] [--repeats 3]
-Writes benchmarks/results/trace_time_cpu.md.
+    [--machine "CPU dev machine"]
+Writes benchmarks/results/trace_time_cpu.md: median trace seconds, graph nodes and graph
+inputs per size and foreach setting. Sizes of 1,000 and more use at most 3 repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -19,45 +22,56 @@ from opttrace import trace_step
 RESULTS = Path(__file__).parent / "results" / "trace_time_cpu.md"
 
 
-def time_trace(n: int, foreach: bool, repeats: int) -> tuple[float, int]:
+def time_trace(n: int, foreach: bool, repeats: int) -> tuple[float, int, int]:
+    """Median seconds of ``repeats`` traces, graph node count and graph input count."""
     params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(n)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
-    times, nodes = [], 0
+    times, nodes, inputs = [], 0, 0
     for _ in range(repeats):
         start = time.perf_counter()
         traced = trace_step(opt)
         times.append(time.perf_counter() - start)
         nodes = len(traced.graph.nodes)
-    return statistics.median(times), nodes
+        inputs = len(traced.input_sources)
+    return statistics.median(times), nodes, inputs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--machine", default="CPU dev machine", help="recorded in the file")
     args = parser.parse_args()
+    load = os.getloadavg()[0]  # other jobs sharing the cores show up here
     time_trace(2, True, 1)  # warm-up: imports and first-use caches stay out of the numbers
     rows = []
     for n in args.sizes:
         for foreach in (True, False):
-            repeats = 1 if n >= 1000 else args.repeats
-            seconds, nodes = time_trace(n, foreach, repeats)
-            rows.append(f"| {n} | {foreach} | {seconds:.3f} | {nodes} | {repeats} |")
+            repeats = min(args.repeats, 3) if n >= 1000 else args.repeats
+            seconds, nodes, inputs = time_trace(n, foreach, repeats)
+            rows.append(f"| {n} | {foreach} | {seconds:.3f} | {nodes} | {inputs} | {repeats} |")
             print(rows[-1], flush=True)
+    python = os.path.relpath(sys.executable)
+    if python.startswith(".."):  # an interpreter outside the repo: name it plainly
+        python = "python"
     text = "\n".join(
         [
             "# Trace time: AdamW.step, 8x8 float32 params, CPU",
             "",
-            f"Command: `{' '.join(['python', 'benchmarks/trace_time.py', *sys.argv[1:]])}`  ",
-            f"Machine: {platform.processor() or platform.machine()}, "
-            f"{torch.get_num_threads()} threads; Python {platform.python_version()}, "
-            f"torch {torch.__version__}  ",
-            "Median over `repeats` traces (after one warm-up trace). Target: < 1 s at 1,000.",
+            f"Command: `{' '.join([python, 'benchmarks/trace_time.py', *sys.argv[1:]])}` "
+            "(from the repo root)  ",
+            f"Machine: {args.machine}; {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+            f"1-min load average {load:.2f} at start  ",
+            f"Versions: Python {platform.python_version()}, torch {torch.__version__}  ",
+            "Median over `repeats` traces of `opttrace.trace_step` (after one warm-up trace); "
+            "graph inputs are tensors and symbolic float hyperparameters. "
+            "Target: < 1 s at 1,000 params.",
             "",
-            "| params | foreach | trace s | graph nodes | repeats |",
-            "| --- | --- | --- | --- | --- |",
+            "| params | foreach | trace s | graph nodes | graph inputs | repeats |",
+            "| --- | --- | --- | --- | --- | --- |",
             *rows,
             "",
         ]
