@@ -35,6 +35,8 @@ aten = torch.ops.aten
 _DATA_DEPENDENT = {aten.nonzero.default, aten.equal.default}
 _SCALAR_TYPES = {True: float, False: int}
 _NAMES: dict[Any, str] = {}  # node name stem per call target
+# View ops whose output, when it has its input's shape and strides, is all of its input.
+_FULL_ALIAS = {aten.alias.default, aten.detach.default, aten.view.default, aten.expand.default}
 
 
 class TracedTensor(torch.Tensor):
@@ -44,6 +46,11 @@ class TracedTensor(torch.Tensor):
     _node: fx.Node | None
     _item: tuple[fx.Node, int] | None  # (list node, index) for foreach outputs
     _spec: Spec
+    # Aliasing: tensors sharing all of one value (detach, alias) share one list; a partial
+    # view (slice, select, reshape) knows its base and goes stale when the base is written.
+    _aliases: list[TracedTensor] | None
+    _view_of: TracedTensor | None
+    _stale: str | None
 
     # No torch-function layer: every method call on a traced tensor would otherwise pay for
     # re-wrapping its results, and the dispatch mode records ops below it anyway.
@@ -62,6 +69,9 @@ class TracedTensor(torch.Tensor):
         t._node = None
         t._item = None
         t._spec = spec
+        t._aliases = None
+        t._view_of = None
+        t._stale = None
         return t
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -94,6 +104,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         # Told of each Python decision taken on a symbolic scalar (the context guards it).
         self.on_decision: Callable[[ScalarNode, Any], None] | None = None
         self.closed_by: str | None = None  # set when no more ops may be recorded, and why
+        self._views: dict[int, list[TracedTensor]] = {}  # id(tensor) -> its partial views
 
     # -- values -------------------------------------------------------------------------
 
@@ -155,6 +166,8 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
     def node_of(self, t: TracedTensor) -> fx.Node:
         if t._recorder is not self:
             raise TraceError("a tensor from another trace reached this one")
+        if t._stale is not None:
+            raise TraceError(t._stale)
         if t._node is None:
             assert t._item is not None
             lst, i = t._item
@@ -228,7 +241,10 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         device = _device(args, kwargs)
         if not written:
             node = self._record(func, args, kwargs, specs)
-            return self._wrap(node, specs, device)
+            out = self._wrap(node, specs, device)
+            if compat.is_view(func) and isinstance(args[0], TracedTensor):
+                self._note_view(func, args[0], out)
+            return out
         functional = compat.functional_variant(func)
         if functional is None:
             raise TraceError(f"{func} writes to its input and has no functional form to trace")
@@ -276,7 +292,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         node = self._record(functional, pure_args, pure_kwargs, specs)
         self._list_len[node] = n
         for i, t in enumerate(targets):
-            t._node, t._item = None, (node, i)
+            self._set_value(_written_tensor(func, t), None, (node, i))
         return None if not func._schema.returns else targets
 
     def _record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], specs: Any) -> Any:
@@ -311,15 +327,57 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             outs.append(t)
         return outs
 
-    def _rebind(self, target: TracedTensor, node: fx.Node, spec: Spec) -> None:
+    def _rebind(self, target: Any, node: fx.Node, spec: Spec) -> None:
+        target = _written_tensor(None, target)
         if spec.shape != tuple(target.shape) or spec.dtype != target.dtype:
             raise TraceError(
                 f"an in-place op changes a tensor's shape or dtype ({list(target.shape)} "
                 f"{target.dtype} -> {list(spec.shape)} {spec.dtype}); resize in place "
                 "cannot be traced"
             )
-        target._node, target._item = node, None
+        self._set_value(target, node, None)
         node.meta["val"] = target
+
+    def _set_value(
+        self, target: TracedTensor, node: fx.Node | None, item: tuple[fx.Node, int] | None
+    ) -> None:
+        """Bind ``target`` (and every full alias of it) to a new value; views of it go stale."""
+        if target._view_of is not None:
+            raise TraceError(
+                f"the step writes in place through a view (shape {list(target.shape)}) of "
+                "another tensor; write to the tensor itself (views cannot be written back yet)"
+            )
+        for t in target._aliases or (target,):
+            t._node, t._item = node, item
+            for view in self._views.pop(id(t), ()):
+                view._stale = (
+                    f"the step uses a view (shape {list(view.shape)}) of a tensor after writing "
+                    "that tensor in place; take the view again after the write"
+                )
+
+    def _note_view(self, func: Any, base: TracedTensor, out: Any) -> None:
+        outs = out if isinstance(out, list | tuple) else (out,)
+        for view in outs:
+            full = view._spec == base._spec and func in _FULL_ALIAS
+            if full and base._view_of is None:
+                group = base._aliases or [base]
+                base._aliases = view._aliases = group
+                group.append(view)
+            else:
+                root = base._view_of or base
+                view._view_of = root
+                for alias in root._aliases or (root,):
+                    self._views.setdefault(id(alias), []).append(view)
+
+
+def _written_tensor(func: Any, t: Any) -> TracedTensor:
+    if not isinstance(t, TracedTensor):
+        raise TraceError(
+            f"the step writes in place to a tensor that is not one of its inputs "
+            f"({'a ' + str(func) + ' target' if func else 'shape ' + str(list(t.shape))}): "
+            "a global, a closure variable or a tensor the tracer does not follow"
+        )
+    return t
 
 
 def t_spec(t: TracedTensor) -> Spec:

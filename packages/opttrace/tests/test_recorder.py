@@ -1,0 +1,130 @@
+"""The recorder: functional graphs from in-place code, aliasing, foreach lists, metadata."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from opttrace import TraceError, trace
+
+aten = torch.ops.aten
+
+
+def _targets(traced):
+    return [n.target for n in traced.graph.nodes if n.op == "call_function"]
+
+
+def _run(traced, *inputs):
+    """Run the traced graph with the torch ops it names (the reference semantics)."""
+    return traced.graph_module(*inputs)
+
+
+def test_in_place_ops_become_functional_ops_and_one_trailing_write():
+    def step(x):
+        x.mul_(2).add_(1)
+
+    traced = trace(step, {"x": torch.ones(3)})
+    targets = _targets(traced)
+    assert targets == [aten.mul.Tensor, aten.add.Tensor, aten.copy_.default]
+    x = torch.full((3,), 2.0)
+    _run(traced, x)
+    torch.testing.assert_close(x, torch.full((3,), 5.0))
+
+
+def test_out_variant_is_recorded_functionally_and_rebinds_out():
+    def step(a, b, out):
+        torch.maximum(a, b, out=out)
+        return out * 1
+
+    traced = trace(step, {"a": torch.zeros(2), "b": torch.ones(2), "out": torch.empty(2)})
+    assert aten.maximum.default in _targets(traced)
+    assert aten.maximum.out not in _targets(traced)
+
+
+def test_a_foreach_result_list_feeds_the_next_foreach_op_as_one_node():
+    def step(xs):
+        ys = torch._foreach_mul(xs, 2.0)
+        return torch._foreach_add(ys, 1.0)
+
+    traced = trace(step, {"xs": [torch.ones(2), torch.ones(3), torch.ones(4)]})
+    add = next(n for n in traced.graph.nodes if n.target is aten._foreach_add.Scalar)
+    assert add.args[0].target is aten._foreach_mul.Scalar  # not a list of three getitems
+    getitems = [n for n in traced.graph.nodes if n.target is operator.getitem]
+    assert len(getitems) == 3  # only for the returned tensors
+
+
+def test_writes_through_a_full_alias_reach_the_aliased_input():
+    def step(x):
+        x.detach().add_(1)
+        return x * 2
+
+    traced = trace(step, {"x": torch.ones(3)})
+    x = torch.ones(3)
+    (doubled,) = _run(traced, x)
+    torch.testing.assert_close(x, torch.full((3,), 2.0))
+    torch.testing.assert_close(doubled, torch.full((3,), 4.0))
+
+
+def test_write_through_a_partial_view_is_refused():
+    def step(x):
+        x[:2].add_(1)
+
+    with pytest.raises(TraceError, match="through a view"):
+        trace(step, {"x": torch.ones(3)})
+
+
+def test_using_a_view_after_its_base_was_written_is_refused():
+    def step(x):
+        head = x[:2]
+        x.add_(1)
+        return head * 2
+
+    with pytest.raises(TraceError, match="after writing that tensor in place"):
+        trace(step, {"x": torch.ones(3)})
+
+
+def test_a_view_taken_and_used_before_the_write_is_fine():
+    def step(x):
+        doubled_head = x[:2] * 2
+        x.add_(1)
+        return doubled_head
+
+    traced = trace(step, {"x": torch.ones(3)})
+    x = torch.ones(3)
+    (out,) = _run(traced, x)
+    torch.testing.assert_close(out, torch.full((2,), 2.0))
+    torch.testing.assert_close(x, torch.full((3,), 2.0))
+
+
+def test_writing_in_place_to_a_tensor_that_is_not_an_input_is_refused():
+    hidden = torch.zeros(1)
+
+    def step(x):
+        hidden.add_(x.sum())
+
+    with pytest.raises(TraceError):
+        trace(step, {"x": torch.ones(3)})
+
+
+def test_output_metadata_follows_type_promotion_and_broadcasting():
+    def step(x, h):
+        return x * h, (x > 0), x.sum(0)
+
+    traced = trace(step, {"x": torch.ones(4, 3), "h": torch.ones(3, dtype=torch.float64)})
+    vals = [n.meta["val"] for n in traced.graph.output_node().args[0]]
+    assert (vals[0].dtype, tuple(vals[0].shape)) == (torch.float64, (4, 3))
+    assert vals[1].dtype is torch.bool
+    assert tuple(vals[2].shape) == (3,)
+
+
+def test_traced_tensors_report_the_real_device_and_no_storage():
+    seen = {}
+
+    def step(x):
+        seen["device"] = x.device
+        seen["type"] = type(x).__name__
+        return x + 1
+
+    trace(step, {"x": torch.ones(2)})
+    assert seen == {"device": torch.device("cpu"), "type": "TracedTensor"}
