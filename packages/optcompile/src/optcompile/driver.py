@@ -9,6 +9,7 @@ before, in which case the call runs eagerly (with one warning saying why).
 
 from __future__ import annotations
 
+import gc
 import warnings
 import weakref
 from collections.abc import Callable
@@ -84,6 +85,17 @@ class Compiled:
         return entry.run(L)
 
     def _miss(self, L: Locals) -> CompiledEntry | None:
+        # Tracing and lowering build tens of thousands of long-lived objects at 1,000 params;
+        # the cyclic collector would rescan them again and again (up to half the time).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._trace_and_lower(L)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _trace_and_lower(self, L: Locals) -> CompiledEntry | None:
         if self.stats.fallback_reason is not None:
             return None
         reason = self.cache.miss_reason(L)

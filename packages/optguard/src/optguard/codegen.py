@@ -27,6 +27,8 @@ class SourceCode:
         # Generated locals must not shadow builtins the code calls (type, len, tuple) or be
         # keywords: an argument named ``type`` would otherwise break every check.
         self._taken: set[str] = {"L", *dir(builtins), *keyword.kwlist}
+        self._constant_names: dict[Any, str] = {}
+        self._next_suffix: dict[str, int] = {}
 
     def var(self, source: Source) -> str:
         """The local variable holding ``source``'s value, emitting its fetch if needed."""
@@ -39,12 +41,17 @@ class SourceCode:
         return name
 
     def constant(self, value: Any, hint: str) -> str:
-        """A global name in the generated function's namespace bound to ``value``."""
-        for name, bound in self.constants.items():
-            if bound is value:
-                return name
-        name = self._fresh(hint)
-        self.constants[name] = value
+        """A global name in the generated function's namespace bound to ``value``; equal
+        values (two ``torch.device('cpu')`` objects) share one name."""
+        try:
+            key: Any = (type(value), value)
+            hash(key)
+        except TypeError:
+            key = ("id", id(value))
+        name = self._constant_names.get(key)
+        if name is None:
+            name = self._constant_names[key] = self._fresh(hint)
+            self.constants[name] = value
         return name
 
     def literal(self, value: Any) -> str:
@@ -59,10 +66,13 @@ class SourceCode:
         self.lines.append(f"{self.indent}{line}")
 
     def _fresh(self, base: str) -> str:
-        name, n = base, 1
+        name, n = base, self._next_suffix.get(base, 1)
+        if n > 1:
+            name = f"{base}_{n}"
         while name in self._taken or name in self.constants:
             n += 1
             name = f"{base}_{n}"
+        self._next_suffix[base] = n + 1
         self._taken.add(name)
         return name
 
