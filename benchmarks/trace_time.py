@@ -12,6 +12,7 @@ import argparse
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,23 @@ def time_trace(n: int, foreach: bool, repeats: int) -> tuple[float, int, int]:
     return statistics.median(times), nodes, inputs
 
 
+def source_revision() -> str:
+    """The commit measured, and whether packages/ had uncommitted changes (or "unknown")."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "packages"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    if not head:
+        return "unknown"
+    return f"git {head}" + (" with uncommitted changes under packages/" if dirty else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000])
@@ -45,6 +63,7 @@ def main() -> None:
     parser.add_argument("--machine", default="CPU dev machine", help="recorded in the file")
     args = parser.parse_args()
     load = os.getloadavg()[0]  # other jobs sharing the cores show up here
+    revision = source_revision()
     time_trace(2, True, 1)  # warm-up: imports and first-use caches stay out of the numbers
     rows = []
     for n in args.sizes:
@@ -65,7 +84,8 @@ def main() -> None:
             f"Machine: {args.machine}; {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
             f"1-min load average {load:.2f} at start  ",
-            f"Versions: Python {platform.python_version()}, torch {torch.__version__}  ",
+            f"Versions: Python {platform.python_version()}, torch {torch.__version__}; "
+            f"source {revision}  ",
             "Median over `repeats` traces of `opttrace.trace_step` (after one warm-up trace); "
             "graph inputs are tensors and symbolic float hyperparameters. "
             "Target: < 1 s at 1,000 params.",
