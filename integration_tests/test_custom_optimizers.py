@@ -16,7 +16,7 @@ from typing import Any
 import optcompile
 import pytest
 import torch
-from optcompile.testing import assert_same, set_grads, small_model
+from optcompile.testing import assert_same, run_pair, set_grads, small_model
 
 STEPS = 5
 
@@ -188,3 +188,36 @@ def test_custom_optimizer_with_lambda_lr_matches_eager_without_retrace(name):
     report = optcompile.explain(opt)
     assert report.fallback_reason is None
     assert report.traces == baseline, report.retrace_reasons
+
+
+class IntStepAdam(torch.optim.Optimizer):
+    """Adam keeping its step count as a Python int in state, as many custom optimizers do."""
+
+    def __init__(self, params: Any, lr: float = 1e-2, betas: tuple[float, float] = (0.9, 0.99)):
+        super().__init__(params, {"lr": lr, "betas": betas})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["m"] = torch.zeros_like(p)
+                    state["v"] = torch.zeros_like(p)
+                state["step"] += 1
+                t = state["step"]
+                state["m"].lerp_(p.grad, 1 - beta1)
+                state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                denom = (state["v"] / (1 - beta2**t)).sqrt_().add_(1e-8)
+                p.addcdiv_(state["m"], denom, value=-group["lr"] / (1 - beta1**t))
+
+
+def test_an_int_step_count_in_state_is_a_graph_input_not_a_retrace():
+    model, opt, reference, eager = run_pair(lambda ps: IntStepAdam(ps), steps=6)
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    report = optcompile.explain(opt)
+    assert report.traces == 2, report.retrace_reasons  # the second sees the created state
+    assert all(opt.state[p]["step"] == 6 for p in model.parameters())
+    assert all(type(opt.state[p]["step"]) is int for p in model.parameters())

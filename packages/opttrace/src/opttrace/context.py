@@ -64,6 +64,15 @@ class Pending:
         return bool(self.__getattr__("__bool__"))
 
 
+def _in_optimizer_state(source: Source) -> bool:
+    """Whether ``source`` is inside an entry of an optimizer's ``state`` (keyed by a param)."""
+    while isinstance(source, AttrSource | ItemSource | KeyedSource):
+        if isinstance(source, KeyedSource):
+            return True
+        source = source.base
+    return False
+
+
 def _is_state_dict(value: dict[Any, Any]) -> bool:
     return isinstance(value, defaultdict) or any(isinstance(k, torch.Tensor) for k in value)
 
@@ -157,9 +166,10 @@ class TraceContext:
 
     def read(self, value: Any, source: Source) -> Any:
         """What the step sees for the input ``value`` found at ``source``; installs guards."""
-        if type(value) is float:
-            # A hyperparameter: a graph input, so changing it never retraces.
-            self.guard(TypeGuard(source, float))
+        if type(value) is float or (type(value) is int and _in_optimizer_state(source)):
+            # A hyperparameter, or a count the step keeps in its state (state['step'] += 1):
+            # a graph input, so a new value never retraces.
+            self.guard(TypeGuard(source, type(value)))
             return self.recorder.scalar_placeholder(variable_name(source), value, source)
         if is_constant(value):
             self.guard(ConstantGuard(source, value))

@@ -236,6 +236,13 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             return self._read_scalar(args[0])
         if func.name().startswith("aten::_foreach_"):
             return self._foreach(func, args, kwargs)
+        if torch.Tag.pointwise not in func.tags:
+            # An int argument of a view, reduction or factory can decide output shapes:
+            # symbolic ints are specialized there (a guard on their value).
+            args, kwargs = (
+                _specialize_ints(args),
+                dict(zip(kwargs, _specialize_ints(kwargs.values()), strict=True)),
+            )
         specs = meta.infer(func, _specs(args), _specs_kw(kwargs))
         written = compat.written_args(func)
         device = _device(args, kwargs)
@@ -368,6 +375,17 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
                 view._view_of = root
                 for alias in root._aliases or (root,):
                     self._views.setdefault(id(alias), []).append(view)
+
+
+def _specialize_ints(values: Any) -> list[Any]:
+    out = []
+    for v in values:
+        if isinstance(v, torch.SymInt | torch.SymBool):
+            v = int(v) if isinstance(v, torch.SymInt) else bool(v)
+        elif isinstance(v, list | tuple) and any(isinstance(x, torch.SymInt) for x in v):
+            v = type(v)(int(x) if isinstance(x, torch.SymInt) else x for x in v)
+        out.append(v)
+    return out
 
 
 def _written_tensor(func: Any, t: Any) -> TracedTensor:
