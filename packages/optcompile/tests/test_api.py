@@ -65,8 +65,12 @@ def test_explain_reports_traces_guards_and_graph():
 
 
 def test_reset_drops_every_entry():
+    from opttrace import meta
+
     model, opt, *_ = run_pair(OPTIMIZERS["sgd_momentum_foreach"], steps=3)
+    assert meta._CACHE
     optcompile.reset()
+    assert not meta._CACHE  # the tracer's op-metadata cache goes too
     assert optcompile.explain(opt).traces == 0
     set_grads(model, 0)
     opt.step()

@@ -20,7 +20,7 @@ import torch
 from optguard import GuardedCache, Locals, compile_check, compile_fetch
 from optkernels import Backend, Plan
 from optsidefx import Replay, generate_replay
-from opttrace import TracedStep, TraceError
+from opttrace import TracedStep, TraceError, clear_cache
 
 from optcompile.errors import FallbackWarning
 
@@ -147,6 +147,7 @@ def lower(traced: TracedStep, backend: Backend) -> CompiledEntry:
 def reset_all() -> None:
     for compiled in list(_ALL):
         compiled.reset()
+    clear_cache()
 
 
 def newest(compiled: Compiled) -> CompiledEntry | None:

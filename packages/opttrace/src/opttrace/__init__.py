@@ -8,12 +8,14 @@ an ``fx.GraphModule`` of ATen ops, its input Sources, a GuardSet and the resolve
 """
 
 from opttrace.errors import TraceError
+from opttrace.meta import clear_cache
 from opttrace.optimizer import eager_only_reason, eager_step, init_state, trace_step
 from opttrace.tracer import TracedStep, trace
 
 __all__ = [
     "TraceError",
     "TracedStep",
+    "clear_cache",
     "eager_only_reason",
     "eager_step",
     "init_state",

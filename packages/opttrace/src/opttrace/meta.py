@@ -29,6 +29,11 @@ class Spec:
     dtype: torch.dtype
 
 
+def clear_cache() -> None:
+    """Forget cached op metadata (``optcompile.reset()`` calls this)."""
+    _CACHE.clear()
+
+
 def contiguous_stride(shape: Shape) -> Shape:
     stride, acc = [], 1
     for size in reversed(shape):
