@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -57,6 +58,40 @@ def rename_placeholder(graph: fx.Graph, node: fx.Node, name: str) -> None:
     """Give a placeholder a readable name (fx has no public API to rename nodes)."""
     node._rename(name)
     node.target = node.name
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What the recorder needs to know about an ATen op, looked up once per op."""
+
+    kind: str  # "foreach", "read" (a tensor's value into Python), "refused" or "op"
+    pointwise: bool
+    written: tuple[str, ...]
+    view: bool
+
+
+_OP_INFO: dict[Any, OpInfo] = {}
+_READ_OPS = {"aten::_local_scalar_dense"}
+_REFUSED_OPS = {"aten::nonzero", "aten::equal"}  # results read back into Python
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _OP_INFO.get(func)
+    if info is None:
+        name = func.name()
+        base = name.split(".")[0]
+        kind = (
+            "foreach"
+            if name.startswith("aten::_foreach_")
+            else "read"
+            if base in _READ_OPS
+            else "refused"
+            if base in _REFUSED_OPS
+            else "op"
+        )
+        pointwise = torch.Tag.pointwise in func.tags
+        info = _OP_INFO[func] = OpInfo(kind, pointwise, written_args(func), is_view(func))
+    return info
 
 
 @functools.cache

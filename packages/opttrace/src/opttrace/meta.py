@@ -53,12 +53,15 @@ _CACHE: dict[Any, Any] = {}
 _MISSING = object()
 
 
-def infer(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def infer(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any], pointwise: bool | None = None
+) -> Any:
     """Output Specs of ``func`` (a Spec, a list of Specs, or a tuple of those).
 
     Tensor arguments are given as Specs; everything else as the Python values the op gets.
     """
-    pointwise = torch.Tag.pointwise in func.tags
+    if pointwise is None:
+        pointwise = torch.Tag.pointwise in func.tags
     common = _common_contiguous_shape(args, kwargs) if pointwise else None
     key = (func, _key(args, common), _key(tuple(kwargs.items()), common))
     out = _CACHE.get(key, _MISSING)

@@ -31,8 +31,6 @@ from opttrace.symbolic import ScalarNode
 
 aten = torch.ops.aten
 
-# Ops whose output is read back into Python: the step depends on a tensor's value.
-_DATA_DEPENDENT = {aten.nonzero.default, aten.equal.default}
 _SCALAR_TYPES = {True: float, False: int}
 _NAMES: dict[Any, str] = {}  # node name stem per call target
 # View ops whose output, when it has its input's shape and strides, is all of its input.
@@ -227,29 +225,30 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
                 f"the function runs {func} after calling {self.closed_by}, which runs after "
                 "the compiled graph; move this work into the closure, or before the call"
             )
-        if func in _DATA_DEPENDENT:
+        info = compat.op_info(func)
+        if info.kind == "foreach":
+            return self._foreach(func, args, kwargs)
+        if info.kind == "read":
+            return self._read_scalar(args[0])
+        if info.kind == "refused":
             raise TraceError(
                 f"the step reads a tensor's value ({func}): Python control flow on tensor "
                 "values, .item() and bool(tensor) cannot be traced"
             )
-        if func is aten._local_scalar_dense.default:
-            return self._read_scalar(args[0])
-        if func.name().startswith("aten::_foreach_"):
-            return self._foreach(func, args, kwargs)
-        if torch.Tag.pointwise not in func.tags:
+        if not info.pointwise:
             # An int argument of a view, reduction or factory can decide output shapes:
             # symbolic ints are specialized there (a guard on their value).
             args, kwargs = (
                 _specialize_ints(args),
                 dict(zip(kwargs, _specialize_ints(kwargs.values()), strict=True)),
             )
-        specs = meta.infer(func, _specs(args), _specs_kw(kwargs))
-        written = compat.written_args(func)
+        specs = meta.infer(func, _specs(args), _specs_kw(kwargs), info.pointwise)
+        written = info.written
         device = _device(args, kwargs)
         if not written:
             node = self._record(func, args, kwargs, specs)
             out = self._wrap(node, specs, device)
-            if compat.is_view(func) and isinstance(args[0], TracedTensor):
+            if info.view and isinstance(args[0], TracedTensor):
                 self._note_view(func, args[0], out)
             return out
         functional = compat.functional_variant(func)
