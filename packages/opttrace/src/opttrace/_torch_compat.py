@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
