@@ -23,7 +23,8 @@ def set_grads(model: torch.nn.Module, step: int) -> None:
     """Deterministic random gradients for ``step`` (the same on copies of a model)."""
     gen = torch.Generator().manual_seed(1000 + step)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
+        grad = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        p.grad = grad.to(device=p.device, dtype=p.dtype)
 
 
 def run_pair(

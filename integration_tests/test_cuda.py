@@ -1,0 +1,118 @@
+"""On CUDA (skipped elsewhere): capturable=True, which eager accepts only for device params,
+and the eager paths of every optimizer with a float lr changed by a scheduler.
+
+Compiled vs eager on copies of one model over 4 steps, params and every state tensor. The
+tolerance is what eager needs between its own foreach and for-loop paths on this device
+(floored at 1e-6), as in test_parity_matrix.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optcompile
+import pytest
+import torch
+from optcompile.testing import set_grads, small_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+optim = torch.optim
+CAPTURABLE = {
+    "Adam": lambda ps, f: optim.Adam(ps, lr=1e-2, foreach=f, capturable=True),
+    "AdamW amsgrad": lambda ps, f: optim.AdamW(
+        ps, lr=1e-2, foreach=f, capturable=True, amsgrad=True, weight_decay=0.1
+    ),
+    "NAdam": lambda ps, f: optim.NAdam(ps, lr=1e-2, foreach=f, capturable=True),
+    "RAdam": lambda ps, f: optim.RAdam(ps, lr=1e-2, foreach=f, capturable=True),
+    "Adamax": lambda ps, f: optim.Adamax(ps, lr=1e-2, foreach=f, capturable=True),
+    "Adadelta": lambda ps, f: optim.Adadelta(ps, foreach=f, capturable=True),
+    "RMSprop centered": lambda ps, f: optim.RMSprop(
+        ps, lr=1e-2, foreach=f, capturable=True, centered=True, momentum=0.5
+    ),
+    "Rprop": lambda ps, f: optim.Rprop(ps, lr=1e-2, foreach=f, capturable=True),
+    "ASGD": lambda ps, f: optim.ASGD(ps, lr=1e-2, foreach=f, capturable=True),
+}
+DEFAULTS = {
+    "Adam": lambda ps, f: optim.Adam(ps, lr=1e-2, foreach=f),
+    "AdamW": lambda ps, f: optim.AdamW(ps, lr=1e-2, foreach=f),
+    "NAdam": lambda ps, f: optim.NAdam(ps, lr=1e-2, foreach=f),
+    "RAdam": lambda ps, f: optim.RAdam(ps, lr=1e-2, foreach=f),
+    "Adamax": lambda ps, f: optim.Adamax(ps, lr=1e-2, foreach=f),
+    "Adadelta": lambda ps, f: optim.Adadelta(ps, lr=1.0, foreach=f),
+    "Adagrad": lambda ps, f: optim.Adagrad(ps, lr=1e-2, foreach=f),
+    "RMSprop": lambda ps, f: optim.RMSprop(ps, lr=1e-2, foreach=f),
+    "Rprop": lambda ps, f: optim.Rprop(ps, lr=1e-2, foreach=f),
+    "SGD nesterov": lambda ps, f: optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, foreach=f),
+    "ASGD": lambda ps, f: optim.ASGD(ps, lr=1e-2, foreach=f),
+}
+STEPS = 4
+
+
+def _run(make: Callable[[list[torch.nn.Parameter]], Any], compiled: bool, schedule: bool):
+    model = small_model().cuda()
+    opt = make(list(model.parameters()))
+    if compiled:
+        opt = optcompile.compile(opt, backend="torch")
+    sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS) if schedule else None
+    for step in range(STEPS):
+        set_grads(model, step)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return model, opt
+
+
+def _values(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        out.append(p.detach())
+        out.extend(v for _, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor))
+    return out
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def _check(make_for: Callable[[bool], Any], foreach: bool, schedule: bool) -> None:
+    tolerance = max(
+        _max_diff(
+            _values(*_run(make_for(True), False, schedule)),
+            _values(*_run(make_for(False), False, schedule)),
+        ),
+        1e-6,
+    )
+    model, opt = _run(make_for(foreach), True, schedule)
+    reference, eager = _run(make_for(foreach), False, schedule)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None, report.fallback_reason
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert set(opt.state[p]) == set(eager.state[q])
+    assert _max_diff(_values(model, opt), _values(reference, eager)) <= tolerance
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize("name", sorted(CAPTURABLE))
+def test_capturable_on_cuda_matches_eager(name, foreach):
+    _check(lambda f: lambda ps: CAPTURABLE[name](ps, f), foreach, schedule=False)
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize("name", sorted(DEFAULTS))
+def test_eager_paths_on_cuda_match_eager_under_a_scheduler_without_retrace(name, foreach):
+    _check(lambda f: lambda ps: DEFAULTS[name](ps, f), foreach, schedule=True)
+    _, opt = _run(lambda ps: DEFAULTS[name](ps, foreach), True, schedule=True)
+    _, baseline = _run(lambda ps: DEFAULTS[name](ps, foreach), True, schedule=False)
+    assert optcompile.explain(opt).traces == optcompile.explain(baseline).traces
+
+
+def test_foreach_none_takes_the_foreach_path_on_cuda_like_eager():
+    model = small_model().cuda()
+    opt = optcompile.compile(optim.AdamW(model.parameters(), lr=1e-2), backend="torch")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert "_foreach_" in optcompile.explain(opt).graph_code
