@@ -91,6 +91,8 @@ class TraceContext:
         self._fakes: dict[int, TracedTensor] = {}  # input index -> its traced tensor
         self._fake_index: dict[int, int] = {}  # id(traced tensor) -> input index
         recorder.on_decision = self._decided
+        recorder.on_grad_store = self._grad_stored
+        self._optimizer_sources: set[Source] = set()
         self._object_sources: dict[int, Source] = {}  # other objects read, for the replay
         self._grad_bound: set[int] = set()
         self.outputs: list[Any] = []  # tensors and symbolic scalars the replay needs
@@ -144,6 +146,21 @@ class TraceContext:
         i = self._fake_index.get(id(fake))
         return None if i is None else self.input_tensors[i]
 
+    def _is_counter(self, source: Source) -> bool:
+        """Whether an int at ``source`` is state the step keeps (not a hyperparameter): inside
+        an optimizer's ``state``, or an attribute of the optimizer itself."""
+        if isinstance(source, AttrSource) and source.base in self._optimizer_sources:
+            return source.attr not in ("defaults", "param_groups")
+        return _in_optimizer_state(source)
+
+    def _grad_stored(self, tensor: TracedTensor, value: Any) -> None:
+        source = self.source_of(tensor)
+        if source is None:
+            raise TraceError(
+                "the step assigns .grad of a tensor it created; only inputs' .grad can be set"
+            )
+        self.ledger.store_attr(Input(source), "grad", value)
+
     def _decided(self, node: ScalarNode, value: Any) -> None:
         """Guard the outcome of a Python decision on symbolic scalars."""
         assert node.expr is not None
@@ -166,9 +183,10 @@ class TraceContext:
 
     def read(self, value: Any, source: Source) -> Any:
         """What the step sees for the input ``value`` found at ``source``; installs guards."""
-        if type(value) is float or (type(value) is int and _in_optimizer_state(source)):
-            # A hyperparameter, or a count the step keeps in its state (state['step'] += 1):
-            # a graph input, so a new value never retraces.
+        if type(value) is float or (type(value) is int and self._is_counter(source)):
+            # A hyperparameter, or a count the step keeps in its state or on the optimizer
+            # (state['step'] += 1, self.step_count += 1): a graph input, so a new value never
+            # retraces.
             self.guard(TypeGuard(source, type(value)))
             return self.recorder.scalar_placeholder(variable_name(source), value, source)
         if is_constant(value):
@@ -179,6 +197,7 @@ class TraceContext:
         self.guard(TypeGuard(source, type(value)))
         self._object_sources[id(value)] = source
         if isinstance(value, torch.optim.Optimizer):
+            self._optimizer_sources.add(source)
             return optimizer_view(self, value, source)
         if type(value) in (list, tuple):
             self.guard(LengthGuard(source, len(value)))
@@ -208,7 +227,7 @@ class TraceContext:
             grad_source = AttrSource(source, "grad")
             self.guard(NoneGuard(grad_source, real.grad is None))
             if real.grad is not None:
-                fake.grad = self._fake(real.grad, grad_source)
+                fake.__dict__["_grad_value"] = self._fake(real.grad, grad_source)
         return fake
 
     # -- after the step ran -----------------------------------------------------------------

@@ -84,6 +84,20 @@ class TracedTensor(torch.Tensor):
             "keep tensors it received (or made) past its own return"
         )
 
+    # ``.grad`` lives in the instance dict, not autograd's slot: a store to it is a side
+    # effect the recorder reports (replayed on the real tensor), and the cyclic collector can
+    # see the reference (autograd's slot would hide it and leak the whole trace).
+    @property
+    def grad(self) -> Any:
+        return self.__dict__.get("_grad_value")
+
+    @grad.setter
+    def grad(self, value: Any) -> None:
+        recorder = self._recorder
+        if recorder is not None and recorder.on_grad_store is not None:
+            recorder.on_grad_store(self, value)
+        self.__dict__["_grad_value"] = value
+
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         dtype = str(self.dtype).replace("torch.", "")
         return f"TracedTensor({dtype}, shape={list(self.shape)}, device={self.device})"
@@ -101,10 +115,18 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self._scalar_ops: dict[tuple[Any, ...], fx.Node] = {}  # one node per scalar expression
         # Told of each Python decision taken on a symbolic scalar (the context guards it).
         self.on_decision: Callable[[ScalarNode, Any], None] | None = None
+        # Told of each store to a traced tensor's ``.grad`` (the context records it).
+        self.on_grad_store: Callable[[TracedTensor, Any], None] | None = None
         self.closed_by: str | None = None  # set when no more ops may be recorded, and why
         self._views: dict[int, list[TracedTensor]] = {}  # id(tensor) -> its partial views
 
     # -- values -------------------------------------------------------------------------
+
+    def detach_hooks(self) -> None:
+        """Drop the callbacks into the trace's context (which holds the real inputs): the
+        graph keeps this recorder, and must not keep parameters alive through it."""
+        self.on_decision = None
+        self.on_grad_store = None
 
     def placeholder(self, name: str, real: torch.Tensor, source: Any) -> TracedTensor:
         """A traced stand-in for the input tensor ``real``, bound to a new placeholder."""

@@ -68,8 +68,17 @@ def trace(
 
 
 def _trace(fn: Callable[..., Any], inputs: Mapping[str, Any], capturable: bool) -> TracedStep:
-    start = time.perf_counter()
     recorder = Recorder()
+    try:
+        return _record(fn, inputs, capturable, recorder)
+    finally:
+        recorder.detach_hooks()
+
+
+def _record(
+    fn: Callable[..., Any], inputs: Mapping[str, Any], capturable: bool, recorder: Recorder
+) -> TracedStep:
+    start = time.perf_counter()
     ctx = TraceContext(recorder, capturable)
     for name, value in inputs.items():
         ctx.collect(value, LocalSource(name))

@@ -1,0 +1,123 @@
+"""Python side effects of a compiled step, replayed each call, compared with eager; and what
+the compiled entries keep alive."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import optcompile
+import pytest
+import torch
+from optcompile.testing import assert_same, run_pair, set_grads, small_model, step_both
+
+
+class LazyMomentum(torch.optim.Optimizer):
+    """SGD with momentum whose state is created inside step, the way custom optimizers do."""
+
+    def __init__(self, params: Any, lr: float = 0.1, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = torch.zeros_like(p)
+                state["buf"].mul_(group["momentum"]).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+class CountingDecay(torch.optim.Optimizer):
+    """Keeps a step counter on itself and decays its own lr inside step."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+        self.step_count = 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self.step_count += 1
+        for group in self.param_groups:
+            group["lr"] = group["lr"] * 0.9
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] / self.step_count)
+
+
+class ClearsGrads(torch.optim.Optimizer):
+    """Sets each grad to None after using it (an effect on .grad)."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+                p.grad = None
+
+
+def test_state_created_lazily_inside_step_matches_eager():
+    model, opt, reference, eager = run_pair(lambda ps: LazyMomentum(ps), steps=1)
+    # The first trace creates the buffers in the graph; its replay stores them in the state.
+    assert "] = {'buf': outs[" in optcompile.explain(opt).replay_code
+    step_both(model, opt, reference, eager, range(1, 5))
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and report.traces == 2
+
+
+def test_step_counter_and_lr_written_by_the_step_match_eager_without_retrace():
+    model, opt, reference, eager = run_pair(lambda ps: CountingDecay(ps), steps=6)
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    assert opt.step_count == eager.step_count == 6
+    assert type(opt.step_count) is int
+    assert opt.param_groups[0]["lr"] == eager.param_groups[0]["lr"]
+    report = optcompile.explain(opt)
+    assert report.traces == 1, report.retrace_reasons
+    assert "opt.step_count = outs[" in report.replay_code
+
+
+def test_grad_assigned_inside_step_is_replayed():
+    model, opt, reference, eager = run_pair(lambda ps: ClearsGrads(ps), steps=3)
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())
+    assert ".grad = None" in optcompile.explain(opt).replay_code
+
+
+def test_closure_that_assigns_grads_runs_eagerly_before_the_compiled_update():
+    model, reference = small_model(), small_model()
+    opt = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    eager = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+
+    def closure_for(m: torch.nn.Module, step: int) -> Any:
+        def closure() -> torch.Tensor:
+            set_grads(m, step)  # assigns p.grad for every parameter
+            return torch.tensor(float(step))
+
+        return closure
+
+    for step in range(4):
+        assert opt.step(closure_for(model, step)) == eager.step(closure_for(reference, step))
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    assert optcompile.explain(opt).fallback_reason is None
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_deleting_model_and_compiled_optimizer_frees_the_parameters(foreach):
+    model = small_model()
+    opt = optcompile.compile(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach))
+    for step in range(3):
+        set_grads(model, step)
+        opt.step()
+    param = weakref.ref(next(iter(model.parameters())))
+    state = weakref.ref(opt.state[next(iter(model.parameters()))]["exp_avg"])
+    released = []
+    weakref.finalize(opt, released.append, True)
+    del model, opt
+    gc.collect()
+    assert param() is None and state() is None
+    assert released == [True]
