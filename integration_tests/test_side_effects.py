@@ -4,6 +4,7 @@ the compiled entries keep alive."""
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from typing import Any
 
@@ -11,6 +12,7 @@ import optcompile
 import pytest
 import torch
 from optcompile.testing import assert_same, run_pair, set_grads, small_model, step_both
+from opttrace import TraceError
 
 
 class LazyMomentum(torch.optim.Optimizer):
@@ -121,3 +123,112 @@ def test_deleting_model_and_compiled_optimizer_frees_the_parameters(foreach):
     gc.collect()
     assert param() is None and state() is None
     assert released == [True]
+
+
+class KeepsNorms(torch.optim.Optimizer):
+    """Appends a tensor to a list on itself each step and keeps only the last two."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+        self.norms: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"]]
+            self.norms.append(torch.stack([g.norm() for g in grads]).norm())
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+        while len(self.norms) > 2:
+            self.norms.pop(0)
+
+
+def test_appends_and_pops_on_a_list_the_step_keeps_are_replayed():
+    model, opt, reference, eager = run_pair(lambda ps: KeepsNorms(ps), steps=5)
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    assert len(opt.norms) == len(eager.norms) == 2
+    for mine, theirs in zip(opt.norms, eager.norms, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert ".append(outs[" in optcompile.explain(opt).replay_code
+
+
+COUNTER = 0
+HISTORY: list[float] = []
+
+
+class StoresGlobal(torch.optim.Optimizer):
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        global COUNTER
+        COUNTER += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+class AppendsToGlobal(torch.optim.Optimizer):
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        HISTORY.append(1.0)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def _make_closure_counter() -> type[torch.optim.Optimizer]:
+    calls = 0
+
+    class StoresClosureCell(torch.optim.Optimizer):
+        def __init__(self, params: Any, lr: float = 0.1) -> None:
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            nonlocal calls
+            calls += 1
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+    return StoresClosureCell
+
+
+UNREPLAYABLE = {
+    "global store": (StoresGlobal, "global 'COUNTER'"),
+    "global list append": (AppendsToGlobal, "global 'HISTORY'"),
+    "closure cell store": (_make_closure_counter(), "closure variable 'calls'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREPLAYABLE))
+def test_stores_a_replay_cannot_repeat_raise_with_fullgraph(case):
+    cls, what = UNREPLAYABLE[case]
+    model = small_model()
+    set_grads(model, 0)
+    opt = optcompile.compile(cls(model.parameters()), fullgraph=True)
+    before = (COUNTER, len(HISTORY))
+    with pytest.raises(TraceError, match=what):
+        opt.step()
+    assert (COUNTER, len(HISTORY)) == before  # the trace's own store was undone
+
+
+@pytest.mark.parametrize("case", sorted(UNREPLAYABLE))
+def test_stores_a_replay_cannot_repeat_fall_back_to_eager_with_one_warning(case):
+    cls, what = UNREPLAYABLE[case]
+    before = (COUNTER, len(HISTORY))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt, reference, eager = run_pair(lambda ps: cls(ps), steps=3)
+    fallbacks = [w for w in caught if issubclass(w.category, optcompile.FallbackWarning)]
+    assert len(fallbacks) == 1 and what in str(fallbacks[0].message)
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    if case == "global store":
+        assert before[0] + 6 == COUNTER  # three eager steps each, nothing lost or doubled
+    if case == "global list append":
+        assert len(HISTORY) == before[1] + 6

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import types
+
 import torch
 from optguard import LocalSource
 from optsidefx import Input, Output, Return, TensorWrite
@@ -125,15 +127,15 @@ def test_control_flow_on_tensor_value_names_file_and_line():
 
 
 def test_is_compiling_reports_true_only_inside_a_capturable_trace():
-    seen = []
+    seen = types.SimpleNamespace(values=())  # attributes of a captured object: not audited
 
     def fn(x):
-        seen.append(torch.compiler.is_compiling())
+        seen.values = (*seen.values, torch.compiler.is_compiling())
         return x + 1
 
     trace(fn, {"x": torch.ones(2)})
     trace(fn, {"x": torch.ones(2)}, capturable=True)
-    assert seen == [False, True]
+    assert seen.values == (False, True)
     assert torch.compiler.is_compiling() is False
 
 
@@ -168,3 +170,28 @@ def test_op_without_meta_kernel_names_the_op_file_and_line():
         assert exc.where == f"{__file__}:{step.__code__.co_firstlineno + 1}"
     else:
         raise AssertionError("expected a TraceError")
+
+
+def test_mutating_a_captured_list_is_refused_and_undone():
+    log = []
+
+    def fn(x):
+        log.append(1)
+        return x + 1
+
+    try:
+        trace(fn, {"x": torch.ones(2)})
+    except TraceError as exc:
+        assert "closure variable 'log'" in exc.reason
+    else:
+        raise AssertionError("expected a TraceError")
+    assert log == []
+
+
+def test_a_list_passed_in_is_tracked_and_its_append_recorded():
+    def fn(x, out):
+        out.append(x * 2)
+
+    traced = trace(fn, {"x": torch.ones(2), "out": []})
+    calls = [e for e in traced.effects if type(e).__name__ == "Call"]
+    assert [(c.method, c.target.source.name()) for c in calls] == [("append", "L['out']")]

@@ -110,7 +110,8 @@ class Compiled:
         except TraceError as exc:
             if self.fullgraph:
                 raise
-            self._fall_back(f"tracing failed at {exc}")
+            where = f" at {exc.where}" if exc.where else ""
+            self._fall_back(f"tracing failed{where}: {exc.reason}")
             return None
         entry = lower(traced, self.backend)
         self.cache.add(compile_check(traced.guards), entry)

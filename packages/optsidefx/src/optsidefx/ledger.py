@@ -138,14 +138,20 @@ class Ledger:
         Ref replay uses; it runs only for surviving values, so graph outputs are assigned to
         exactly the tensors that are still needed.
         """
-        last = {
-            _slot(e): i for i, e in enumerate(self._effects) if isinstance(e, ItemStore | AttrStore)
-        }
-        kept = [
-            e
-            for i, e in enumerate(self._effects)
-            if not isinstance(e, ItemStore | AttrStore) or last[_slot(e)] == i
-        ]
+        overwritten: set[int] = set()
+        pending: dict[tuple[Any, ...], int] = {}  # slot -> index of its latest store
+        for i, e in enumerate(self._effects):
+            if isinstance(e, ItemStore | AttrStore):
+                slot = _slot(e)
+                if slot in pending:
+                    overwritten.add(pending[slot])
+                pending[slot] = i
+            elif isinstance(e, Call):
+                # A call on the target (append, pop, ...) may move or read its slots: stores
+                # before it are kept even if the same slot is stored again after it.
+                for slot in [s for s in pending if s[1] == e.target]:
+                    del pending[slot]
+        kept = [e for i, e in enumerate(self._effects) if i not in overwritten]
         return tuple(_resolve(e, resolve) for e in kept)
 
 

@@ -18,6 +18,7 @@ from optguard import GuardSet, LocalSource, Source
 from optsidefx import Effect, TensorWrite, append_writebacks
 from torch import fx
 
+from opttrace import audit
 from opttrace._torch_compat import compiling, lazy_graph_module
 from opttrace.context import TraceContext
 from opttrace.errors import TraceError
@@ -82,10 +83,16 @@ def _record(
     ctx = TraceContext(recorder, capturable)
     for name, value in inputs.items():
         ctx.collect(value, LocalSource(name))
+    snap = audit.snapshot(audit.user_functions([fn, *inputs.values()]))
     try:
-        with recorder, compiling() if capturable else contextlib.nullcontext():
-            args = {name: ctx.read(value, LocalSource(name)) for name, value in inputs.items()}
-            result = fn(**args)
+        try:
+            with recorder, compiling() if capturable else contextlib.nullcontext():
+                args = {name: ctx.read(value, LocalSource(name)) for name, value in inputs.items()}
+                result = fn(**args)
+        except BaseException:
+            audit.restore_quietly(snap)
+            raise
+        audit.check_and_restore(snap)
         ctx.ledger.returned(result)
         effects = ctx.ledger.finalize(ctx.resolve)
         for source, node in ctx.input_writes():

@@ -89,16 +89,30 @@ class TrackedDict(dict[Any, Any]):
             self[k] = v
 
     def __delitem__(self, key: Any) -> None:
-        _unsupported(f"deleting key {key!r}", self.source)
+        if key not in self:
+            raise KeyError(key)
+        self.pop(key)
 
-    def pop(self, *args: Any) -> Any:
-        _unsupported("dict.pop", self.source)
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key not in self:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        value = self[key]
+        dict.pop(self, key)
+        self._read.discard(key)
+        self._written.discard(key)
+        self.ctx.ledger.call(Input(self.source), "pop", (key,))
+        return value
 
     def popitem(self) -> Any:
         _unsupported("dict.popitem", self.source)
 
     def clear(self) -> None:
-        _unsupported("dict.clear", self.source)
+        dict.clear(self)
+        self._read.clear()
+        self._written.clear()
+        self.ctx.ledger.call(Input(self.source), "clear", ())
 
 
 class TrackedStateDict(dict[Any, Any]):
@@ -191,14 +205,17 @@ class TrackedStateDict(dict[Any, Any]):
 
 
 class TrackedList(list[Any]):
-    """A list from the inputs (``param_groups``, a group's ``params``); items wrapped eagerly
-    because iteration cannot be intercepted. Item stores are recorded; growing or shrinking
-    it is refused for now."""
+    """A list from the inputs (``param_groups``, a group's ``params``, a list the step keeps);
+    items wrapped eagerly because iteration cannot be intercepted. Item stores and calls
+    that change its length are recorded and replayed in program order."""
 
     def __init__(self, ctx: TraceContext, source: Source, items: list[Any]) -> None:
         super().__init__(items)
         self.ctx = ctx
         self.source = source
+
+    def _record(self, method: str, *args: Any) -> None:
+        self.ctx.ledger.call(Input(self.source), method, args)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         if not isinstance(index, int):
@@ -206,8 +223,43 @@ class TrackedList(list[Any]):
         self.ctx.ledger.store_item(Input(self.source), index, value)
         list.__setitem__(self, index, value)
 
-    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
-        _unsupported("changing the length of a list", self.source)
+    def append(self, value: Any) -> None:
+        self._record("append", value)
+        list.append(self, value)
 
-    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
-    __delitem__ = __iadd__ = __imul__ = _refuse
+    def extend(self, values: Any) -> None:
+        values = list(values)
+        self._record("extend", values)
+        list.extend(self, values)
+
+    def __iadd__(self, values: Any) -> TrackedList:  # type: ignore[misc]
+        self.extend(values)
+        return self
+
+    def insert(self, index: Any, value: Any) -> None:
+        self._record("insert", index, value)
+        list.insert(self, index, value)
+
+    def pop(self, index: Any = -1) -> Any:
+        value = list.pop(self, index)
+        self._record("pop", index)
+        return value
+
+    def __delitem__(self, index: Any) -> None:
+        if not isinstance(index, int):
+            _unsupported("deleting a slice", self.source)
+        list.__delitem__(self, index)
+        self._record("pop", index)
+
+    def clear(self) -> None:
+        list.clear(self)
+        self._record("clear")
+
+    def reverse(self) -> None:
+        list.reverse(self)
+        self._record("reverse")
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _unsupported("sorting or removing by value from a list", self.source)
+
+    remove = sort = __imul__ = _refuse

@@ -1,0 +1,166 @@
+"""Stores a compiled step could not replay: to globals and closure cells of user code.
+
+The tracer sees a step's inputs through trackers, so their mutations are recorded and
+replayed. A store to a module global, a closure cell, or into a list/dict/set held there
+would happen once, while tracing, and never again. Around each trace we snapshot what user
+functions can reach that way (their globals and closure cells, and the contents of
+containers held directly there), and afterwards compare: anything that changed is put back
+and the trace is refused, naming it. Deeper mutations (an attribute of an object held in a
+global) are not seen; the README says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opttrace.errors import TraceError
+
+_LIBRARY_PREFIXES = ("torch", "opttrace", "optguard", "optsidefx", "optkernels", "optcompile")
+_CONTAINERS = (list, dict, set)
+
+
+def _is_user(fn: types.FunctionType) -> bool:
+    module = fn.__globals__.get("__name__", "")
+    return not any(module == p or module.startswith(p + ".") for p in _LIBRARY_PREFIXES)
+
+
+def user_functions(roots: Iterable[Any]) -> list[types.FunctionType]:
+    """User functions reachable from ``roots``: functions, methods, partials, decorators'
+    ``__wrapped__``, closure cells holding functions, and the methods of objects' classes."""
+    found: dict[int, types.FunctionType] = {}
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, types.MethodType):
+            stack.append(obj.__func__)
+        elif isinstance(obj, functools.partial):
+            stack.append(obj.func)
+        elif isinstance(obj, types.FunctionType):
+            if id(obj) in found:
+                continue
+            found[id(obj)] = obj
+            if hasattr(obj, "__wrapped__"):
+                stack.append(obj.__wrapped__)
+            for cell in obj.__closure__ or ():
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+        elif isinstance(obj, torch.optim.Optimizer):
+            for cls in type(obj).__mro__:
+                stack.extend(v for v in vars(cls).values() if inspect.isfunction(v))
+    return [f for f in found.values() if _is_user(f)]
+
+
+@dataclass
+class Snapshot:
+    """What user functions could store to, as it was before the trace."""
+
+    globals_: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    cells: list[tuple[str, types.CellType, Any]] = field(default_factory=list)
+    contents: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+
+_EMPTY = object()
+
+
+def snapshot(functions: list[types.FunctionType]) -> Snapshot:
+    snap = Snapshot()
+    seen_globals: set[int] = set()
+    for fn in functions:
+        g = fn.__globals__
+        if id(g) not in seen_globals:
+            seen_globals.add(id(g))
+            snap.globals_.append((g, dict(g)))
+            module = g.get("__name__", "?")
+            for name, value in g.items():
+                if type(value) in _CONTAINERS:
+                    snap.contents.append((f"global {name!r} of {module}", value, _copy(value)))
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+            value = _cell_value(cell)
+            where = f"closure variable {name!r} of {fn.__qualname__}"
+            snap.cells.append((where, cell, value))
+            if type(value) in _CONTAINERS:
+                snap.contents.append((where, value, _copy(value)))
+    return snap
+
+
+def check_and_restore(snap: Snapshot) -> None:
+    """Raise TraceError naming the first store the replay could not repeat; undo them all."""
+    changed: list[str] = []
+    for g, before in snap.globals_:
+        module = before.get("__name__", "?")
+        for name in set(g) | set(before):
+            old, new = before.get(name, _EMPTY), g.get(name, _EMPTY)
+            if old is not new:
+                changed.append(f"stores to global {name!r} of {module}")
+                if old is _EMPTY:
+                    del g[name]
+                else:
+                    g[name] = old
+    for where, cell, old in snap.cells:
+        if _cell_value(cell) is not old:
+            changed.append(f"stores to {where}")
+            cell.cell_contents = old
+    for where, container, old in snap.contents:
+        if _changed(container, old):
+            changed.append(f"mutates the {type(container).__name__} in {where}")
+            _restore(container, old)
+    if changed:
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise TraceError(
+            f"the step {'; '.join(changed[:3])}{more}: a compiled step cannot repeat that on "
+            "later calls (it sees only its inputs); keep such state on the optimizer or in "
+            "its state, or pass it as an argument"
+        )
+
+
+def _cell_value(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _EMPTY
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return list(value.items())
+    return list(value)
+
+
+def _changed(container: Any, old: list[Any]) -> bool:
+    now = list(container.items()) if isinstance(container, dict) else list(container)
+    if isinstance(container, set):
+        return len(now) != len(old) or any(a is not b for a, b in zip(now, old, strict=False))
+    return len(now) != len(old) or any(_differs(a, b) for a, b in zip(now, old, strict=True))
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 2:
+        return a[0] is not b[0] or a[1] is not b[1]
+    return a is not b
+
+
+def _restore(container: Any, old: list[Any]) -> None:
+    if isinstance(container, dict):
+        container.clear()
+        container.update(old)
+    elif isinstance(container, list):
+        container[:] = old
+    else:
+        container.clear()
+        container.update(old)
+
+
+def restore_quietly(snap: Snapshot) -> None:
+    """Undo what changed without raising (the trace failed for another reason)."""
+    with contextlib.suppress(TraceError):
+        check_and_restore(snap)
