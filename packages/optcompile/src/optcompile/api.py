@@ -77,7 +77,7 @@ def compile(
 def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_limit: int) -> Opt:
     if opt in _OPTIMIZERS:
         return opt
-    _OPTIMIZERS[opt] = Compiled(
+    compiled = _OPTIMIZERS[opt] = Compiled(
         f"{type(opt).__name__}.step",
         lambda L: trace_step(L["opt"]),
         lambda L: eager_step(L["opt"]),
@@ -85,6 +85,9 @@ def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_li
         fullgraph,
         recompile_limit,
     )
+    # Entries hold no input (they fetch through Sources), but what they own themselves goes
+    # with the optimizer: the finalizer releases it even if something still holds `compiled`.
+    weakref.finalize(opt, compiled.release)
     opt.step = types.MethodType(_compiled_step, opt)  # type: ignore[method-assign]
     return opt
 

@@ -74,6 +74,7 @@ class Compiled:
         self.fullgraph = fullgraph
         self.cache: GuardedCache[CompiledEntry] = GuardedCache(recompile_limit)
         self.stats = Stats()
+        self.released = False
         _ALL.add(self)
 
     def __call__(self, L: Locals) -> Any:
@@ -131,6 +132,12 @@ class Compiled:
     def reset(self) -> None:
         self.cache.clear()
         self.stats = Stats()
+
+    def release(self) -> None:
+        """Drop every entry and what it owns (graphs, plans, generated code); the object it
+        was compiled for is gone."""
+        self.cache.clear()
+        self.released = True
 
 
 def lower(traced: TracedStep, backend: Backend) -> CompiledEntry:
