@@ -249,3 +249,30 @@ def test_a_compiled_function_keeps_no_argument_alive():
     del model
     gc.collect()
     assert param() is None  # the compiled function (alive) holds no parameter
+
+
+def test_stores_into_a_dict_passed_in_and_fresh_containers_returned_each_call():
+    def update(xs: list[torch.Tensor], log: dict[str, Any]) -> dict[str, Any]:
+        with torch.no_grad():
+            norms = [x.norm() for x in xs]
+            torch._foreach_mul_(xs, 0.5)
+        log["first_norm"] = norms[0]
+        dropped = {"scratch": norms[1]}  # created and dropped: nothing of it is replayed
+        del dropped
+        return {"norms": norms}
+
+    compiled = optcompile.compile(update)
+    xs, eager_xs = [torch.ones(3), torch.full((2,), 2.0)], [torch.ones(3), torch.full((2,), 2.0)]
+    log, eager_log = {}, {}
+    first = compiled(xs, log)
+    second = compiled(xs, log)
+    update(eager_xs, eager_log)
+    expected = update(eager_xs, eager_log)
+    assert first is not second and first["norms"] is not second["norms"]
+    for mine, theirs in zip(second["norms"], expected["norms"], strict=True):
+        torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(log["first_norm"], eager_log["first_norm"])
+    for x, y in zip(xs, eager_xs, strict=True):
+        torch.testing.assert_close(x, y)
+    report = optcompile.explain(compiled)
+    assert "['first_norm'] = outs[" in report.replay_code and "scratch" not in report.replay_code
