@@ -1,44 +1,117 @@
 """Every private torch API optguard uses, in one place (a torch upgrade edits this).
 
-Both come from dynamo's C++ guard support: a bulk tensor-metadata check and CPython's dict
-version tag. If either is missing, the fast tier of checks is off and every call runs the
-full generated check (correct, slower).
+The fast tier of a check is a tree of dynamo's C++ guard managers
+(``torch._C._dynamo.guards``): accessors (dict item, attribute, list item, ``.grad``) and
+leaf guards (type, id, equality, length, None, tensor metadata) evaluated without Python
+frames, plus CPython's dict version tags. ``available()`` says whether this torch has what
+we use; without it every call runs the generated Python check (correct, slower).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+_Root: Any = None
+_dict_version: Any = None
+_PLAIN: Any = None
 try:
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-    from torch._C._dynamo.guards import dict_version as _dict_version
-except ImportError:  # pragma: no cover - depends on the torch build
-    _TensorGuards = None
-    _dict_version = None
+    from torch._C._dynamo import guards as _guards
+
+    # The C++ side checks for this exact enum (torch._dynamo.guards.GuardManagerType).
+    from torch._dynamo.guards import GuardManagerType as _ManagerKind
+
+    _Root = _guards.RootGuardManager
+    _dict_version = _guards.dict_version
+    _PLAIN = _ManagerKind.GUARD_MANAGER
+except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
+    _Root = _dict_version = None
 
 
 def available() -> bool:
-    return _TensorGuards is not None and _dict_version is not None
-
-
-def tensor_guards(tensors: Sequence[torch.Tensor]) -> Callable[..., bool]:
-    """``check(*tensors) -> bool``: same type, dtype, device, shape, stride and
-    requires_grad as ``tensors``, evaluated in C++ in one call."""
-    assert _TensorGuards is not None
-    dims = [[None] * t.dim() for t in tensors]
-    guards = _TensorGuards(*tensors, dynamic_dims_sizes=dims, dynamic_dims_strides=dims)
-    check: Callable[..., bool] = guards.check
-    return check
+    return _Root is not None and _dict_version is not None
 
 
 def dict_version(d: dict[Any, Any]) -> int:
     """CPython's version tag of ``d``: changes whenever an entry is added, removed or set
-    to a different object."""
+    to a different object (never for a store of the same object)."""
     assert _dict_version is not None
     return int(_dict_version(d))
 
 
-DICT_VERSION: Callable[[dict[Any, Any]], int] | None = _dict_version
+DICT_VERSION = _dict_version
+
+
+class GuardTree:
+    """A C++ guard tree: ``node(path)`` finds or adds the accessor chain for a value and
+    ``add_*`` attach leaf guards to it; ``check(L)`` runs them all."""
+
+    def __init__(self) -> None:
+        assert _Root is not None
+        self.root: Any = _Root()
+
+    def check(self, L: Any) -> bool:
+        return bool(self.root.check(L))
+
+    # -- accessors: each returns the child manager for a value of ``parent`` --------------
+
+    @staticmethod
+    def local(parent: Any, name: str, example: Any, label: str) -> Any:
+        return parent.dict_getitem_manager(name, label, example, _PLAIN)
+
+    @staticmethod
+    def attr(parent: Any, name: str, example: Any, label: str) -> Any:
+        if name == "grad":
+            return parent.grad_manager(label, example, _PLAIN)
+        return parent.getattr_manager(name, label, example, _PLAIN)
+
+    @staticmethod
+    def item(parent: Any, container: Any, key: Any, example: Any, label: str) -> Any:
+        if type(container) is list:
+            return parent.list_getitem_manager(key, label, example, _PLAIN)
+        if type(container) is tuple:
+            return parent.tuple_getitem_manager(key, label, example, _PLAIN)
+        return parent.dict_getitem_manager(key, label, example, _PLAIN)
+
+    # -- leaf guards --------------------------------------------------------------------
+
+    @staticmethod
+    def type_is(node: Any, cls: type, text: str) -> None:
+        node.add_type_match_guard(id(cls), [text], None)
+
+    @staticmethod
+    def id_is(node: Any, obj: Any, text: str) -> None:
+        node.add_id_match_guard(id(obj), [text], None)
+
+    @staticmethod
+    def equals(node: Any, value: Any, text: str) -> None:
+        node.add_equals_match_guard(value, [text], None)
+
+    @staticmethod
+    def length(node: Any, n: int, is_dict: bool, text: str) -> None:
+        if is_dict:
+            node.add_dict_length_check_guard(n, [text], None)
+        else:
+            node.add_length_check_guard(n, [text], None)
+
+    @staticmethod
+    def none(node: Any, is_none: bool, text: str) -> None:
+        if is_none:
+            node.add_none_match_guard([text], None)
+        else:
+            node.add_not_none_guard([text], None)
+
+    @staticmethod
+    def tensor(node: Any, t: torch.Tensor, text: str) -> None:
+        """Same type, dtype, device, dispatch keys, shape, stride, requires_grad as ``t``."""
+        node.add_tensor_match_guard(
+            t,
+            list(t.shape),
+            list(t.stride()),
+            text,
+            [text],
+            None,
+            type(t),
+            torch._C._dispatch_keys(t),
+        )

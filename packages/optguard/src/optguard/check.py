@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from optguard.codegen import SourceCode, build_function
+from optguard.fast import FastCheck, build_fast_check
 from optguard.guards import MISSING, Guard, describe_failure
 from optguard.sources import Locals
 
@@ -47,23 +48,62 @@ class GuardSetBuilder:
         return GuardSet(tuple(self._guards))
 
 
-@dataclass(frozen=True)
 class CompiledCheck:
-    """A guard set compiled to one function, with its source for explain()."""
+    """A guard set compiled to one function, with its source for explain(), and a fast tier
+    (``fast.py``) armed the first time the full check passes."""
 
-    guards: GuardSet
-    fn: CheckFn
-    code: str
+    # After this many rebuilds of the fast tier (its tree no longer matched although the
+    # full check passed), the inputs are too changeable for it: the full check alone runs.
+    MAX_REBUILDS = 8
+
+    def __init__(self, guards: GuardSet, fn: CheckFn, code: str, fast: bool = True) -> None:
+        self.guards = guards
+        self.fn = fn
+        self.code = code
+        self.fast: FastCheck | None = None
+        self.fast_note: str | None = None if fast else "off"
+        self.rebuilds = 0
 
     def __call__(self, L: Locals) -> bool:
-        return self.fn(L)
+        fast = self.fast
+        if fast is not None and fast(L):
+            return True
+        if not self.fn(L):
+            return False
+        if self.fast_note is None:
+            self._arm(L)
+        return True
+
+    def _arm(self, L: Locals) -> None:
+        fast = self.fast
+        try:
+            if fast is not None:
+                fast.rearm(L)  # only versions changed (e.g. a state entry was replaced)?
+                if fast(L):
+                    return
+            if self.rebuilds >= self.MAX_REBUILDS:
+                self.fast, self.fast_note = None, "off: its tree kept changing"
+                return
+            self.rebuilds += 1
+            self.fast = build_fast_check(self.guards.guards, L)
+            if self.fast is None:
+                self.fast_note = "off: not available with this torch"
+        except Exception as exc:  # never let the fast tier break a correct check
+            self.fast, self.fast_note = None, f"off: {type(exc).__name__}: {exc}"
 
     def first_failure(self, L: Locals) -> str | None:
         """Readable reason for the first guard that fails on ``L``, or None if all hold."""
         return first_failure(self.guards.guards, L)
 
+    def describe(self) -> str:
+        """The generated check, and the fast tier when it is armed."""
+        if self.fast is None:
+            note = self.fast_note or "not armed yet"
+            return f"{self.code}\n# fast tier: {note}"
+        return f"{self.code}\n# fast tier (tried first):\n{self.fast.describe()}"
 
-def compile_check(guards: GuardSet) -> CompiledCheck:
+
+def compile_check(guards: GuardSet, fast: bool = True) -> CompiledCheck:
     """Generate ``check(L)``: True when every guard holds; any error while fetching is a miss."""
     body = SourceCode(indent="        ")
     for guard in guards.guards:
@@ -73,7 +113,7 @@ def compile_check(guards: GuardSet) -> CompiledCheck:
     body.emit("return True")
     lines = ["    try:", *body.lines, "    except Exception:", "        return False"]
     fn, code = build_function("check", "L", lines, body.constants)
-    return CompiledCheck(guards, fn, code)
+    return CompiledCheck(guards, fn, code, fast)
 
 
 def first_failure(guards: Sequence[Guard], L: Locals) -> str | None:

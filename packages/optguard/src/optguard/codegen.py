@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import keyword
 import math
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,7 +27,7 @@ class SourceCode:
         self.constants: dict[str, Any] = {}
         # Generated locals must not shadow builtins the code calls (type, len, tuple) or be
         # keywords: an argument named ``type`` would otherwise break every check.
-        self._taken: set[str] = {"L", *dir(builtins), *keyword.kwlist}
+        self._taken: set[str] = {"L", "sys", *dir(builtins), *keyword.kwlist}
         self._constant_names: dict[Any, str] = {}
         self._next_suffix: dict[str, int] = {}
 
@@ -82,7 +83,7 @@ def build_function(
 ) -> tuple[Callable[..., Any], str]:
     """Compile ``def name(signature):`` over indented ``lines``; return the function and source."""
     code = "\n".join([f"def {name}({signature}):", *lines]) + "\n"
-    namespace: dict[str, Any] = dict(constants)
+    namespace: dict[str, Any] = {"sys": sys, **constants}  # GlobalSource fetches use sys
     exec(compile(code, f"<optguard:{name}>", "exec"), namespace)
     fn: Callable[..., Any] = namespace[name]
     return fn, code

@@ -8,6 +8,7 @@ fails ("keys changed (148 entries -> 0)").
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,6 +174,69 @@ class NoneGuard(Guard):
 
     def changed(self, value: Any) -> str:
         return "became a tensor (was None)" if self.is_none else "became None"
+
+
+@dataclass(frozen=True)
+class IdentityGuard(Guard):
+    """The very object seen while tracing. Held by weak reference where the object allows
+    it (a dead referent fails the guard); otherwise by ``id`` (containers cannot be weakly
+    referenced: use it only where another guard keeps the object alive or checks it)."""
+
+    ref: Any = field(compare=False, hash=False, repr=False)
+    object_id: int = 0
+
+    @staticmethod
+    def of(source: Source, obj: Any) -> IdentityGuard:
+        try:
+            ref: Any = weakref.ref(obj)
+        except TypeError:
+            ref = None
+        return IdentityGuard(source, ref, id(obj))
+
+    def test(self, var: str, code: SourceCode) -> str:
+        if self.ref is not None:
+            return f"{var} is {code.constant(self.ref, 'ref')}()"
+        return f"id({var}) == {self.object_id}"
+
+    def expected(self) -> str:
+        return f"is the object seen while tracing (id {self.object_id:#x})"
+
+    def changed(self, value: Any) -> str:
+        return f"a different object (id {self.object_id:#x} -> {id(value):#x})"
+
+
+@dataclass(frozen=True)
+class DataPtrGuard(Guard):
+    """A tensor's storage address is unchanged: graphs that bake addresses in (CUDA graphs,
+    static kernel tables) depend on it."""
+
+    ptr: int
+
+    def test(self, var: str, code: SourceCode) -> str:
+        return f"{var}.data_ptr() == {self.ptr}"
+
+    def expected(self) -> str:
+        return f"has data pointer {self.ptr:#x}"
+
+    def changed(self, value: Any) -> str:
+        try:
+            return f"data pointer changed ({self.ptr:#x} -> {value.data_ptr():#x})"
+        except Exception:
+            return super().changed(value)
+
+
+@dataclass(frozen=True)
+class WeakrefAliveGuard(Guard):
+    """A weak reference the step follows still points to a live object."""
+
+    def test(self, var: str, code: SourceCode) -> str:
+        return f"{var}() is not None"
+
+    def expected(self) -> str:
+        return "is alive"
+
+    def changed(self, value: Any) -> str:
+        return "the referenced object was freed"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ guard, gather and replay code can be generated from the same objects.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +119,65 @@ class KeyedSource(Source):
 
     def expr(self, parent_vars: tuple[str, ...]) -> str:
         return f"{parent_vars[0]}.get({parent_vars[1]})"
+
+
+@dataclass(frozen=True, repr=False)
+class GlobalSource(Source):
+    """A module global the step reads: ``G['torch.optim.adam'].some_name``.
+
+    Fetched from ``sys.modules`` by module name, so a source never holds the module dict.
+    """
+
+    module: str
+    global_name: str
+
+    def name(self) -> str:
+        return f"G[{self.module!r}].{self.global_name}"
+
+    def fetch(self, L: Locals) -> Any:
+        return getattr(sys.modules[self.module], self.global_name)
+
+    def expr(self, parent_vars: tuple[str, ...]) -> str:
+        return f"sys.modules[{self.module!r}].{self.global_name}"
+
+
+@dataclass(frozen=True, repr=False)
+class WeakRefSource(Source):
+    """The object a weak reference points to: ``L['ref']()`` (None once it is dead)."""
+
+    base: Source
+
+    def name(self) -> str:
+        return f"{self.base.name()}()"
+
+    def fetch(self, L: Locals) -> Any:
+        return self.base.fetch(L)()
+
+    def parents(self) -> tuple[Source, ...]:
+        return (self.base,)
+
+    def expr(self, parent_vars: tuple[str, ...]) -> str:
+        return f"{parent_vars[0]}()"
+
+
+@dataclass(frozen=True, repr=False)
+class DictKeySource(Source):
+    """The ``index``-th key of a dict, in insertion order: ``list(L['d'].keys())[0]``."""
+
+    base: Source
+    index: int
+
+    def name(self) -> str:
+        return f"list({self.base.name()}.keys())[{self.index}]"
+
+    def fetch(self, L: Locals) -> Any:
+        return list(self.base.fetch(L).keys())[self.index]
+
+    def parents(self) -> tuple[Source, ...]:
+        return (self.base,)
+
+    def expr(self, parent_vars: tuple[str, ...]) -> str:
+        return f"list({parent_vars[0]}.keys())[{self.index}]"
 
 
 _NOT_IDENT = re.compile(r"[^0-9a-zA-Z]+")
