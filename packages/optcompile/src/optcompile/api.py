@@ -7,7 +7,7 @@ import inspect
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
 import torch
@@ -157,15 +157,22 @@ class Explanation:
     backend: str
     entries: int
     fallback_reason: str | None
+    entry_guards: list[list[str]] = field(default_factory=list)  # per entry, newest first
 
     def __str__(self) -> str:
+        older = [
+            line
+            for i, guards in enumerate(self.entry_guards[1:], start=2)
+            for line in (f"guards of entry {i} (older):", *(f"  - {g}" for g in guards))
+        ]
         parts = [
             f"traces: {self.traces}   entries: {self.entries}   backend: {self.backend}",
             f"fallback: {self.fallback_reason or 'none'}",
             "retrace reasons:",
             *(f"  - {r}" for r in self.retrace_reasons or ["(none)"]),
-            f"guards ({len(self.guards)}):",
+            f"guards of the newest entry ({len(self.guards)}):",
             *(f"  - {g}" for g in self.guards),
+            *older,
             "check code:",
             self.check_code,
             "graph code:",
@@ -197,12 +204,13 @@ def explain(obj: Any) -> Explanation:
         retrace_reasons=list(compiled.stats.retrace_reasons),
         guards=entry.traced.guards.describe() if entry else [],
         graph_code=entry.plan.describe() if entry else "",
-        check_code=compiled.cache.entries[0].check.code if entry else "",
+        check_code=compiled.cache.entries[0].check.describe() if entry else "",
         gather_code=entry.gather_code if entry else "",
         replay_code=entry.replay.code if entry else "",
         backend=compiled.backend.name,
         entries=len(compiled.cache.entries),
         fallback_reason=compiled.stats.fallback_reason,
+        entry_guards=[e.value.traced.guards.describe() for e in compiled.cache.entries],
     )
 
 

@@ -14,9 +14,10 @@ for much less:
 - the rest (predicates on hyperparameters, key tuples, other sources) runs as generated
   Python.
 
-What a hit does not re-check: data pointers, and metadata changed in place on the same state
-tensor object (``t.data = ...``). Any change of versions or ids falls back to the full
-check, which re-arms the fast tier.
+What a hit does not re-check: data pointers (a backend that bakes addresses in checks its own,
+cheaply, per call), and metadata changed in place on the same state tensor object
+(``t.data = ...``). A replaced state tensor changes its entry's version: the full check then
+runs, data pointers included, and re-arms the fast tier.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from optguard import _torch_compat as compat
 from optguard.codegen import SourceCode
 from optguard.guards import (
     ConstantGuard,
+    DataPtrGuard,
     DictLengthGuard,
     Guard,
     IdentityGuard,
@@ -108,9 +110,14 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         return None
     builder = _TreeBuilder(L)
     residual: list[Guard] = []
+    matched = {g.source for g in guards if isinstance(g, TensorMatchGuard)}
     states: dict[Source, None] = {}
     keys: dict[Source, None] = {}
     for guard in guards:
+        if isinstance(guard, DataPtrGuard):
+            continue  # checked by the full check only (see the module docstring)
+        if isinstance(guard, NoneGuard) and not guard.is_none and guard.source in matched:
+            continue  # a tensor match fails on None
         keyed = _keyed_ancestor(guard.source)
         if keyed is not None:
             states[keyed.base] = None

@@ -195,7 +195,8 @@ class IdentityGuard(Guard):
 
     def test(self, var: str, code: SourceCode) -> str:
         if self.ref is not None:
-            return f"{var} is {code.constant(self.ref, 'ref')}()"
+            ref = code.constant(self.ref, "ref")
+            return f"({ref}() is not None and {var} is {ref}())"
         return f"id({var}) == {self.object_id}"
 
     def expected(self) -> str:

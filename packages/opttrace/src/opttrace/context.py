@@ -16,6 +16,7 @@ import torch
 from optguard import (
     AttrSource,
     ConstantGuard,
+    DataPtrGuard,
     DictLengthGuard,
     Guard,
     GuardSetBuilder,
@@ -153,6 +154,17 @@ class TraceContext:
             return source.attr not in ("defaults", "param_groups")
         return _in_optimizer_state(source)
 
+    def _is_static(self, source: Source) -> bool:
+        """Whether a tensor keeps its address between steps: an optimizer's parameters and
+        state (not grads, which backward makes anew, nor a function's tensor arguments)."""
+        if isinstance(source, AttrSource) and source.attr == "grad":
+            return False
+        while isinstance(source, AttrSource | ItemSource | KeyedSource):
+            source = source.base
+            if source in self._optimizer_sources:
+                return True
+        return False
+
     def _grad_stored(self, tensor: TracedTensor, value: Any) -> None:
         source = self.source_of(tensor)
         if source is None:
@@ -217,6 +229,8 @@ class TraceContext:
         if i is None:
             raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")
         self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
+        if self._is_static(source):
+            self.guard(DataPtrGuard(source, real.data_ptr()))
         fake = self._fakes.get(i)
         if fake is None:
             name = variable_name(source)

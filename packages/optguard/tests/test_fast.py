@@ -1,0 +1,138 @@
+"""The fast tier: tried first, implies the full check, re-armed or rebuilt after a miss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from optguard import (
+    AttrSource,
+    DataPtrGuard,
+    DictLengthGuard,
+    GuardSetBuilder,
+    ItemSource,
+    KeyedSource,
+    KeysGuard,
+    LengthGuard,
+    NoneGuard,
+    TensorMatchGuard,
+    TensorMeta,
+    TypeGuard,
+    compile_check,
+)
+from optguard import _torch_compat as compat
+from optguard_paths import GROUP, GROUPS, OPT, PARAMS
+
+
+def _optimizer(n: int = 3) -> torch.optim.Optimizer:
+    params = [torch.nn.Parameter(torch.randn(4, 2)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    opt.step()  # creates momentum buffers
+    return opt
+
+
+def _check(opt: torch.optim.Optimizer):
+    """The guards a trace of ``opt.step`` would install, over the live optimizer."""
+    b = GuardSetBuilder()
+    b.add(TypeGuard(OPT, type(opt)))
+    b.add(LengthGuard(GROUPS, 1))
+    b.add(KeysGuard(GROUP, tuple(opt.param_groups[0])))
+    b.add(TypeGuard(ItemSource(GROUP, "lr"), float))
+    state = AttrSource(OPT, "state")
+    b.add(DictLengthGuard(state, len(opt.state)))
+    b.add(LengthGuard(PARAMS, len(opt.param_groups[0]["params"])))
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        param = ItemSource(PARAMS, i)
+        b.add(TensorMatchGuard(param, TensorMeta.of(p)))
+        b.add(DataPtrGuard(param, p.data_ptr()))
+        b.add(NoneGuard(AttrSource(param, "grad"), False))
+        b.add(TensorMatchGuard(AttrSource(param, "grad"), TensorMeta.of(p.grad)))
+        buf = ItemSource(KeyedSource(state, param), "momentum_buffer")
+        b.add(KeysGuard(KeyedSource(state, param), ("momentum_buffer",)))
+        b.add(TensorMatchGuard(buf, TensorMeta.of(opt.state[p]["momentum_buffer"])))
+        b.add(DataPtrGuard(buf, opt.state[p]["momentum_buffer"].data_ptr()))
+    return compile_check(b.build())
+
+
+needs_fast = pytest.mark.skipif(not compat.available(), reason="this torch lacks the C++ guards")
+
+
+@needs_fast
+def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it():
+    opt = _optimizer()
+    check = _check(opt)
+    L = {"opt": opt}
+    assert check.fast is None
+    assert check(L)
+    assert check.fast is not None and check.fast(L)
+    opt.param_groups[0]["lr"] = 0.05  # a float changing is no reason to miss
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)  # new grads every step
+    assert check.fast(L) and check(L)
+    assert "C++ guard tree" in check.describe()
+
+
+@needs_fast
+@pytest.mark.parametrize(
+    "change",
+    ["grad becomes None", "grad strides", "param moved to float64", "state cleared", "lr is int"],
+)
+def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change):
+    opt = _optimizer()
+    check = _check(opt)
+    L = {"opt": opt}
+    assert check(L) and check.fast is not None
+    p = opt.param_groups[0]["params"][1]
+    if change == "grad becomes None":
+        p.grad = None
+    elif change == "grad strides":
+        p.grad = torch.randn(2, 4).t()  # same shape, transposed layout
+    elif change == "param moved to float64":
+        p.data = p.data.double()
+    elif change == "state cleared":
+        opt.state.clear()
+    elif change == "lr is int":
+        opt.param_groups[0]["lr"] = 1
+    assert not check.fast(L)
+    assert not check(L)
+
+
+@needs_fast
+def test_a_replaced_state_tensor_misses_the_fast_tier_and_the_full_check_names_it():
+    opt = _optimizer()
+    check = _check(opt)
+    L = {"opt": opt}
+    assert check(L)
+    p = opt.param_groups[0]["params"][2]
+    opt.state[p]["momentum_buffer"] = torch.zeros_like(opt.state[p]["momentum_buffer"])
+    assert not check.fast(L)  # the entry's dict version changed
+    assert not check(L)
+    assert "data pointer changed" in (check.first_failure(L) or "")
+
+
+@needs_fast
+def test_a_change_the_full_check_accepts_rearms_the_fast_tier():
+    opt = _optimizer()
+    check = _check(opt)
+    L = {"opt": opt}
+    assert check(L)
+    p = opt.param_groups[0]["params"][0]
+    buf = opt.state[p]["momentum_buffer"]
+    opt.state[p]["momentum_buffer"] = buf.clone()  # a new object...
+    opt.state[p]["momentum_buffer"] = buf  # ...and back: same tensors, new versions
+    assert not check.fast(L)
+    assert check(L)  # the full check passes and re-arms the versions
+    assert check.fast is not None and check.fast(L)
+    assert check.rebuilds == 1  # versions were refreshed, the tree was not rebuilt
+
+
+def test_without_the_cxx_pieces_every_call_runs_the_full_check(monkeypatch):
+    monkeypatch.setattr(compat, "available", lambda: False)
+    opt = _optimizer()
+    check = _check(opt)
+    L = {"opt": opt}
+    assert check(L) and check(L)
+    assert check.fast is None and check.fast_note == "off: not available with this torch"
+    opt.state.clear()
+    assert not check(L)
