@@ -1,0 +1,146 @@
+"""Guards end to end: changing exactly one input retraces once and the reason names it;
+changing nothing never retraces; results always match eager."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import optcompile
+import pytest
+import torch
+from optcompile.api import _OPTIMIZERS
+from optcompile.testing import assert_same, run_pair, set_grads, small_model, step_both
+
+optim = torch.optim
+
+
+def _both(model, opt, reference, eager, change: Callable[[Any, Any], None]) -> None:
+    change(model, opt)
+    change(reference, eager)
+
+
+def _first(opt: torch.optim.Optimizer) -> torch.Tensor:
+    return opt.param_groups[0]["params"][0]
+
+
+def _replace_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    state = opt.state[_first(opt)]
+    state["exp_avg"] = torch.zeros_like(state["exp_avg"])
+
+
+def _set(key: str, value: Any) -> Callable[[Any, Any], None]:
+    def change(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.param_groups[0][key] = value
+
+    return change
+
+
+def _add_group(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    extra = torch.nn.Parameter(torch.ones(5))
+    model.register_parameter("extra", extra)
+    opt.add_param_group({"params": [extra], "lr": 0.05})
+
+
+def _to_double(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model.double()
+
+
+CASES: dict[str, tuple[Callable[[list[Any]], Any], Callable[[Any, Any], None], str]] = {
+    "state.clear()": (
+        lambda ps: optim.AdamW(ps, lr=1e-2, foreach=True),
+        lambda m, o: o.state.clear(),
+        "L['opt'].state: keys changed (4 entries -> 0)",
+    ),
+    "a state tensor replaced by zeros_like": (
+        lambda ps: optim.AdamW(ps, lr=1e-2, foreach=True),
+        _replace_state,
+        "['exp_avg']: data pointer changed (0x",
+    ),
+    "amsgrad flipped off": (
+        lambda ps: optim.Adam(ps, lr=1e-2, amsgrad=True),
+        _set("amsgrad", False),
+        "L['opt'].param_groups[0]['amsgrad']: value changed (True -> False)",
+    ),
+    "maximize flipped": (
+        lambda ps: optim.AdamW(ps, lr=1e-2),
+        _set("maximize", True),
+        "L['opt'].param_groups[0]['maximize']: value changed (False -> True)",
+    ),
+    "foreach flipped": (
+        lambda ps: optim.AdamW(ps, lr=1e-2, foreach=False),
+        _set("foreach", True),
+        "L['opt'].param_groups[0]['foreach']: value changed (False -> True)",
+    ),
+    "a param group added": (
+        lambda ps: optim.SGD(ps, lr=0.1),
+        _add_group,
+        "L['opt'].param_groups: length changed (1 -> 2)",
+    ),
+    "params moved to float64": (
+        lambda ps: optim.SGD(ps, lr=0.1),
+        _to_double,
+        "L['opt'].param_groups[0]['params'][0]: dtype changed (torch.float32 -> torch.float64)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_changing_one_input_retraces_once_naming_it(case):
+    make, change, reason = CASES[case]
+    model, opt, reference, eager = run_pair(make, steps=3)
+    before = optcompile.explain(opt).traces
+    _both(model, opt, reference, eager, change)
+    step_both(model, opt, reference, eager, range(3, 7))
+    assert_same(model, opt, reference, eager)
+    report = optcompile.explain(opt)
+    assert report.traces == before + 1, report.retrace_reasons
+    assert reason in report.retrace_reasons[-1], report.retrace_reasons
+    assert report.fallback_reason is None
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_changing_nothing_never_retraces(case):
+    make, _, _ = CASES[case]
+    _, opt, *_ = run_pair(make, steps=3)
+    traces = optcompile.explain(opt).traces
+    _, opt2, *_ = run_pair(make, steps=8)
+    assert optcompile.explain(opt2).traces == traces
+
+
+def test_a_grad_becoming_none_and_back_reuses_the_first_entry():
+    model, opt, reference, eager = run_pair(lambda ps: optim.AdamW(ps, lr=1e-2), steps=2)
+    for step in range(2, 6):
+        for m, o in ((model, opt), (reference, eager)):
+            set_grads(m, step)
+            if step == 3:
+                next(iter(m.parameters())).grad = None
+            o.step()
+    assert_same(model, opt, reference, eager)
+    report = optcompile.explain(opt)
+    assert report.traces == 2  # one for the None pattern; back to the first entry after
+    assert "grad: became None" in report.retrace_reasons[-1]
+    assert report.entries == 2 and len(report.entry_guards) == 2
+
+
+def test_freeing_the_optimizer_takes_its_entries_with_it():
+    model = small_model()
+    opt = optcompile.compile(optim.AdamW(model.parameters(), lr=1e-2))
+    set_grads(model, 0)
+    opt.step()
+    compiled = _OPTIMIZERS[opt]
+    opt_ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert opt_ref() is None
+    assert compiled.released and compiled.cache.entries == []
+
+
+def test_explain_shows_the_check_with_its_fast_tier():
+    _, opt, *_ = run_pair(lambda ps: optim.AdamW(ps, lr=1e-2, foreach=True), steps=3)
+    report = optcompile.explain(opt)
+    assert "def check(L)" in report.check_code
+    assert "C++ guard tree" in report.check_code
+    assert "dict_version" in report.check_code
