@@ -78,8 +78,10 @@ def test_reset_drops_every_entry():
     assert report.traces == 1 and report.retrace_reasons == []
 
 
-def test_triton_backend_says_not_available_yet():
-    with pytest.raises(optcompile.CompileError, match="not available yet"):
+def test_triton_backend_without_cuda_or_interpreter_says_how_to_run_it(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(optcompile.CompileError, match="TRITON_INTERPRET=1"):
         optcompile.compile(torch.optim.SGD(make_model().parameters(), lr=0.1), backend="triton")
 
 

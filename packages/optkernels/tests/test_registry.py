@@ -3,6 +3,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from optkernels import BACKENDS, BackendError, TorchBackend, get_backend
 
 
@@ -10,13 +11,15 @@ def test_torch_backend_is_the_torch_reference_backend():
     assert isinstance(get_backend("torch"), TorchBackend)
 
 
-def test_triton_backend_is_not_available_yet():
-    with pytest.raises(BackendError, match="not available"):
-        get_backend("triton")
+def test_triton_backend_runs_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert get_backend("triton").name == "triton"
 
 
-def test_triton_error_suggests_the_torch_backend():
-    with pytest.raises(BackendError, match=re.escape("backend='torch'")):
+def test_triton_without_cuda_or_interpreter_says_how_to_run_it(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendError, match=re.escape("TRITON_INTERPRET=1")):
         get_backend("triton")
 
 
@@ -32,6 +35,6 @@ def test_no_listed_backend_is_reported_as_unknown(name):
     try:
         backend = get_backend(name)
     except BackendError as exc:
-        assert "not available" in str(exc)
+        assert "cannot run here" in str(exc)
     else:
         assert backend.name == name

@@ -79,7 +79,7 @@ def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_li
         return opt
     compiled = _OPTIMIZERS[opt] = Compiled(
         f"{type(opt).__name__}.step",
-        lambda L: trace_step(L["opt"]),
+        lambda L: trace_step(L["opt"], capturable=getattr(backend, "wants_capturable", False)),
         lambda L: eager_step(L["opt"]),
         backend,
         fullgraph,
@@ -158,6 +158,7 @@ class Explanation:
     entries: int
     fallback_reason: str | None
     entry_guards: list[list[str]] = field(default_factory=list)  # per entry, newest first
+    kernel_launches_per_step: int = 0  # of the newest entry's plan
 
     def __str__(self) -> str:
         older = [
@@ -166,7 +167,8 @@ class Explanation:
             for line in (f"guards of entry {i} (older):", *(f"  - {g}" for g in guards))
         ]
         parts = [
-            f"traces: {self.traces}   entries: {self.entries}   backend: {self.backend}",
+            f"traces: {self.traces}   entries: {self.entries}   backend: {self.backend}"
+            f"   kernel launches per step: {self.kernel_launches_per_step}",
             f"fallback: {self.fallback_reason or 'none'}",
             "retrace reasons:",
             *(f"  - {r}" for r in self.retrace_reasons or ["(none)"]),
@@ -211,6 +213,7 @@ def explain(obj: Any) -> Explanation:
         entries=len(compiled.cache.entries),
         fallback_reason=compiled.stats.fallback_reason,
         entry_guards=[e.value.traced.guards.describe() for e in compiled.cache.entries],
+        kernel_launches_per_step=getattr(entry.plan, "kernel_launches_per_step", 0) if entry else 0,
     )
 
 

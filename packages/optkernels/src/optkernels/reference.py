@@ -67,6 +67,10 @@ class TorchPlan:
                 raise ValueError(f"the torch backend cannot run {node.op} node {node.name}")
         self._size = len(slots)
         self.num_inputs = len(self._inputs)
+        # Each ATen op is at least one kernel launch on a device (Python scalar math is none).
+        self.kernel_launches_per_step = sum(
+            1 for _, target, _, _ in self._steps if isinstance(target, torch._ops.OpOverload)
+        )
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if len(inputs) != self.num_inputs:

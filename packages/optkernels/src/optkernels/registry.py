@@ -14,8 +14,7 @@ def get_backend(name: str) -> Backend:
     if name == "torch":
         return TorchBackend()
     if name == "triton":
-        raise BackendError(
-            "backend='triton' is not available yet: the Triton foreach kernels have not "
-            "landed in optkernels. Use backend='torch' (or 'auto', which picks torch for now)."
-        )
+        from optkernels.triton_backend import TritonBackend  # imports triton lazily
+
+        return TritonBackend()
     raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

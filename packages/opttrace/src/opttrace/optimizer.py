@@ -50,13 +50,19 @@ def init_state(opt: torch.optim.Optimizer) -> None:
             init(opt, group, *([] for _ in range(arity)))
 
 
-def trace_step(opt: torch.optim.Optimizer) -> TracedStep:
-    """Trace ``opt.step()`` (no closure) into a TracedStep whose inputs are ``L['opt']...``."""
+def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedStep:
+    """Trace ``opt.step()`` (no closure) into a TracedStep whose inputs are ``L['opt']...``.
+
+    ``capturable=True`` traces the path that keeps every value on the device (what fused
+    kernels and CUDA graphs need); by default the path eager takes.
+    """
     reason = eager_only_reason(opt)
     if reason is not None:
         raise TraceError(reason)
     init_state(opt)
     step = raw_step(type(opt))
+    if capturable:
+        return trace(lambda opt: step(opt), {"opt": opt}, capturable=True)
     try:
         return trace(lambda opt: step(opt), {"opt": opt})
     except TraceError as exc:

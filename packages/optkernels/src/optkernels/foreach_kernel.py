@@ -1,0 +1,210 @@
+"""One Triton launch for every lane of a LaneProgram, through device-side tables.
+
+Each program instance handles BLOCK elements of one lane: it reads its lane and offset from
+a block table built once from the shapes, loads the lane's tensor addresses from an int64
+address table (the only part that changes when tensors move), computes the lane program in
+float32 (as ATen's opmath does) and stores the written values in each tensor's dtype.
+Per-lane 0-dim results (step counts) are written by the lane's first block to a small
+buffer and copied into their tensors by one more launch: written in place, a later block of
+the lane could read the new count instead of the old. Python scalars (lr, betas, and the
+arithmetic on them) are evaluated on the host per call and read from a small device buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from optkernels.lanes import LaneOp, LaneProgram
+
+BLOCK = 1024
+_TL_DTYPES = {
+    torch.float32: "tl.float32",
+    torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16",
+    torch.float64: "tl.float64",
+}
+
+
+class KernelError(Exception):
+    """The lane program uses something the generator cannot emit."""
+
+
+def kernel_source(program: LaneProgram, dtypes: Sequence[torch.dtype], name: str) -> str:
+    """Triton source of the kernel for ``program`` whose inputs have ``dtypes``."""
+    n_slots = len(program.inputs)
+    small_writes = [(v, k) for v, k in program.writes if program.input_small[k]]
+    lines = [
+        "@triton.jit",
+        f"def {name}(ptrs, numels, blk_lane, blk_start, scalars, small_out, BLOCK: tl.constexpr):",
+        "    pid = tl.program_id(0)",
+        "    lane = tl.load(blk_lane + pid).to(tl.int64)",
+        "    start = tl.load(blk_start + pid)",
+        "    numel = tl.load(numels + lane)",
+        "    offs = start + tl.arange(0, BLOCK)",
+        "    mask = offs < numel",
+        "    first = start == 0",
+    ]
+    for k, dtype in enumerate(dtypes):
+        if dtype not in _TL_DTYPES:
+            raise KernelError(f"dtype {dtype} of a lane input")
+        tl_type = _TL_DTYPES[dtype]
+        lines.append(
+            f"    p{k} = tl.load(ptrs + lane * {n_slots} + {k}).to(tl.pointer_type({tl_type}))"
+        )
+    for op in program.ops:
+        lines.append(f"    v{op.out} = {_expr(op, program)}")
+    for var, k in program.writes:
+        if program.input_small[k]:
+            j = small_writes.index((var, k))
+            lines.append(
+                f"    tl.store(small_out + lane * {len(small_writes)} + {j}, v{var}, mask=first)"
+            )
+        else:
+            tl_type = _TL_DTYPES[dtypes[k]]
+            lines.append(f"    tl.store(p{k} + offs, v{var}.to({tl_type}), mask=mask)")
+    return "\n".join(lines) + "\n"
+
+
+def _ref(arg: Any, program: LaneProgram) -> str:
+    kind = arg[0]
+    if kind == "lane":
+        return f"v{arg[1]}"
+    if kind == "scalar":
+        return f"tl.load(scalars + {scalar_slot(arg[1], program)})"
+    if kind == "const":
+        value = arg[1]
+        if isinstance(value, bool) or value is None:
+            raise KernelError(f"constant {value!r} as an operand")
+        return f"{float(value)!r}"
+    raise KernelError(f"argument {arg!r}")
+
+
+def scalar_slot(index: int, program: LaneProgram) -> int:
+    """Position in the scalar buffer: inputs first, then host-computed scalar nodes."""
+    return index if index >= 0 else len(program.scalar_inputs) + (-1 - index)
+
+
+def _expr(op: LaneOp, program: LaneProgram) -> str:
+    if op.op == "input":
+        (k,) = op.args
+        if op.small:
+            return f"tl.load(p{k}).to(tl.float32)"
+        return f"tl.load(p{k} + offs, mask=mask, other=0).to(tl.float32)"
+    a = [_ref(x, program) for x in op.args]
+    kw = {k: _ref(v, program) for k, v in op.kwargs}
+    name = op.op
+    if name in ("add", "sub"):
+        other = a[1]
+        alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
+        if alpha is not None:
+            other = f"({other} * {alpha})"
+        return f"({a[0]} {'+' if name == 'add' else '-'} {other})"
+    if name == "mul":
+        return f"({a[0]} * {a[1]})"
+    if name == "div":
+        return f"tl.div_rn({a[0]}, {_full(a[1], a[0])})"
+    if name in ("addcmul", "addcdiv"):
+        value = kw.get("value", a[3] if len(a) > 3 else "1.0")
+        inner = f"({a[1]} * {a[2]})" if name == "addcmul" else f"tl.div_rn({a[1]}, {a[2]})"
+        return f"({a[0]} + {value} * {inner})"
+    if name == "lerp":
+        s, e, w = a[0], a[1], a[2]
+        return f"tl.where({w} < 0.5, {s} + {w} * ({e} - {s}), {e} - ({e} - {s}) * (1.0 - {w}))"
+    if name == "sqrt":
+        return f"tl.sqrt_rn({a[0]})"
+    if name == "rsqrt":
+        return f"tl.div_rn(1.0, tl.sqrt_rn({a[0]}))"
+    if name == "reciprocal":
+        return f"tl.div_rn({_full('1.0', a[0])}, {a[0]})"
+    if name == "neg":
+        return f"(-{a[0]})"
+    if name == "abs":
+        return f"tl.abs({a[0]})"
+    if name == "sign":
+        return f"tl.where({a[0]} > 0, 1.0, tl.where({a[0]} < 0, -1.0, 0.0 * {a[0]}))"
+    if name in ("exp", "log"):
+        return f"tl.{name}({a[0]}.to(tl.float64)).to(tl.float32)"
+    if name == "pow":
+        return f"_pow({_full(a[0], a[1])}, {_full(a[1], a[0])})"
+    if name in ("maximum", "minimum"):
+        fn = "tl.maximum" if name == "maximum" else "tl.minimum"
+        return f"{fn}({a[0]}, {_full(a[1], a[0])}, propagate_nan=tl.PropagateNan.ALL)"
+    if name == "copy":
+        return f"({a[1]} + 0.0 * {a[0]})"
+    if name == "zero":
+        return f"(0.0 * {a[0]})"
+    raise KernelError(f"op {name}.{op.overload}")
+
+
+def _full(value: str, like: str) -> str:
+    return f"({value} + 0.0 * {like})"
+
+
+# pow in float64 then rounded: as accurate as powf, and it runs under TRITON_INTERPRET.
+_PRELUDE = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pow(b, e):
+    b64 = b.to(tl.float64)
+    e64 = e.to(tl.float64)
+    mag = tl.exp(e64 * tl.log(tl.abs(b64)))
+    is_int = e64 == tl.floor(e64)
+    odd = is_int & (tl.abs(e64 - 2.0 * tl.floor(e64 * 0.5)) == 1.0)
+    signed = tl.where(odd, -mag, mag)
+    neg = tl.where(is_int, signed, float("nan"))
+    out = tl.where(b64 < 0, neg, mag)
+    zero = tl.where(e64 > 0, 0.0, tl.where(e64 == 0, 1.0, float("inf")))
+    out = tl.where(b64 == 0, zero, out)
+    out = tl.where(e64 == 0, 1.0, out)
+    return out.to(tl.float32)
+
+
+"""
+
+
+def load_kernel(source: str, name: str) -> Any:
+    """Import the generated source as a module (Triton jit needs real source files) and
+    return the kernel. Modules are cached on disk by a hash of their text."""
+    text = _PRELUDE + source
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    directory = os.path.join(tempfile.gettempdir(), "optkernels-src")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"k_{digest}.py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    module_name = f"optkernels_generated_{digest}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def eval_scalars(program: LaneProgram, inputs: Sequence[Any], index: dict[Any, int]) -> list[float]:
+    """Values of the scalar inputs and of the host-side scalar arithmetic, for this call."""
+    values: dict[Any, Any] = {}
+    out = []
+    for node in program.scalar_inputs:
+        values[node] = inputs[index[node]]
+        out.append(float(values[node]))
+    for node in program.scalar_nodes:
+        args = [values.get(a, a) for a in node.args]
+        values[node] = node.target(*args)  # type: ignore[operator]
+        out.append(float(values[node]))
+    return out

@@ -1,0 +1,236 @@
+"""A traced foreach graph seen as one program applied to every tensor index (a "lane").
+
+An optimizer's foreach step applies the same ops to the i-th param, grad and state tensors
+for every i. ``analyze`` turns such a graph into a LaneProgram: its lane inputs (lists of
+graph inputs, one per lane), its Python-scalar inputs and the scalar arithmetic on them,
+its per-lane ops, and which lane values are written back into which inputs. A kernel
+generator can then emit one elementwise kernel covering all lanes. Graphs that are not of
+this form (per-tensor op sequences, reductions, data-dependent reads, graph outputs) are
+refused with the reason, and the caller runs them another way.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+
+class NotLanes(Exception):
+    """The graph is not a per-lane program; the message says why."""
+
+
+@dataclass(frozen=True)
+class LaneOp:
+    """``out = op(args)`` for every lane. Args: ("lane", var) | ("scalar", index) | ("const",
+    value) | ("scalar_list", vars_per_lane) ; kwargs likewise."""
+
+    out: int
+    op: str
+    overload: str
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+    small: bool  # every lane's value is a 0-dim tensor
+
+
+@dataclass
+class LaneProgram:
+    lanes: int
+    inputs: list[tuple[fx.Node, ...]] = field(default_factory=list)  # per input: a node per lane
+    input_small: list[bool] = field(default_factory=list)
+    scalar_inputs: list[fx.Node] = field(default_factory=list)  # scalar placeholders
+    scalar_nodes: list[fx.Node] = field(default_factory=list)  # host-side arithmetic, in order
+    ops: list[LaneOp] = field(default_factory=list)
+    writes: list[tuple[int, int]] = field(default_factory=list)  # (lane var, input index)
+    num_vars: int = 0
+
+
+# Foreach op base name -> per-element op name understood by the kernel generator.
+_FOREACH = {
+    "add": "add",
+    "sub": "sub",
+    "mul": "mul",
+    "div": "div",
+    "addcmul": "addcmul",
+    "addcdiv": "addcdiv",
+    "lerp": "lerp",
+    "sqrt": "sqrt",
+    "rsqrt": "rsqrt",
+    "reciprocal": "reciprocal",
+    "neg": "neg",
+    "abs": "abs",
+    "sign": "sign",
+    "exp": "exp",
+    "log": "log",
+    "pow": "pow",
+    "maximum": "maximum",
+    "minimum": "minimum",
+    "clamp_min": "maximum",
+    "clamp_max": "minimum",
+    "copy": "copy",
+    "zero": "zero",
+}
+
+
+def analyze(graph: fx.Graph) -> LaneProgram:
+    """The LaneProgram of ``graph``; raises NotLanes naming what does not fit."""
+    builder = _Builder()
+    for node in graph.nodes:
+        builder.visit(node)
+    return builder.finish()
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.lanes: int | None = None
+        self.program = LaneProgram(lanes=0)
+        self.input_index: dict[tuple[fx.Node, ...], int] = {}
+        self.value: dict[fx.Node, Any] = {}  # node -> ("lanes", var) | ("scalar", i) | ...
+        self.small: dict[int, bool] = {}
+        self.copies: dict[fx.Node, tuple[int, int]] = {}  # target placeholder -> (var, lane)
+
+    def visit(self, node: fx.Node) -> None:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                self.value[node] = ("tensor", node)
+            elif isinstance(val, bool | int | float):
+                self.value[node] = ("scalar", len(self.program.scalar_inputs))
+                self.program.scalar_inputs.append(node)
+            else:
+                raise NotLanes(f"input {node.name} is neither a tensor nor a Python scalar")
+            return
+        if node.op == "output":
+            outs = node.args[0]
+            if outs:
+                raise NotLanes("the graph returns values (only in-place steps are fused)")
+            return
+        if node.op != "call_function":
+            raise NotLanes(f"{node.op} node {node.name}")
+        target = node.target
+        if target is operator.getitem:
+            base = self.value.get(node.args[0])  # type: ignore[arg-type]
+            if base is None or base[0] != "lanes":
+                raise NotLanes(f"{node.name} takes an item of something that is not a lane list")
+            self.value[node] = ("item", base[1], node.args[1])
+            return
+        if target is aten.copy_.default:
+            dst, src = node.args
+            item = self.value.get(src)  # type: ignore[arg-type]
+            if item is None or item[0] != "item" or self.value.get(dst, ("",))[0] != "tensor":  # type: ignore[arg-type]
+                raise NotLanes(f"{node.name} writes back something other than a lane value")
+            self.copies[dst] = (item[1], item[2])  # type: ignore[index]
+            return
+        if getattr(target, "__module__", None) == "_operator" or target in (min, max, abs):
+            if any(self._kind(a) not in ("scalar", "const") for a in node.args):
+                raise NotLanes(f"{node.name} mixes Python arithmetic with tensors")
+            self.value[node] = ("scalar", -1 - len(self.program.scalar_nodes))
+            self.program.scalar_nodes.append(node)
+            return
+        name = getattr(target, "__name__", "")  # e.g. "_foreach_add.Scalar"
+        base, _, overload = name.partition(".")
+        if not base.startswith("_foreach_") or base[len("_foreach_") :] not in _FOREACH:
+            raise NotLanes(f"{target} is not a foreach op the kernel generator knows")
+        op = _FOREACH[base[len("_foreach_") :]]
+        args = tuple(self._arg(a) for a in node.args)
+        kwargs = {k: self._arg(v) for k, v in node.kwargs.items()}
+        small = all(
+            self.small[a[1]]
+            for a in (*args, *kwargs.values())
+            if isinstance(a, tuple) and a[0] == "lane"
+        )
+        var = self.program.num_vars
+        self.program.num_vars += 1
+        self.small[var] = small
+        self.program.ops.append(
+            LaneOp(var, op, overload, args, tuple(sorted(kwargs.items())), small)
+        )
+        self.value[node] = ("lanes", var)
+
+    def _kind(self, a: Any) -> str:
+        if isinstance(a, fx.Node):
+            v = self.value.get(a)
+            return v[0] if v else "?"
+        return "const"
+
+    def _arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = self.value.get(a)
+            if v is None:
+                raise NotLanes(f"{a.name} is used before it is computed")
+            if v[0] == "lanes":
+                return ("lane", v[1])
+            if v[0] == "scalar":
+                return ("scalar", v[1])
+            if v[0] == "tensor" and self.lanes is not None:
+                return ("lane", self._input((a,) * self.lanes))  # one tensor for all lanes
+            raise NotLanes(f"{a.name} ({v[0]}) cannot be an argument of a lane op")
+        if isinstance(a, list | tuple):
+            if a and all(isinstance(x, fx.Node) and self._kind(x) == "tensor" for x in a):
+                return ("lane", self._input(tuple(a)))
+            if all(not isinstance(x, fx.Node) for x in a):
+                return ("const_list", tuple(a))
+            raise NotLanes("a list argument mixes tensors with other values")
+        if isinstance(a, bool | int | float) or a is None:
+            return ("const", a)
+        raise NotLanes(f"argument {a!r} of a foreach op")
+
+    def _input(self, nodes: tuple[fx.Node, ...], load: bool = True) -> int:
+        self._lanes(len(nodes))
+        if nodes not in self.input_index:
+            # A list of 0-dim tensors only (step counts) is per-lane "small": read once per
+            # lane. A 0-dim tensor among larger ones (a scalar parameter) is a lane of size 1.
+            small = all(n.meta["val"].dim() == 0 for n in nodes)
+            var = self.program.num_vars
+            self.program.num_vars += 1
+            self.small[var] = small
+            self.input_index[nodes] = var
+            self.program.inputs.append(nodes)
+            self.program.input_small.append(small)
+            if load:
+                index = len(self.program.inputs) - 1
+                self.program.ops.append(LaneOp(var, "input", "", (index,), (), small))
+        return self.input_index[nodes]
+
+    def _lanes(self, n: int) -> None:
+        if self.lanes is None:
+            self.lanes = n
+        elif self.lanes != n:
+            raise NotLanes(f"foreach lists of different lengths ({self.lanes} and {n})")
+
+    def finish(self) -> LaneProgram:
+        if self.lanes is None:
+            raise NotLanes("the graph has no foreach ops")
+        program = self.program
+        program.lanes = self.lanes
+        # Each written lane value must go to one input list, lane by lane.
+        by_var: dict[int, dict[int, fx.Node]] = {}
+        for dst, (var, lane) in self.copies.items():
+            by_var.setdefault(var, {})[lane] = dst
+        for var, targets in by_var.items():
+            if sorted(targets) != list(range(self.lanes)):
+                raise NotLanes("a lane value is written back to only some of its lanes")
+            nodes = tuple(targets[i] for i in range(self.lanes))
+            self._input(nodes, load=False)
+            program.writes.append((var, program.inputs.index(nodes)))
+        covered = {n for nodes in program.inputs for n in nodes}
+        if set(self.copies) - covered:
+            raise NotLanes("a write-back target is not part of a lane list")
+        _check_numels(program)
+        return program
+
+
+def _check_numels(program: LaneProgram) -> None:
+    for lane in range(program.lanes):
+        numels = {
+            nodes[lane].meta["val"].numel()
+            for nodes, small in zip(program.inputs, program.input_small, strict=True)
+            if not small
+        }
+        if len(numels) > 1:
+            raise NotLanes(f"lane {lane} mixes tensors of different sizes {sorted(numels)}")
