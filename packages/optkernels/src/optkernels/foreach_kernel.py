@@ -37,6 +37,20 @@ class KernelError(Exception):
     """The lane program uses something the generator cannot emit."""
 
 
+def _round(expr: str, dtype: torch.dtype) -> str:
+    """``expr`` (float32) rounded to ``dtype`` and back. Triton's interpreter truncates when
+    it converts float32 to bfloat16; the GPU rounds to nearest even, and so does _bf16."""
+    if dtype is torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return f"_bf16({expr})"
+    return f"({expr}).to({_TL_DTYPES[dtype]}).to(tl.float32)"
+
+
+def _store_cast(expr: str, dtype: torch.dtype) -> str:
+    if dtype is torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return f"_bf16({expr}).to(tl.bfloat16)"  # already representable: exact
+    return f"{expr}.to({_TL_DTYPES[dtype]})"
+
+
 def kernel_source(program: LaneProgram, dtypes: Sequence[torch.dtype], name: str) -> str:
     """Triton source of the kernel for ``program`` whose inputs have ``dtypes``."""
     n_slots = len(program.inputs)
@@ -59,8 +73,30 @@ def kernel_source(program: LaneProgram, dtypes: Sequence[torch.dtype], name: str
         lines.append(
             f"    p{k} = tl.load(ptrs + lane * {n_slots} + {k}).to(tl.pointer_type({tl_type}))"
         )
+    # Eager materializes each foreach result in its tensors' dtype: rounding every value to
+    # that dtype after each op (and computing in float32 between) gives eager's numbers.
+    # Operands are first cast to the op's result dtype (a 0-dim float32 count used with
+    # bfloat16 tensors is rounded to bfloat16, as TensorIterator does), Python scalars are not.
+    var_dtype: dict[int, torch.dtype] = {}
+    small = {op.out: op.small for op in program.ops}
     for op in program.ops:
-        lines.append(f"    v{op.out} = {_expr(op, program)}")
+        if op.op == "input":
+            dtype = dtypes[op.args[0]]
+            expr = _expr(op, program, {})
+        else:
+            lanes = [a[1] for a in (*op.args, *(v for _, v in op.kwargs)) if a[0] == "lane"]
+            big = [var_dtype[v] for v in lanes if not small[v]]
+            dtype = _promote(big or [var_dtype[v] for v in lanes] or [torch.float32])
+            rounded = {
+                v: _round(f"v{v}", dtype)
+                for v in lanes
+                if var_dtype[v] != dtype and dtype not in (torch.float32, torch.float64)
+            }
+            expr = _expr(op, program, rounded)
+            if dtype not in (torch.float32, torch.float64):
+                expr = _round(expr, dtype)
+        var_dtype[op.out] = dtype
+        lines.append(f"    v{op.out} = {expr}")
     for var, k in program.writes:
         if program.input_small[k]:
             j = small_writes.index((var, k))
@@ -68,15 +104,22 @@ def kernel_source(program: LaneProgram, dtypes: Sequence[torch.dtype], name: str
                 f"    tl.store(small_out + lane * {len(small_writes)} + {j}, v{var}, mask=first)"
             )
         else:
-            tl_type = _TL_DTYPES[dtypes[k]]
-            lines.append(f"    tl.store(p{k} + offs, v{var}.to({tl_type}), mask=mask)")
+            stored = _store_cast(f"v{var}", dtypes[k])
+            lines.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
     return "\n".join(lines) + "\n"
 
 
-def _ref(arg: Any, program: LaneProgram) -> str:
+def _promote(dtypes: list[torch.dtype]) -> torch.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _ref(arg: Any, program: LaneProgram, rounded: dict[int, str]) -> str:
     kind = arg[0]
     if kind == "lane":
-        return f"v{arg[1]}"
+        return rounded.get(arg[1], f"v{arg[1]}")
     if kind == "scalar":
         return f"tl.load(scalars + {scalar_slot(arg[1], program)})"
     if kind == "const":
@@ -92,14 +135,14 @@ def scalar_slot(index: int, program: LaneProgram) -> int:
     return index if index >= 0 else len(program.scalar_inputs) + (-1 - index)
 
 
-def _expr(op: LaneOp, program: LaneProgram) -> str:
+def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
     if op.op == "input":
         (k,) = op.args
         if op.small:
             return f"tl.load(p{k}).to(tl.float32)"
         return f"tl.load(p{k} + offs, mask=mask, other=0).to(tl.float32)"
-    a = [_ref(x, program) for x in op.args]
-    kw = {k: _ref(v, program) for k, v in op.kwargs}
+    a = [_ref(x, program, rounded) for x in op.args]
+    kw = {k: _ref(v, program, rounded) for k, v in op.kwargs}
     name = op.op
     if name in ("add", "sub"):
         other = a[1]
@@ -113,8 +156,9 @@ def _expr(op: LaneOp, program: LaneProgram) -> str:
         return f"tl.div_rn({a[0]}, {_full(a[1], a[0])})"
     if name in ("addcmul", "addcdiv"):
         value = kw.get("value", a[3] if len(a) > 3 else "1.0")
-        inner = f"({a[1]} * {a[2]})" if name == "addcmul" else f"tl.div_rn({a[1]}, {a[2]})"
-        return f"({a[0]} + {value} * {inner})"
+        if name == "addcmul":  # ATen: self + value * t1 * t2, left to right
+            return f"({a[0]} + {value} * {a[1]} * {a[2]})"
+        return f"({a[0]} + {value} * tl.div_rn({a[1]}, {a[2]}))"
     if name == "lerp":
         s, e, w = a[0], a[1], a[2]
         return f"tl.where({w} < 0.5, {s} + {w} * ({e} - {s}), {e} - ({e} - {s}) * (1.0 - {w}))"
@@ -167,6 +211,15 @@ def _pow(b, e):
     out = tl.where(b64 == 0, zero, out)
     out = tl.where(e64 == 0, 1.0, out)
     return out.to(tl.float32)
+
+
+@triton.jit
+def _bf16(x):
+    # float32 -> nearest bfloat16 (ties to even), as a float32; NaN stays NaN.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    bits = bits & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 """

@@ -1,0 +1,126 @@
+"""backend="triton": foreach steps fused into generated Triton kernels, compared with eager.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (the test sessions set it); on a CUDA
+machine they run on the device. Sizes are odd on purpose (1, 7, 1000, 4097 elements and a
+0-dim parameter): blocks straddle tensor ends. The capturable path is traced for the kernels,
+so results match eager within float rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import optcompile
+import opttrace
+import pytest
+import torch
+from optcompile.api import _OPTIMIZERS
+from optkernels import TorchPlan
+
+optim = torch.optim
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1,), (7,), (1000,), (4097,), (), (3, 5)]
+
+FUSED = {
+    "Adam": lambda ps: optim.Adam(ps, lr=1e-2, foreach=True),
+    "AdamW weight decay": lambda ps: optim.AdamW(ps, lr=1e-2, foreach=True, weight_decay=0.1),
+    "AdamW amsgrad maximize": lambda ps: optim.AdamW(
+        ps, lr=1e-2, foreach=True, amsgrad=True, maximize=True
+    ),
+    "NAdam": lambda ps: optim.NAdam(ps, lr=1e-2, foreach=True),
+    "Adamax": lambda ps: optim.Adamax(ps, lr=1e-2, foreach=True),
+    "Adadelta": lambda ps: optim.Adadelta(ps, foreach=True),
+    "RMSprop centered momentum": lambda ps: optim.RMSprop(
+        ps, lr=1e-2, foreach=True, centered=True, momentum=0.5
+    ),
+    "SGD nesterov": lambda ps: optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, foreach=True),
+    "ASGD": lambda ps: optim.ASGD(ps, lr=1e-2, foreach=True),
+}
+NOT_FUSED = {  # per-tensor ops in their foreach paths: the torch backend runs them
+    "RAdam": lambda ps: optim.RAdam(ps, lr=1e-2, foreach=True),
+    "Rprop": lambda ps: optim.Rprop(ps, lr=1e-2, foreach=True),
+}
+
+
+def _run(make, dtype=torch.float32, steps=3):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE, dtype)) for s in SHAPES]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = optcompile.compile(make(params), backend="triton")
+    eager = make(reference)
+    for _ in range(steps):
+        for p, q in zip(params, reference, strict=True):
+            grad = torch.randn(p.shape, generator=gen).to(DEVICE, dtype)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+    return params, opt, reference, eager
+
+
+def _assert_close(params, opt, reference, eager, **tolerance):
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q, **tolerance)
+        for key, value in eager.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, **tolerance)
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_foreach_step_runs_as_at_most_two_launches_and_matches_eager(name):
+    params, opt, reference, eager = _run(FUSED[name])
+    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None
+    assert 1 <= report.kernel_launches_per_step <= 2, report.graph_code[:500]
+    assert "@triton.jit" in report.graph_code
+
+
+@pytest.mark.parametrize("name", sorted(NOT_FUSED))
+def test_a_graph_the_kernels_cannot_take_runs_on_the_torch_backend_and_says_why(name):
+    params, opt, reference, eager = _run(NOT_FUSED[name])
+    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    report = optcompile.explain(opt)
+    assert report.graph_code.startswith("# not fused (")
+    assert "the torch backend runs this graph" in report.graph_code
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_precision_kernels_match_the_torch_backend_on_the_same_graph(dtype):
+    """Kernels compute in float32 and round each op's result to the tensors' dtype, as
+    ATen's foreach ops do; the torch backend runs the same (capturable) graph op by op."""
+    make = FUSED["AdamW weight decay"]
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE, dtype)) for s in SHAPES]
+    others = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = optcompile.compile(make(params), backend="triton")
+    other = make(others)
+    entry = None
+    for _ in range(3):
+        for p, q in zip(params, others, strict=True):
+            grad = torch.randn(p.shape, generator=gen).to(DEVICE, dtype)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        if entry is None:
+            entry = _OPTIMIZERS[opt].cache.entries[0].value
+            reference = TorchPlan(entry.traced.graph_module)
+            opttrace.init_state(other)
+        reference(entry.gather({"opt": other}))
+    # ATen's CPU kernels fuse some products into FMAs (add with alpha, lerp); the kernels
+    # here round them separately: a one-ulp float32 difference can flip a rounding to the
+    # dtype. Three steps stay within four ulps of the dtype at the values' scale (about 1).
+    ulp = torch.finfo(dtype).eps
+    _assert_close(params, opt, others, other, rtol=4 * ulp, atol=4 * ulp)
+
+
+def test_new_grad_tensors_each_step_update_the_address_table_only():
+    params, opt, *_ = _run(FUSED["Adam"], steps=2)
+    plan = _OPTIMIZERS[opt].cache.entries[0].value.plan
+    tables = dict(plan._tables)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert plan._tables == tables  # block tables are built once, from shapes
+    assert _OPTIMIZERS[opt].stats.traces == 1
