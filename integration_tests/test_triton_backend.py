@@ -24,25 +24,30 @@ pytestmark = pytest.mark.skipif(
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1,), (7,), (1000,), (4097,), (), (3, 5)]
+# On CUDA, capturable=True keeps step counts on the device, where the kernels read them
+# (capturable=False keeps them on the CPU: that graph runs on the torch backend).
+CAP = {"capturable": True} if DEVICE == "cuda" else {}
 
 FUSED = {
-    "Adam": lambda ps: optim.Adam(ps, lr=1e-2, foreach=True),
-    "AdamW weight decay": lambda ps: optim.AdamW(ps, lr=1e-2, foreach=True, weight_decay=0.1),
-    "AdamW amsgrad maximize": lambda ps: optim.AdamW(
-        ps, lr=1e-2, foreach=True, amsgrad=True, maximize=True
+    "Adam": lambda ps: optim.Adam(ps, lr=1e-2, foreach=True, **CAP),
+    "AdamW weight decay": lambda ps: optim.AdamW(
+        ps, lr=1e-2, foreach=True, weight_decay=0.1, **CAP
     ),
-    "NAdam": lambda ps: optim.NAdam(ps, lr=1e-2, foreach=True),
-    "Adamax": lambda ps: optim.Adamax(ps, lr=1e-2, foreach=True),
-    "Adadelta": lambda ps: optim.Adadelta(ps, foreach=True),
+    "AdamW amsgrad maximize": lambda ps: optim.AdamW(
+        ps, lr=1e-2, foreach=True, amsgrad=True, maximize=True, **CAP
+    ),
+    "NAdam": lambda ps: optim.NAdam(ps, lr=1e-2, foreach=True, **CAP),
+    "Adamax": lambda ps: optim.Adamax(ps, lr=1e-2, foreach=True, **CAP),
+    "Adadelta": lambda ps: optim.Adadelta(ps, foreach=True, **CAP),
     "RMSprop centered momentum": lambda ps: optim.RMSprop(
-        ps, lr=1e-2, foreach=True, centered=True, momentum=0.5
+        ps, lr=1e-2, foreach=True, centered=True, momentum=0.5, **CAP
     ),
     "SGD nesterov": lambda ps: optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, foreach=True),
-    "ASGD": lambda ps: optim.ASGD(ps, lr=1e-2, foreach=True),
+    "ASGD": lambda ps: optim.ASGD(ps, lr=1e-2, foreach=True, **CAP),
 }
 NOT_FUSED = {  # per-tensor ops in their foreach paths: the torch backend runs them
-    "RAdam": lambda ps: optim.RAdam(ps, lr=1e-2, foreach=True),
-    "Rprop": lambda ps: optim.Rprop(ps, lr=1e-2, foreach=True),
+    "RAdam": lambda ps: optim.RAdam(ps, lr=1e-2, foreach=True, **CAP),
+    "Rprop": lambda ps: optim.Rprop(ps, lr=1e-2, foreach=True, **CAP),
 }
 
 

@@ -63,6 +63,7 @@ class TritonPlan:
         self.reason: str | None = None
         self.groups: list[_Group] = []
         self.launches = 0
+        self._checked_devices = False
         try:
             self.program = analyze(gm.graph)
             self._build(self.program)
@@ -94,6 +95,17 @@ class TritonPlan:
             raise ValueError(f"graph takes {len(self.index)} inputs, got {len(inputs)}")
         tensors = [[inputs[self.index[n]] for n in nodes] for nodes in program.inputs]
         device = tensors[0][0].device
+        if not self._checked_devices:
+            self._checked_devices = True
+            devices = {t.device for lane in tensors for t in lane}
+            if len(devices) > 1:
+                # e.g. step counts kept on the CPU by capturable=False optimizers on CUDA
+                self.program = None
+                self.reason = (
+                    f"its tensors live on several devices ({', '.join(map(str, devices))}); "
+                    "with capturable=True an optimizer keeps its step counts on the device"
+                )
+                return self.reference(inputs)
         scalars = torch.tensor(
             eval_scalars(program, inputs, self.index) or [0.0], dtype=torch.float32
         ).to(device, non_blocking=True)
