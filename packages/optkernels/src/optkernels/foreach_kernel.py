@@ -85,15 +85,20 @@ def kernel_source(program: LaneProgram, dtypes: Sequence[torch.dtype], name: str
             expr = _expr(op, program, {})
         else:
             lanes = [a[1] for a in (*op.args, *(v for _, v in op.kwargs)) if a[0] == "lane"]
-            big = [var_dtype[v] for v in lanes if not small[v]]
-            dtype = _promote(big or [var_dtype[v] for v in lanes] or [torch.float32])
+            values = [v for v in lanes if var_dtype[v] is not torch.bool]
+            if op.op == "where":
+                values = [v for v in lanes[1:] if var_dtype[v] is not torch.bool]
+            big = [var_dtype[v] for v in values if not small[v]]
+            dtype = _promote(big or [var_dtype[v] for v in values] or [torch.float32])
             rounded = {
                 v: _round(f"v{v}", dtype)
                 for v in lanes
                 if var_dtype[v] != dtype and dtype not in (torch.float32, torch.float64)
             }
             expr = _expr(op, program, rounded)
-            if dtype not in (torch.float32, torch.float64):
+            if op.op in _COMPARE:
+                dtype = torch.bool
+            elif dtype not in (torch.float32, torch.float64):
                 expr = _round(expr, dtype)
         var_dtype[op.out] = dtype
         lines.append(f"    v{op.out} = {expr}")
@@ -127,6 +132,8 @@ def _ref(arg: Any, program: LaneProgram, rounded: dict[int, str]) -> str:
         if isinstance(value, bool) or value is None:
             raise KernelError(f"constant {value!r} as an operand")
         return f"{float(value)!r}"
+    if kind == "ignore":
+        return "None"
     raise KernelError(f"argument {arg!r}")
 
 
@@ -173,7 +180,8 @@ def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
     if name == "abs":
         return f"tl.abs({a[0]})"
     if name == "sign":
-        return f"tl.where({a[0]} > 0, 1.0, tl.where({a[0]} < 0, -1.0, 0.0 * {a[0]}))"
+        x = a[0]  # torch.sign(nan) is 0, like sign(0)
+        return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, tl.zeros_like({x})))"
     if name in ("exp", "log"):
         return f"tl.{name}({a[0]}.to(tl.float64)).to(tl.float32)"
     if name == "pow":
@@ -181,15 +189,51 @@ def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
     if name in ("maximum", "minimum"):
         fn = "tl.maximum" if name == "maximum" else "tl.minimum"
         return f"{fn}({a[0]}, {_full(a[1], a[0])}, propagate_nan=tl.PropagateNan.ALL)"
+    if name == "rsub":
+        alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
+        scaled = f"({a[0]} * {alpha})" if alpha is not None else a[0]
+        return f"({a[1]} - {scaled})"
+    if name == "clamp":
+        low = kw.get("min", a[1] if len(a) > 1 else None)
+        high = kw.get("max", a[2] if len(a) > 2 else None)
+        out = a[0]
+        if low is not None:
+            out = f"tl.maximum({out}, {_full(low, a[0])}, propagate_nan=tl.PropagateNan.ALL)"
+        if high is not None:
+            out = f"tl.minimum({out}, {_full(high, a[0])}, propagate_nan=tl.PropagateNan.ALL)"
+        return out
+    if name == "where":
+        return f"tl.where({a[0]}, {_full(a[1], a[2])}, {_full(a[2], a[1])})"
+    if name in _COMPARE:
+        return f"({a[0]} {_COMPARE[name]} {a[1]})"
+    if name == "identity":
+        return a[0]
+    if name == "full":
+        return f"({a[0]} + 0.0)"
     if name == "copy":
-        return f"({a[1]} + 0.0 * {a[0]})"
+        return _full(a[1], a[0])
     if name == "zero":
-        return f"(0.0 * {a[0]})"
+        return f"tl.zeros_like({a[0]})"
     raise KernelError(f"op {name}.{op.overload}")
 
 
+_COMPARE = {"gt": ">", "lt": "<", "ge": ">=", "le": "<=", "eq": "==", "ne": "!="}
+
+
 def _full(value: str, like: str) -> str:
-    return f"({value} + 0.0 * {like})"
+    """``value`` broadcast to ``like``'s shape (never through arithmetic on ``like``, which
+    would carry its NaNs and infinities into the result)."""
+    if _is_literal(like):
+        return value
+    return f"(tl.zeros_like({like}) + {value})"
+
+
+def _is_literal(expr: str) -> bool:
+    try:
+        float(expr)
+    except ValueError:
+        return False
+    return True
 
 
 # pow in float64 then rounded: as accurate as powf, and it runs under TRITON_INTERPRET.

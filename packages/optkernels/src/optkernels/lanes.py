@@ -77,12 +77,172 @@ _FOREACH = {
 }
 
 
+# Single-tensor ATen op name -> per-element op name (same names as the foreach ones).
+_SINGLE = {
+    **_FOREACH,
+    "rsub": "rsub",
+    "clamp": "clamp",
+    "where": "where",
+    "gt": "gt",
+    "lt": "lt",
+    "ge": "ge",
+    "le": "le",
+    "eq": "eq",
+    "ne": "ne",
+    "clone": "identity",
+    "detach": "identity",
+    "alias": "identity",
+    "scalar_tensor": "full",
+}
+
+
 def analyze(graph: fx.Graph) -> LaneProgram:
     """The LaneProgram of ``graph``; raises NotLanes naming what does not fit."""
+    if not any(_is_foreach(n) for n in graph.nodes):
+        return _analyze_per_tensor(graph)
     builder = _Builder()
     for node in graph.nodes:
         builder.visit(node)
     return builder.finish()
+
+
+def _is_foreach(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "").startswith(
+        "_foreach_"
+    )
+
+
+def _is_scalar(node: Any) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "placeholder":
+        return not isinstance(node.meta.get("val"), torch.Tensor)
+    return node.op == "call_function" and getattr(node.target, "__module__", "") == "_operator"
+
+
+def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
+    """A for-loop step: the same op sequence once per parameter, each on its own tensors.
+    Tensor dataflow splits the graph into independent components; if they all have the same
+    signature, component i is lane i."""
+    if graph.output_node().args[0]:
+        raise NotLanes("the graph returns values (only in-place steps are fused)")
+    nodes = [n for n in graph.nodes if n.op in ("placeholder", "call_function")]
+    parent: dict[fx.Node, fx.Node] = {n: n for n in nodes}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in nodes:
+        if node.op != "call_function" or _is_scalar(node):
+            continue
+        for arg in node.all_input_nodes:
+            if not _is_scalar(arg):
+                parent[find(arg)] = find(node)
+    components: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        if not _is_scalar(node) and node.op == "call_function":
+            components.setdefault(find(node), []).append(node)
+    if not components:
+        raise NotLanes("the graph has no tensor ops")
+    lanes = list(components.values())
+    scalars = [n for n in nodes if _is_scalar(n)]
+    program = LaneProgram(lanes=len(lanes))
+    program.scalar_inputs = [n for n in scalars if n.op == "placeholder"]
+    program.scalar_nodes = [n for n in scalars if n.op == "call_function"]
+    scalar_ref = {n: ("scalar", i) for i, n in enumerate(program.scalar_inputs)}
+    scalar_ref.update({n: ("scalar", -1 - i) for i, n in enumerate(program.scalar_nodes)})
+    signatures = [_signature(c, scalar_ref) for c in lanes]
+    if any(sig != signatures[0][0] for sig, _ in signatures):
+        raise NotLanes("the per-tensor op sequences differ between parameters")
+    inputs_per_lane = [placeholders for _, placeholders in signatures]
+    for j in range(len(inputs_per_lane[0])):
+        column = tuple(lane[j] for lane in inputs_per_lane)
+        program.inputs.append(column)
+        program.input_small.append(all(n.meta["val"].dim() == 0 for n in column))
+    _lower_component(program, lanes[0], inputs_per_lane[0], scalar_ref)
+    _check_numels(program)
+    return program
+
+
+def _signature(
+    component: list[fx.Node], scalar_ref: dict[fx.Node, Any]
+) -> tuple[tuple[Any, ...], list[fx.Node]]:
+    """What a component computes, with its own nodes and inputs numbered by first use."""
+    local: dict[fx.Node, int] = {}
+    placeholders: list[fx.Node] = []
+
+    def ref(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            if a in scalar_ref:
+                return scalar_ref[a]
+            if a.op == "placeholder":
+                if a not in placeholders:
+                    placeholders.append(a)
+                return ("input", placeholders.index(a))
+            return ("local", local[a])
+        if isinstance(a, list | tuple):
+            return tuple(ref(x) for x in a)
+        return ("const", a)
+
+    sig = []
+    for i, node in enumerate(component):
+        local[node] = i
+        sig.append((node.target, ref(tuple(node.args)), ref(tuple(sorted(node.kwargs.items())))))
+    return tuple(sig), placeholders
+
+
+def _lower_component(
+    program: LaneProgram,
+    component: list[fx.Node],
+    placeholders: list[fx.Node],
+    scalar_ref: dict[fx.Node, Any],
+) -> None:
+    var_of: dict[fx.Node, int] = {}
+    for j, node in enumerate(placeholders):
+        var_of[node] = program.num_vars
+        program.ops.append(LaneOp(program.num_vars, "input", "", (j,), (), program.input_small[j]))
+        program.num_vars += 1
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            if a in scalar_ref:
+                return scalar_ref[a]
+            return ("lane", var_of[a])
+        if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
+            return ("ignore", a)
+        if isinstance(a, bool | int | float) or a is None:
+            return ("const", a)
+        raise NotLanes(f"argument {a!r} of a per-tensor op")
+
+    for node in component:
+        target = node.target
+        if target is aten.copy_.default:
+            dst, src = node.args
+            if not isinstance(dst, fx.Node) or not isinstance(src, fx.Node):
+                raise NotLanes(f"{node.name} copies something that is not a graph value")
+            if dst not in placeholders:
+                raise NotLanes(f"{node.name} writes to something that is not an input")
+            program.writes.append((var_of[src], placeholders.index(dst)))
+            continue
+        name = getattr(target, "__name__", "")
+        base, _, overload = name.partition(".")
+        if base not in _SINGLE:
+            raise NotLanes(f"{target} is not an op the kernel generator knows")
+        args = tuple(arg(a) for a in node.args)
+        kwargs = tuple(
+            (k, arg(v)) for k, v in sorted(node.kwargs.items()) if k not in _IGNORED_KWARGS
+        )
+        val = node.meta.get("val")
+        small = isinstance(val, torch.Tensor) and val.dim() == 0
+        var_of[node] = program.num_vars
+        program.ops.append(LaneOp(program.num_vars, _SINGLE[base], overload, args, kwargs, small))
+        program.num_vars += 1
+
+
+_IGNORED_KWARGS = ("dtype", "device", "layout", "pin_memory", "memory_format", "non_blocking")
 
 
 class _Builder:
