@@ -1,8 +1,8 @@
 """Median AdamW step time on the GPU against the memory-bandwidth floor (first cut of the
-step-time suite: AdamW, float32, GPT-2 124M shapes).
+step-time suite: AdamW, float32, GPT-2 124M or GPT 1.3B shapes).
 
-Usage (GPU machine): python benchmarks/step_time.py [--steps 200]
-Writes benchmarks/results/step_time_cuda.md.
+Usage (GPU machine): python benchmarks/step_time.py [--model gpt2|1.3b] [--steps 200]
+Writes benchmarks/results/step_time_cuda_<model>.md.
 
 The floor: AdamW reads p, g, m, v and writes p, m, v: 28 bytes per float32 parameter, over
 the copy bandwidth measured in the same run (a 1 GiB device-to-device copy, bytes read plus
@@ -38,12 +38,25 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
-def make(kind: str) -> torch.optim.Optimizer:
-    gen = torch.Generator().manual_seed(0)
+def gpt_1_3b_shapes() -> list[tuple[int, ...]]:
+    """GPT 1.3B (24 layers, width 2048, 2048 positions): 292 parameter tensors."""
+    d = 2048
+    shapes: list[tuple[int, ...]] = [(50257, d), (2048, d)]
+    for _ in range(24):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,)]
+        shapes += [(d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return [*shapes, (d,), (d,)]
+
+
+SHAPES = {"gpt2": gpt2_shapes, "1.3b": gpt_1_3b_shapes}
+
+
+def make(kind: str, model: str) -> torch.optim.Optimizer:
+    gen = torch.Generator(device="cuda").manual_seed(0)
     params = []
-    for shape in gpt2_shapes():
-        p = torch.nn.Parameter(torch.randn(shape, generator=gen).cuda())
-        p.grad = torch.randn(shape, generator=gen).cuda()
+    for shape in SHAPES[model]():
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen, device="cuda"))
+        p.grad = torch.randn(shape, generator=gen, device="cuda")
         params.append(p)
     if kind == "fused":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
@@ -72,14 +85,15 @@ def time_steps(opt: torch.optim.Optimizer, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--model", choices=sorted(SHAPES), default="gpt2")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
-    n = sum(torch.Size(s).numel() for s in gpt2_shapes())
+    n = sum(torch.Size(s).numel() for s in SHAPES[args.model]())
     floor_ms = 28 * n / bandwidth * 1e3
     rows = [("floor (28 B/param over copy bandwidth)", floor_ms, "", "")]
     for kind in ("fused", "foreach", "triton"):
         start = time.perf_counter()
-        opt = make(kind)
+        opt = make(kind, args.model)
         opt.step()
         torch.cuda.synchronize()
         first = time.perf_counter() - start
@@ -91,8 +105,11 @@ def main() -> None:
             assert plan.program is not None, plan.reason
         rows.append((f"AdamW {kind}", ms, launches, f"{first:.2f} s"))
         print(f"{kind:10s} {ms:.3f} ms  x{ms / floor_ms:.2f} floor  first call {first:.2f} s")
+        del opt
+        torch.cuda.empty_cache()
     lines = [
-        "# AdamW step time, float32, GPT-2 124M shapes (148 tensors), CUDA",
+        f"# AdamW step time, float32, {args.model} shapes "
+        f"({len(SHAPES[args.model]())} tensors), CUDA",
         "",
         f"Command: `python benchmarks/step_time.py {' '.join(sys.argv[1:])}`  ",
         f"Device: {torch.cuda.get_device_name()}; Python {platform.python_version()}, "
@@ -109,7 +126,7 @@ def main() -> None:
         ),
     ]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "step_time_cuda.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"step_time_cuda_{args.model}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
