@@ -51,13 +51,37 @@ def _store_cast(expr: str, dtype: torch.dtype) -> str:
     return f"{expr}.to({_TL_DTYPES[dtype]})"
 
 
-def kernel_source(program: LaneProgram, dtypes: Sequence[torch.dtype], name: str) -> str:
-    """Triton source of the kernel for ``program`` whose inputs have ``dtypes``."""
+def host_vars(program: LaneProgram) -> list[int]:
+    """Vars computed from 0-dim inputs and scalars only (step counts and what is derived
+    from them), in program order: when those inputs live on the CPU they are computed there,
+    for all lanes at once, and the kernel reads the ones it needs from a small buffer."""
+    small: set[int] = set()
+    for op in program.ops:
+        if op.op == "input":
+            if program.input_small[op.args[0]]:
+                small.add(op.out)
+            continue
+        lanes = [a[1] for a in (*op.args, *(v for _, v in op.kwargs)) if a[0] == "lane"]
+        if all(v in small for v in lanes):
+            small.add(op.out)
+    return [op.out for op in program.ops if op.out in small]
+
+
+def kernel_source(
+    program: LaneProgram,
+    dtypes: Sequence[torch.dtype],
+    name: str,
+    host: dict[int, int] | None = None,
+) -> str:
+    """Triton source of the kernel for ``program`` whose inputs have ``dtypes``. ``host``
+    maps vars computed on the host to their column in the ``host_vals`` buffer."""
+    host = host or {}
     n_slots = len(program.inputs)
     small_writes = [(v, k) for v, k in program.writes if program.input_small[k]]
     lines = [
         "@triton.jit",
-        f"def {name}(ptrs, numels, blk_lane, blk_start, scalars, small_out, BLOCK: tl.constexpr):",
+        f"def {name}(ptrs, numels, blk_lane, blk_start, scalars, small_out, host_vals,"
+        " BLOCK: tl.constexpr):",
         "    pid = tl.program_id(0)",
         "    lane = tl.load(blk_lane + pid).to(tl.int64)",
         "    start = tl.load(blk_start + pid)",
@@ -80,6 +104,12 @@ def kernel_source(program: LaneProgram, dtypes: Sequence[torch.dtype], name: str
     var_dtype: dict[int, torch.dtype] = {}
     small = {op.out: op.small for op in program.ops}
     for op in program.ops:
+        if op.out in host:
+            var_dtype[op.out] = torch.float32
+            lines.append(
+                f"    v{op.out} = tl.load(host_vals + lane * {len(host)} + {host[op.out]})"
+            )
+            continue
         if op.op == "input":
             dtype = dtypes[op.args[0]]
             expr = _expr(op, program, {})
@@ -103,6 +133,8 @@ def kernel_source(program: LaneProgram, dtypes: Sequence[torch.dtype], name: str
         var_dtype[op.out] = dtype
         lines.append(f"    v{op.out} = {expr}")
     for var, k in program.writes:
+        if program.input_small[k] and host:
+            continue  # written on the host
         if program.input_small[k]:
             j = small_writes.index((var, k))
             lines.append(
@@ -305,3 +337,81 @@ def eval_scalars(program: LaneProgram, inputs: Sequence[Any], index: dict[Any, i
         values[node] = node.target(*args)  # type: ignore[operator]
         out.append(float(values[node]))
     return out
+
+
+def eval_host(
+    program: LaneProgram,
+    order: Sequence[int],
+    small_inputs: dict[int, torch.Tensor],
+    scalars: Sequence[float],
+) -> dict[int, torch.Tensor]:
+    """The host vars for every lane at once, with torch ops on 1-D CPU tensors (one value per
+    lane): ``small_inputs`` maps input index to its stacked values."""
+    values: dict[int, Any] = {}
+    ops = {op.out: op for op in program.ops}
+
+    def ref(a: Any) -> Any:
+        if a[0] == "lane":
+            return values[a[1]]
+        if a[0] == "scalar":
+            return scalars[scalar_slot(a[1], program)]
+        return a[1]
+
+    for var in order:
+        op = ops[var]
+        if op.op == "input":
+            values[var] = small_inputs[op.args[0]]
+            continue
+        a = [ref(x) for x in op.args]
+        kw = {k: ref(v) for k, v in op.kwargs if v[0] != "ignore"}
+        values[var] = _HOST[op.op](a, kw)
+    return values
+
+
+def _tensor(x: Any, like: torch.Tensor) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.full_like(like, x)
+
+
+def _like(a: Sequence[Any]) -> torch.Tensor:
+    return next(x for x in a if isinstance(x, torch.Tensor))
+
+
+_HOST: dict[str, Any] = {
+    "add": lambda a, kw: torch.add(
+        _tensor(a[0], _like(a)), a[1], alpha=kw.get("alpha", a[2] if len(a) > 2 else 1)
+    ),
+    "sub": lambda a, kw: torch.sub(
+        _tensor(a[0], _like(a)), a[1], alpha=kw.get("alpha", a[2] if len(a) > 2 else 1)
+    ),
+    "rsub": lambda a, kw: torch.rsub(a[0], a[1], alpha=kw.get("alpha", a[2] if len(a) > 2 else 1)),
+    "mul": lambda a, kw: torch.mul(_tensor(a[0], _like(a)), a[1]),
+    "div": lambda a, kw: torch.div(_tensor(a[0], _like(a)), a[1]),
+    "pow": lambda a, kw: torch.pow(a[0], a[1]),
+    "sqrt": lambda a, kw: torch.sqrt(a[0]),
+    "rsqrt": lambda a, kw: torch.rsqrt(a[0]),
+    "reciprocal": lambda a, kw: torch.reciprocal(a[0]),
+    "neg": lambda a, kw: torch.neg(a[0]),
+    "abs": lambda a, kw: torch.abs(a[0]),
+    "sign": lambda a, kw: torch.sign(a[0]),
+    "exp": lambda a, kw: torch.exp(a[0]),
+    "log": lambda a, kw: torch.log(a[0]),
+    "maximum": lambda a, kw: torch.maximum(a[0], _tensor(a[1], a[0])),
+    "minimum": lambda a, kw: torch.minimum(a[0], _tensor(a[1], a[0])),
+    "identity": lambda a, kw: a[0],
+    "copy": lambda a, kw: _tensor(a[1], a[0]).clone(),
+    "zero": lambda a, kw: torch.zeros_like(a[0]),
+    "gt": lambda a, kw: a[0] > a[1],
+    "lt": lambda a, kw: a[0] < a[1],
+    "ge": lambda a, kw: a[0] >= a[1],
+    "le": lambda a, kw: a[0] <= a[1],
+    "eq": lambda a, kw: a[0] == a[1],
+    "ne": lambda a, kw: a[0] != a[1],
+    "where": lambda a, kw: torch.where(a[0], a[1], a[2]),
+    "lerp": lambda a, kw: torch.lerp(a[0], a[1], a[2]),
+    "addcmul": lambda a, kw: torch.addcmul(
+        a[0], a[1], a[2], value=kw.get("value", a[3] if len(a) > 3 else 1)
+    ),
+    "addcdiv": lambda a, kw: torch.addcdiv(
+        a[0], a[1], a[2], value=kw.get("value", a[3] if len(a) > 3 else 1)
+    ),
+}

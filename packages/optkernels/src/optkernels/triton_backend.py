@@ -17,7 +17,9 @@ from optkernels.errors import BackendError
 from optkernels.foreach_kernel import (
     BLOCK,
     KernelError,
+    eval_host,
     eval_scalars,
+    host_vars,
     kernel_source,
     load_kernel,
 )
@@ -39,11 +41,19 @@ def triton_usable() -> str | None:
 class _Group:
     """The lanes sharing one dtype signature: one kernel, its tables and buffers."""
 
-    def __init__(self, program: LaneProgram, lanes: list[int], dtypes: tuple[torch.dtype, ...]):
+    def __init__(
+        self,
+        program: LaneProgram,
+        lanes: list[int],
+        dtypes: tuple[torch.dtype, ...],
+        host: dict[int, int] | None = None,
+    ):
         self.lanes = lanes
         self.dtypes = dtypes
         self.name = "foreach_" + "_".join(str(d).replace("torch.", "") for d in dtypes)
-        self.source = kernel_source(program, dtypes, self.name)
+        if host:
+            self.name += "_host"
+        self.source = kernel_source(program, dtypes, self.name, host)
         self.kernel = load_kernel(self.source, self.name)
         self.ptrs: torch.Tensor | None = None
         self.last_ptrs: list[int] = []
@@ -54,8 +64,11 @@ class TritonPlan:
 
     backend = "triton"
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, host_small: bool | None = None) -> None:
+        """``host_small``: compute what depends only on 0-dim inputs on the host (None:
+        exactly when those inputs live on the CPU and the rest on a device)."""
         self.gm = gm
+        self.host_small = host_small
         self.reference = TorchPlan(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.index = {n: i for i, n in enumerate(placeholders)}
@@ -64,20 +77,25 @@ class TritonPlan:
         self.groups: list[_Group] = []
         self.launches = 0
         self._checked_devices = False
+        self.host = False
+        self.host_order: list[int] = []
+        self.host_cols: dict[int, int] = {}
         try:
             self.program = analyze(gm.graph)
             self._build(self.program)
         except (NotLanes, KernelError) as exc:
             self.program, self.reason = None, str(exc)
 
-    def _build(self, program: LaneProgram) -> None:
+    def _build(self, program: LaneProgram, host: bool = False) -> None:
         by_dtypes: dict[tuple[torch.dtype, ...], list[int]] = {}
         for lane in range(program.lanes):
             dtypes = tuple(nodes[lane].meta["val"].dtype for nodes in program.inputs)
             by_dtypes.setdefault(dtypes, []).append(lane)
-        self.groups = [_Group(program, lanes, d) for d, lanes in by_dtypes.items()]
+        self.host_order = host_vars(program) if host else []
+        self.host_cols = {v: j for j, v in enumerate(self.host_order)}
+        self.groups = [_Group(program, lanes, d, self.host_cols) for d, lanes in by_dtypes.items()]
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
-        self.launches = len(self.groups) + (1 if small_writes else 0)
+        self.launches = len(self.groups) + (1 if small_writes and not host else 0)
         self._tables: dict[int, tuple[torch.Tensor, ...]] = {}
         self._small_writes = [(v, k) for v, k in program.writes if program.input_small[k]]
 
@@ -94,24 +112,41 @@ class TritonPlan:
         if len(inputs) != len(self.index):
             raise ValueError(f"graph takes {len(self.index)} inputs, got {len(inputs)}")
         tensors = [[inputs[self.index[n]] for n in nodes] for nodes in program.inputs]
-        device = tensors[0][0].device
+        big_inputs = [k for k, small in enumerate(program.input_small) if not small] or [0]
+        device = tensors[big_inputs[0]][0].device  # where the kernel runs
         if not self._checked_devices:
             self._checked_devices = True
-            devices = {t.device for lane in tensors for t in lane}
-            if len(devices) > 1:
-                # e.g. step counts kept on the CPU by capturable=False optimizers on CUDA
+            big = {
+                t.device
+                for k, lane in enumerate(tensors)
+                for t in lane
+                if not program.input_small[k]
+            }
+            small = {
+                t.device for k, lane in enumerate(tensors) for t in lane if program.input_small[k]
+            }
+            if len(big) > 1 or (small and small != {device} and small != {torch.device("cpu")}):
                 self.program = None
                 self.reason = (
-                    f"its tensors live on several devices ({', '.join(map(str, devices))}); "
-                    "with capturable=True an optimizer keeps its step counts on the device"
+                    f"its tensors live on several devices ({', '.join(map(str, big | small))})"
                 )
                 return self.reference(inputs)
+            on_host = small == {torch.device("cpu")} and device.type != "cpu"
+            if self.host_small if self.host_small is not None else on_host:
+                # Step counts of capturable=False optimizers stay on the CPU: what depends
+                # only on them is computed there, for all lanes at once, each call.
+                self._build(program, host=True)
+                self.host = True
         scalars = torch.tensor(
             eval_scalars(program, inputs, self.index) or [0.0], dtype=torch.float32
         ).to(device, non_blocking=True)
         small_targets: list[torch.Tensor] = []
         small_values: list[torch.Tensor] = []
+        scalar_values = eval_scalars(program, inputs, self.index) if self.host else []
         for g, group in enumerate(self.groups):
+            host_vals = scalars
+            if self.host:
+                host_vals = self._host_values(program, group, tensors, scalar_values, device)
             numels, blk_lane, blk_start = self._group_tables(g, group, tensors, device)
             ptrs = [
                 tensors[k][lane].data_ptr() for lane in group.lanes for k in range(len(tensors))
@@ -125,8 +160,10 @@ class TritonPlan:
                 device=device,
             )
             group.kernel[(blk_lane.numel(),)](
-                group.ptrs, numels, blk_lane, blk_start, scalars, small_out, BLOCK=BLOCK
+                group.ptrs, numels, blk_lane, blk_start, scalars, small_out, host_vals, BLOCK=BLOCK
             )
+            if self.host:
+                continue  # small results were written on the host
             for j, (_, k) in enumerate(self._small_writes):
                 for row, lane in enumerate(group.lanes):
                     small_targets.append(tensors[k][lane])
@@ -135,6 +172,32 @@ class TritonPlan:
             with torch.no_grad():
                 torch._foreach_copy_(small_targets, small_values)
         return ()
+
+    def _host_values(
+        self,
+        program: LaneProgram,
+        group: _Group,
+        tensors: list[list[torch.Tensor]],
+        scalar_values: list[float],
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Compute the host vars for the group's lanes on the CPU, write the 0-dim results
+        back there, and return the values the kernel reads, on the device."""
+        small_inputs = {
+            k: torch.stack([tensors[k][lane] for lane in group.lanes])
+            for k, small in enumerate(program.input_small)
+            if small
+        }
+        with torch.no_grad():
+            values = eval_host(program, self.host_order, small_inputs, scalar_values)
+            for var, k in program.writes:
+                if program.input_small[k]:
+                    targets = [tensors[k][lane] for lane in group.lanes]
+                    torch._foreach_copy_(targets, list(values[var].unbind(0)))
+        columns = [values[v].to(torch.float32) for v in self.host_order] or [
+            torch.zeros(len(group.lanes))
+        ]
+        return torch.stack(columns, dim=1).to(device, non_blocking=True)
 
     def _group_tables(
         self, g: int, group: _Group, tensors: list[list[torch.Tensor]], device: torch.device
