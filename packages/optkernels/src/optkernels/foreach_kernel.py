@@ -246,6 +246,8 @@ def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
         return _full(a[1], a[0])
     if name == "zero":
         return f"tl.zeros_like({a[0]})"
+    if name == "ones":
+        return f"(tl.zeros_like({a[0]}) + 1.0)"
     raise KernelError(f"op {name}.{op.overload}")
 
 
@@ -400,6 +402,7 @@ _HOST: dict[str, Any] = {
     "identity": lambda a, kw: a[0],
     "copy": lambda a, kw: _tensor(a[1], a[0]).clone(),
     "zero": lambda a, kw: torch.zeros_like(a[0]),
+    "ones": lambda a, kw: torch.ones_like(a[0]),
     "gt": lambda a, kw: a[0] > a[1],
     "lt": lambda a, kw: a[0] < a[1],
     "ge": lambda a, kw: a[0] >= a[1],

@@ -93,6 +93,8 @@ _SINGLE = {
     "detach": "identity",
     "alias": "identity",
     "scalar_tensor": "full",
+    "ones_like": "ones",
+    "zeros_like": "zero",
 }
 
 
@@ -147,7 +149,7 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
             components.setdefault(find(node), []).append(node)
     if not components:
         raise NotLanes("the graph has no tensor ops")
-    lanes = list(components.values())
+    lanes = _lanes_from_components(list(components.values()))
     scalars = [n for n in nodes if _is_scalar(n)]
     program = LaneProgram(lanes=len(lanes))
     program.scalar_inputs = [n for n in scalars if n.op == "placeholder"]
@@ -165,6 +167,27 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
     _lower_component(program, lanes[0], inputs_per_lane[0], scalar_ref)
     _check_numels(program)
     return program
+
+
+def _lanes_from_components(components: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    """Components with the same signature are one family (e.g. the parameter updates, and
+    separately the step-count increments); the i-th member of every family is lane i."""
+    families: dict[Any, list[list[fx.Node]]] = {}
+    for component in components:
+        families.setdefault(_shape_key(component), []).append(component)
+    counts = {len(members) for members in families.values()}
+    if len(counts) != 1:
+        raise NotLanes("the per-tensor op sequences differ between parameters")
+    (count,) = counts
+    return [[n for members in families.values() for n in members[i]] for i in range(count)]
+
+
+def _shape_key(component: list[fx.Node]) -> Any:
+    """A component's op sequence without its scalar inputs' identities (they are shared)."""
+    return tuple(
+        (n.target, tuple("s" if _is_scalar(a) else "t" for a in n.all_input_nodes))
+        for n in component
+    )
 
 
 def _signature(
