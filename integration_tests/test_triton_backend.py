@@ -46,9 +46,11 @@ FUSED = {
     "SGD nesterov": lambda ps: optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, foreach=True),
     "ASGD": lambda ps: optim.ASGD(ps, lr=1e-2, foreach=True, **CAP),
 }
-NOT_FUSED = {  # per-tensor ops in their foreach paths: the torch backend runs them
-    "RAdam": lambda ps: optim.RAdam(ps, lr=1e-2, foreach=True, **CAP),
-    "Rprop": lambda ps: optim.Rprop(ps, lr=1e-2, foreach=True, **CAP),
+FUSED["RAdam"] = lambda ps: optim.RAdam(ps, lr=1e-2, foreach=True, **CAP)
+FUSED["Rprop"] = lambda ps: optim.Rprop(ps, lr=1e-2, foreach=True, **CAP)
+FUSED["Adagrad"] = lambda ps: optim.Adagrad(ps, lr=1e-2, foreach=True)
+NOT_FUSED = {  # its for-loop path reads step counts back into Python (.item())
+    "Adagrad for-loop": lambda ps: optim.Adagrad(ps, lr=1e-2, foreach=False),
 }
 
 

@@ -276,6 +276,8 @@ class _Builder:
         self.value: dict[fx.Node, Any] = {}  # node -> ("lanes", var) | ("scalar", i) | ...
         self.small: dict[int, bool] = {}
         self.copies: dict[fx.Node, tuple[int, int]] = {}  # target placeholder -> (var, lane)
+        self.groups: list[list[Any]] = []  # per-item op groups: [key, var, members so far]
+        self.free: dict[Any, int] = {}  # lane-independent per-item values -> their var
 
     def visit(self, node: fx.Node) -> None:
         if node.op == "placeholder":
@@ -305,7 +307,11 @@ class _Builder:
         if target is aten.copy_.default:
             dst, src = node.args
             item = self.value.get(src)  # type: ignore[arg-type]
-            if item is None or item[0] != "item" or self.value.get(dst, ("",))[0] != "tensor":  # type: ignore[arg-type]
+            if (
+                item is None
+                or item[0] not in ("item", "peritem")
+                or self.value.get(dst, ("",))[0] != "tensor"  # type: ignore[arg-type]
+            ):
                 raise NotLanes(f"{node.name} writes back something other than a lane value")
             self.copies[dst] = (item[1], item[2])  # type: ignore[index]
             return
@@ -317,6 +323,9 @@ class _Builder:
             return
         name = getattr(target, "__name__", "")  # e.g. "_foreach_add.Scalar"
         base, _, overload = name.partition(".")
+        if base in _SINGLE:
+            self._per_item(node, base, overload)
+            return
         if not base.startswith("_foreach_") or base[len("_foreach_") :] not in _FOREACH:
             raise NotLanes(f"{target} is not a foreach op the kernel generator knows")
         op = _FOREACH[base[len("_foreach_") :]]
@@ -334,6 +343,68 @@ class _Builder:
             LaneOp(var, op, overload, args, tuple(sorted(kwargs.items())), small)
         )
         self.value[node] = ("lanes", var)
+
+    def _per_item(self, node: fx.Node, base: str, overload: str) -> None:
+        """A single-tensor op applied to item i of lane lists (``[torch.where(r > 5, ...)
+        for r in rs]``): the K ops of one shape, for i = 0..K-1, form one lane op."""
+        index: set[int] = set()
+
+        def template(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                v = self.value.get(a)
+                if v is None:
+                    raise NotLanes(f"{a.name} is used before it is computed")
+                if v[0] in ("item", "peritem"):
+                    index.add(v[2])
+                    return ("lane", v[1])
+                if v[0] == "scalar":
+                    return v
+                if v[0] == "free":
+                    return ("lane", self._free_var(v[1]))
+                raise NotLanes(f"{a.name} ({v[0]}) cannot be an argument of a per-item op")
+            if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
+                return ("ignore", a)
+            if isinstance(a, bool | int | float) or a is None:
+                return ("const", a)
+            raise NotLanes(f"argument {a!r} of a per-item op")
+
+        args = tuple(template(a) for a in node.args)
+        kwargs = tuple(
+            (k, template(v)) for k, v in sorted(node.kwargs.items()) if k not in _IGNORED_KWARGS
+        )
+        key = (_SINGLE[base], overload, args, kwargs)
+        if not index:  # same for every lane (a constant such as scalar_tensor(0.0))
+            self.value[node] = ("free", key)
+            return
+        if len(index) != 1:
+            raise NotLanes(f"{node.name} mixes items of different lanes")
+        (i,) = index
+        if i == 0:
+            var = self._emit(key)
+            self.groups.append([key, var, 1])
+            self.value[node] = ("peritem", var, 0)
+            return
+        for group in reversed(self.groups):
+            if group[0] == key and group[2] == i:
+                group[2] += 1
+                self.value[node] = ("peritem", group[1], i)
+                return
+        raise NotLanes(f"{node.name}: per-item ops are not the same for every lane")
+
+    def _emit(self, key: Any) -> int:
+        op, overload, args, kwargs = key
+        lanes = [a[1] for a in (*args, *(v for _, v in kwargs)) if a[0] == "lane"]
+        small = all(self.small[v] for v in lanes)
+        var = self.program.num_vars
+        self.program.num_vars += 1
+        self.small[var] = small
+        self.program.ops.append(LaneOp(var, op, overload, args, kwargs, small))
+        return var
+
+    def _free_var(self, key: Any) -> int:
+        if key not in self.free:
+            self.free[key] = self._emit(key)
+        return self.free[key]
 
     def _kind(self, a: Any) -> str:
         if isinstance(a, fx.Node):
@@ -356,6 +427,13 @@ class _Builder:
         if isinstance(a, list | tuple):
             if a and all(isinstance(x, fx.Node) and self._kind(x) == "tensor" for x in a):
                 return ("lane", self._input(tuple(a)))
+            refs = [self.value.get(x) if isinstance(x, fx.Node) else None for x in a]
+            if a and all(r is not None and r[0] in ("item", "peritem") for r in refs):
+                vars_ = {r[1] for r in refs}  # type: ignore[index]
+                if len(vars_) == 1 and [r[2] for r in refs] == list(range(len(a))):  # type: ignore[index]
+                    self._lanes(len(a))
+                    return ("lane", vars_.pop())
+                raise NotLanes("a list argument takes items of different lane values")
             if all(not isinstance(x, fx.Node) for x in a):
                 return ("const_list", tuple(a))
             raise NotLanes("a list argument mixes tensors with other values")
@@ -391,6 +469,8 @@ class _Builder:
             raise NotLanes("the graph has no foreach ops")
         program = self.program
         program.lanes = self.lanes
+        if any(members != self.lanes for _, _, members in self.groups):
+            raise NotLanes("a per-item op is applied to only some lanes")
         # Each written lane value must go to one input list, lane by lane.
         by_var: dict[int, dict[int, fx.Node]] = {}
         for dst, (var, lane) in self.copies.items():
