@@ -183,3 +183,22 @@ def test_step_counts_computed_on_the_host_give_the_same_results(name):
         plan(entry.gather({"opt": other}))
     assert plan.host and plan.kernel_launches_per_step == 1
     _assert_close(params, opt, others, other, rtol=1e-6, atol=1e-7)
+
+
+def test_param_groups_of_different_sizes_fuse_group_by_group():
+    """Decay and no-decay groups run one set of foreach ops each, over lists of different
+    lengths: each group becomes its own lane program (its own kernel)."""
+
+    def make(ps):
+        return optim.AdamW(
+            [{"params": ps[:4], "weight_decay": 0.1}, {"params": ps[4:], "weight_decay": 0.0}],
+            lr=1e-2,
+            foreach=True,
+            **CAP,
+        )
+
+    params, opt, reference, eager = _run(make)
+    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    plan = _OPTIMIZERS[opt].cache.entries[0].value.plan
+    assert [part.program.lanes for part in plan.parts] in ([4, 2], [2, 4])
+    assert optcompile.explain(opt).kernel_launches_per_step <= 4

@@ -100,12 +100,61 @@ _SINGLE = {
 
 def analyze(graph: fx.Graph) -> LaneProgram:
     """The LaneProgram of ``graph``; raises NotLanes naming what does not fit."""
+    programs = analyze_parts(graph)
+    if len(programs) != 1:
+        raise NotLanes(f"the graph has {len(programs)} independent parts (param groups)")
+    return programs[0]
+
+
+def analyze_parts(graph: fx.Graph) -> list[LaneProgram]:
+    """One LaneProgram per independent part of ``graph``: a foreach step over several param
+    groups runs one set of foreach ops per group, with lists of different lengths."""
     if not any(_is_foreach(n) for n in graph.nodes):
-        return _analyze_per_tensor(graph)
-    builder = _Builder()
-    for node in graph.nodes:
-        builder.visit(node)
-    return builder.finish()
+        return [_analyze_per_tensor(graph)]
+    programs = []
+    for part in _parts(graph):
+        builder = _Builder()
+        for node in graph.nodes:
+            if node.op in ("placeholder", "output") or _is_scalar(node) or node in part:
+                builder.visit(node)
+        programs.append(builder.finish())
+    return programs
+
+
+def _parts(graph: fx.Graph) -> list[set[fx.Node]]:
+    """Tensor ops connected through the tensors and lists they share, ignoring the Python
+    scalars every part reads."""
+    ops = [n for n in graph.nodes if n.op == "call_function" and not _is_scalar(n)]
+    parent: dict[fx.Node, fx.Node] = {n: n for n in graph.nodes}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in ops:
+        for arg in node.all_input_nodes:
+            if not _is_scalar(arg):
+                parent[find(arg)] = find(node)
+    parts: dict[fx.Node, set[fx.Node]] = {}
+    for node in ops:
+        parts.setdefault(find(node), set()).add(node)
+    # Parts over the same number of tensors stay one program (a group's step increments are
+    # not connected to its update but belong to the same lanes): one kernel per group size.
+    by_lanes: dict[int, set[fx.Node]] = {}
+    for part in parts.values():
+        by_lanes.setdefault(_lane_count(part), set()).update(part)
+    return list(by_lanes.values())
+
+
+def _lane_count(part: set[fx.Node]) -> int:
+    for node in part:
+        if _is_foreach(node):
+            for arg in node.args:
+                if isinstance(arg, list | tuple) and arg:
+                    return len(arg)
+    return -1
 
 
 def _is_foreach(node: fx.Node) -> bool:
@@ -119,7 +168,11 @@ def _is_scalar(node: Any) -> bool:
         return False
     if node.op == "placeholder":
         return not isinstance(node.meta.get("val"), torch.Tensor)
-    return node.op == "call_function" and getattr(node.target, "__module__", "") == "_operator"
+    return (
+        node.op == "call_function"
+        and node.target is not operator.getitem
+        and getattr(node.target, "__module__", "") == "_operator"
+    )
 
 
 def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:

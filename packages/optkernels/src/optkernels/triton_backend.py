@@ -23,7 +23,7 @@ from optkernels.foreach_kernel import (
     kernel_source,
     load_kernel,
 )
-from optkernels.lanes import LaneProgram, NotLanes, analyze
+from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.reference import TorchPlan
 
 
@@ -59,32 +59,23 @@ class _Group:
         self.last_ptrs: list[int] = []
 
 
-class TritonPlan:
-    """A graph lowered to generated Triton kernels (or run by the torch backend)."""
+class _Part:
+    """One independent lane program of a plan (one param group's foreach ops): its kernels,
+    tables and the host-side state of its 0-dim values."""
 
-    backend = "triton"
-
-    def __init__(self, gm: fx.GraphModule, host_small: bool | None = None) -> None:
-        """``host_small``: compute what depends only on 0-dim inputs on the host (None:
-        exactly when those inputs live on the CPU and the rest on a device)."""
-        self.gm = gm
+    def __init__(
+        self, program: LaneProgram, index: dict[Any, int], host_small: bool | None
+    ) -> None:
+        self.program = program
+        self.index = index
         self.host_small = host_small
-        self.reference = TorchPlan(gm)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.index = {n: i for i, n in enumerate(placeholders)}
-        self.program: LaneProgram | None = None
-        self.reason: str | None = None
         self.groups: list[_Group] = []
         self.launches = 0
         self._checked_devices = False
         self.host = False
         self.host_order: list[int] = []
         self.host_cols: dict[int, int] = {}
-        try:
-            self.program = analyze(gm.graph)
-            self._build(self.program)
-        except (NotLanes, KernelError) as exc:
-            self.program, self.reason = None, str(exc)
+        self._build(program)
 
     def _build(self, program: LaneProgram, host: bool = False) -> None:
         by_dtypes: dict[tuple[torch.dtype, ...], list[int]] = {}
@@ -99,44 +90,31 @@ class TritonPlan:
         self._tables: dict[int, tuple[torch.Tensor, ...]] = {}
         self._small_writes = [(v, k) for v, k in program.writes if program.input_small[k]]
 
-    @property
-    def kernel_launches_per_step(self) -> int:
-        if self.program is None:
-            return self.reference.kernel_launches_per_step
-        return self.launches
-
-    def __call__(self, inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+    def check_devices(self, inputs: Sequence[Any]) -> str | None:
+        """Decide where 0-dim values are computed; the reason if the kernels cannot run."""
         program = self.program
-        if program is None:
-            return self.reference(inputs)
-        if len(inputs) != len(self.index):
-            raise ValueError(f"graph takes {len(self.index)} inputs, got {len(inputs)}")
+        tensors = [[inputs[self.index[n]] for n in nodes] for nodes in program.inputs]
+        big_inputs = [k for k, small in enumerate(program.input_small) if not small] or [0]
+        device = tensors[big_inputs[0]][0].device
+        big = {
+            t.device for k, lane in enumerate(tensors) for t in lane if not program.input_small[k]
+        }
+        small = {t.device for k, lane in enumerate(tensors) for t in lane if program.input_small[k]}
+        if len(big) > 1 or (small and small != {device} and small != {torch.device("cpu")}):
+            return f"its tensors live on several devices ({', '.join(map(str, big | small))})"
+        on_host = small == {torch.device("cpu")} and device.type != "cpu"
+        if self.host_small if self.host_small is not None else on_host:
+            # Step counts of capturable=False optimizers stay on the CPU: what depends
+            # only on them is computed there, for all lanes at once, each call.
+            self._build(program, host=True)
+            self.host = True
+        return None
+
+    def run(self, inputs: Sequence[Any]) -> None:
+        program = self.program
         tensors = [[inputs[self.index[n]] for n in nodes] for nodes in program.inputs]
         big_inputs = [k for k, small in enumerate(program.input_small) if not small] or [0]
         device = tensors[big_inputs[0]][0].device  # where the kernel runs
-        if not self._checked_devices:
-            self._checked_devices = True
-            big = {
-                t.device
-                for k, lane in enumerate(tensors)
-                for t in lane
-                if not program.input_small[k]
-            }
-            small = {
-                t.device for k, lane in enumerate(tensors) for t in lane if program.input_small[k]
-            }
-            if len(big) > 1 or (small and small != {device} and small != {torch.device("cpu")}):
-                self.program = None
-                self.reason = (
-                    f"its tensors live on several devices ({', '.join(map(str, big | small))})"
-                )
-                return self.reference(inputs)
-            on_host = small == {torch.device("cpu")} and device.type != "cpu"
-            if self.host_small if self.host_small is not None else on_host:
-                # Step counts of capturable=False optimizers stay on the CPU: what depends
-                # only on them is computed there, for all lanes at once, each call.
-                self._build(program, host=True)
-                self.host = True
         scalars = torch.tensor(
             eval_scalars(program, inputs, self.index) or [0.0], dtype=torch.float32
         ).to(device, non_blocking=True)
@@ -171,7 +149,6 @@ class TritonPlan:
         if small_targets:
             with torch.no_grad():
                 torch._foreach_copy_(small_targets, small_values)
-        return ()
 
     def _host_values(
         self,
@@ -221,13 +198,74 @@ class TritonPlan:
             )
         return tables
 
+
+class TritonPlan:
+    """A graph lowered to generated Triton kernels (or run by the torch backend)."""
+
+    backend = "triton"
+
+    def __init__(self, gm: fx.GraphModule, host_small: bool | None = None) -> None:
+        """``host_small``: compute what depends only on 0-dim inputs on the host (None:
+        exactly when those inputs live on the CPU and the rest on a device)."""
+        self.gm = gm
+        self.reference = TorchPlan(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.index = {n: i for i, n in enumerate(placeholders)}
+        self.parts: list[_Part] = []
+        self.reason: str | None = None
+        self._checked_devices = False
+        try:
+            self.parts = [_Part(p, self.index, host_small) for p in analyze_parts(gm.graph)]
+        except (NotLanes, KernelError) as exc:
+            self.parts, self.reason = [], str(exc)
+
+    @property
+    def program(self) -> LaneProgram | None:
+        """The first part's program (None when the graph runs on the torch backend)."""
+        return self.parts[0].program if self.parts else None
+
+    @property
+    def host(self) -> bool:
+        return any(part.host for part in self.parts)
+
+    @property
+    def groups(self) -> list[_Group]:
+        return [g for part in self.parts for g in part.groups]
+
+    @property
+    def _tables(self) -> dict[Any, Any]:
+        return {(i, g): t for i, part in enumerate(self.parts) for g, t in part._tables.items()}
+
+    @property
+    def kernel_launches_per_step(self) -> int:
+        if not self.parts:
+            return self.reference.kernel_launches_per_step
+        return sum(part.launches for part in self.parts)
+
+    def __call__(self, inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        if not self.parts:
+            return self.reference(inputs)
+        if len(inputs) != len(self.index):
+            raise ValueError(f"graph takes {len(self.index)} inputs, got {len(inputs)}")
+        if not self._checked_devices:
+            self._checked_devices = True
+            for part in self.parts:
+                reason = part.check_devices(inputs)
+                if reason is not None:
+                    self.parts, self.reason = [], reason
+                    return self.reference(inputs)
+        for part in self.parts:
+            part.run(inputs)
+        return ()
+
     def describe(self) -> str:
-        if self.program is None:
+        if not self.parts:
             return (
                 f"# not fused ({self.reason}); the torch backend runs this graph\n"
                 + self.reference.describe()
             )
-        header = f"# {self.launches} kernel launch(es) per step over {self.program.lanes} lanes"
+        lanes = " + ".join(str(part.program.lanes) for part in self.parts)
+        header = f"# {self.kernel_launches_per_step} kernel launch(es) per step over {lanes} lanes"
         return "\n\n".join([header, *(g.source for g in self.groups)])
 
 
