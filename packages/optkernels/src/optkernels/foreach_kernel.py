@@ -143,7 +143,34 @@ def kernel_source(
         else:
             stored = _store_cast(f"v{var}", dtypes[k])
             lines.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
+    if small_writes and not host:
+        lines += ["", "", *_small_kernel(program, dtypes, name, small_writes)]
     return "\n".join(lines) + "\n"
+
+
+def _small_kernel(
+    program: LaneProgram,
+    dtypes: Sequence[torch.dtype],
+    name: str,
+    small_writes: list[tuple[int, int]],
+) -> list[str]:
+    """``{name}_small``: copies each lane's 0-dim results from the small buffer into their
+    tensors, addresses from the same table: one launch for all lanes, no Python per lane."""
+    n_slots = len(program.inputs)
+    lines = [
+        "@triton.jit",
+        f"def {name}_small(ptrs, small_out, n_lanes, BLOCK: tl.constexpr):",
+        "    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
+        "    m = lanes < n_lanes",
+    ]
+    for j, (_, k) in enumerate(small_writes):
+        tl_type = _TL_DTYPES[dtypes[k]]
+        lines += [
+            f"    a{j} = tl.load(ptrs + lanes * {n_slots} + {k}, mask=m, other=0)",
+            f"    x{j} = tl.load(small_out + lanes * {len(small_writes)} + {j}, mask=m, other=0)",
+            f"    tl.store(a{j}.to(tl.pointer_type({tl_type})), x{j}.to({tl_type}), mask=m)",
+        ]
+    return lines
 
 
 def _promote(dtypes: list[torch.dtype]) -> torch.dtype:

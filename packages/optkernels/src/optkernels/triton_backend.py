@@ -38,6 +38,10 @@ def triton_usable() -> str | None:
     return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class _Group:
     """The lanes sharing one dtype signature: one kernel, its tables and buffers."""
 
@@ -55,6 +59,10 @@ class _Group:
             self.name += "_host"
         self.source = kernel_source(program, dtypes, self.name, host)
         self.kernel = load_kernel(self.source, self.name)
+        has_small = any(program.input_small[k] for _, k in program.writes)
+        self.small_kernel = (
+            load_kernel(self.source, self.name + "_small") if has_small and not host else None
+        )
         self.ptrs: torch.Tensor | None = None
         self.last_ptrs: list[int] = []
 
@@ -115,12 +123,10 @@ class _Part:
         tensors = [[inputs[self.index[n]] for n in nodes] for nodes in program.inputs]
         big_inputs = [k for k, small in enumerate(program.input_small) if not small] or [0]
         device = tensors[big_inputs[0]][0].device  # where the kernel runs
-        scalars = torch.tensor(
-            eval_scalars(program, inputs, self.index) or [0.0], dtype=torch.float32
-        ).to(device, non_blocking=True)
-        small_targets: list[torch.Tensor] = []
-        small_values: list[torch.Tensor] = []
-        scalar_values = eval_scalars(program, inputs, self.index) if self.host else []
+        scalar_values = eval_scalars(program, inputs, self.index)
+        scalars = torch.tensor(scalar_values or [0.0], dtype=torch.float32).to(
+            device, non_blocking=True
+        )
         for g, group in enumerate(self.groups):
             host_vals = scalars
             if self.host:
@@ -140,15 +146,9 @@ class _Part:
             group.kernel[(blk_lane.numel(),)](
                 group.ptrs, numels, blk_lane, blk_start, scalars, small_out, host_vals, BLOCK=BLOCK
             )
-            if self.host:
-                continue  # small results were written on the host
-            for j, (_, k) in enumerate(self._small_writes):
-                for row, lane in enumerate(group.lanes):
-                    small_targets.append(tensors[k][lane])
-                    small_values.append(small_out[row, j])
-        if small_targets:
-            with torch.no_grad():
-                torch._foreach_copy_(small_targets, small_values)
+            if group.small_kernel is not None:
+                n = len(group.lanes)
+                group.small_kernel[(triton_cdiv(n, 256),)](group.ptrs, small_out, n, BLOCK=256)
 
     def _host_values(
         self,
