@@ -33,6 +33,7 @@ from optguard.sources import (
     LocalSource,
     Source,
     WeakRefSource,
+    ancestors,
     variable_name,
 )
 
@@ -66,6 +67,7 @@ __all__ = [
     "TypeGuard",
     "WeakRefSource",
     "WeakrefAliveGuard",
+    "ancestors",
     "build_function",
     "compile_check",
     "compile_fetch",

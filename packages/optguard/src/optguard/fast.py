@@ -39,7 +39,15 @@ from optguard.guards import (
     TensorMatchGuard,
     TypeGuard,
 )
-from optguard.sources import AttrSource, ItemSource, KeyedSource, Locals, LocalSource, Source
+from optguard.sources import (
+    AttrSource,
+    ItemSource,
+    KeyedSource,
+    Locals,
+    LocalSource,
+    Source,
+    ancestors,
+)
 
 
 @dataclass(frozen=True)
@@ -140,13 +148,7 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
 
 
 def _keyed_ancestor(source: Source) -> KeyedSource | None:
-    while True:
-        if isinstance(source, KeyedSource):
-            return source
-        if isinstance(source, AttrSource | ItemSource):
-            source = source.base
-        else:
-            return None
+    return next((s for s in ancestors(source) if isinstance(s, KeyedSource)), None)
 
 
 class _TreeBuilder:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +178,16 @@ class DictKeySource(Source):
 
     def expr(self, parent_vars: tuple[str, ...]) -> str:
         return f"list({parent_vars[0]}.keys())[{self.index}]"
+
+
+def ancestors(source: Source) -> Iterator[Source]:
+    """``source`` and the sources it is reached through (attributes, items, keyed entries),
+    innermost first: ``...params[0].grad``, ``...params[0]``, ``...params``, ..."""
+    while True:
+        yield source
+        if not isinstance(source, AttrSource | ItemSource | KeyedSource):
+            return
+        source = source.base
 
 
 _NOT_IDENT = re.compile(r"[^0-9a-zA-Z]+")

@@ -9,6 +9,7 @@ placeholder, a tracked container, or a Python constant with a guard on it.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, defaultdict
 from typing import Any
 
@@ -30,6 +31,7 @@ from optguard import (
     TensorMatchGuard,
     TensorMeta,
     TypeGuard,
+    ancestors,
     variable_name,
 )
 from optsidefx import Build, CallResult, Const, Input, Ledger, Output, Ref
@@ -67,11 +69,7 @@ class Pending:
 
 def _in_optimizer_state(source: Source) -> bool:
     """Whether ``source`` is inside an entry of an optimizer's ``state`` (keyed by a param)."""
-    while isinstance(source, AttrSource | ItemSource | KeyedSource):
-        if isinstance(source, KeyedSource):
-            return True
-        source = source.base
-    return False
+    return any(isinstance(s, KeyedSource) for s in ancestors(source))
 
 
 def _is_state_dict(value: dict[Any, Any]) -> bool:
@@ -159,11 +157,9 @@ class TraceContext:
         state (not grads, which backward makes anew, nor a function's tensor arguments)."""
         if isinstance(source, AttrSource) and source.attr == "grad":
             return False
-        while isinstance(source, AttrSource | ItemSource | KeyedSource):
-            source = source.base
-            if source in self._optimizer_sources:
-                return True
-        return False
+        return any(
+            s in self._optimizer_sources for s in itertools.islice(ancestors(source), 1, None)
+        )
 
     def _grad_stored(self, tensor: TracedTensor, value: Any) -> None:
         source = self.source_of(tensor)

@@ -9,7 +9,7 @@ meta tensors: exact, just slower.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,23 +59,12 @@ def infer(
     """Output Specs of ``func`` (a Spec, a list of Specs, or a tuple of those).
 
     Tensor arguments are given as Specs; everything else as the Python values the op gets.
+    A foreach op is given one item's arguments (lists of one) with ``pointwise=True``.
     """
     if pointwise is None:
         pointwise = torch.Tag.pointwise in func.tags
     common = _common_contiguous_shape(args, kwargs) if pointwise else None
     key = (func, _key(args, common), _key(tuple(kwargs.items()), common))
-    out = _CACHE.get(key, _MISSING)
-    if out is _MISSING:
-        out = _CACHE[key] = _run_meta(func, args, kwargs)
-    if common is not None:
-        return _with_shape(out, common)
-    return out
-
-
-def infer_foreach_item(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """Output Specs of item ``i`` of a foreach op, given the item's arguments (lists of one)."""
-    common = _common_contiguous_shape(args, kwargs)
-    key = ("foreach", func, _key(args, common), _key(tuple(kwargs.items()), common))
     out = _CACHE.get(key, _MISSING)
     if out is _MISSING:
         out = _CACHE[key] = _run_meta(func, args, kwargs)
@@ -160,13 +149,4 @@ def _to_specs(out: Any) -> Any:
         return spec_of(out)
     if isinstance(out, list | tuple):
         return type(out)(_to_specs(o) for o in out)
-    return out
-
-
-def map_specs(fn: Callable[[Spec], Any], out: Any) -> Any:
-    """Apply ``fn`` to each Spec in an op's output structure."""
-    if isinstance(out, Spec):
-        return fn(out)
-    if isinstance(out, list | tuple):
-        return type(out)(map_specs(fn, o) for o in out)
     return out

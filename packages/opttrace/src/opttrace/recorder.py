@@ -249,7 +249,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             )
         info = compat.op_info(func)
         if info.kind == "foreach":
-            return self._foreach(func, args, kwargs)
+            return self._foreach(func, args, kwargs, info.written)
         if info.kind == "read":
             return self._read_scalar(args[0])
         if info.kind == "refused":
@@ -268,7 +268,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         written = info.written
         device = _device(args, kwargs)
         if not written:
-            node = self._record(func, args, kwargs, specs)
+            node = self._record(func, args, kwargs)
             out = self._wrap(node, specs, device)
             if info.view and isinstance(args[0], TracedTensor):
                 self._note_view(func, args[0], out)
@@ -279,7 +279,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         targets = [_lookup(func, args, kwargs, name) for name in written]
         pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
         out_specs = [specs] if isinstance(specs, Spec) else list(specs)
-        node = self._record(functional, pure_args, pure_kwargs, specs)
+        node = self._record(functional, pure_args, pure_kwargs)
         if len(targets) == 1:
             self._rebind(targets[0], node, out_specs[0])
             return targets[0]
@@ -298,36 +298,35 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         node.meta["val"] = pytype()
         return symbolic.wrap(ScalarNode(self, pytype, None, node, None))
 
-    def _foreach(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def _foreach(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], written: tuple[str, ...]
+    ) -> Any:
         first_list = next(a for a in args if isinstance(a, list | tuple))
         n = len(first_list)
-        written = compat.written_args(func)
         if not written:
             specs = []
             for i in range(n):
                 item_args = _specs([_item_arg(a, i) for a in args])
                 item_kwargs = _specs_kw({k: _item_arg(v, i) for k, v in kwargs.items()})
-                specs.append(_single(meta.infer_foreach_item(func, item_args, item_kwargs)))
+                specs.append(_single(meta.infer(func, item_args, item_kwargs, pointwise=True)))
             devices = [t.device for t in first_list]
-            node = self._record(func, args, kwargs, specs)
+            node = self._record(func, args, kwargs)
             return self._wrap_list(node, specs, devices)
         functional = compat.functional_variant(func)
         if functional is None or len(written) != 1:
             raise TraceError(f"{func} writes to its inputs and has no functional form to trace")
         targets = _lookup(func, args, kwargs, written[0])
         pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
-        specs = [t_spec(t) for t in targets]
-        node = self._record(functional, pure_args, pure_kwargs, specs)
+        node = self._record(functional, pure_args, pure_kwargs)
         self._list_len[node] = n
         for i, t in enumerate(targets):
             self._set_value(_written_tensor(func, t), None, (node, i))
         return None if not func._schema.returns else targets
 
-    def _record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], specs: Any) -> Any:
+    def _record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> fx.Node:
         node_args = tuple(self._arg(a) for a in args)
         node_kwargs = {k: self._arg(v) for k, v in kwargs.items()}
-        node = self.call(func, node_args, node_kwargs)
-        return node
+        return self.call(func, node_args, node_kwargs)
 
     def _wrap(self, node: fx.Node, specs: Any, device: torch.device) -> Any:
         if isinstance(specs, Spec):
@@ -419,10 +418,6 @@ def _written_tensor(func: Any, t: Any) -> TracedTensor:
     return t
 
 
-def t_spec(t: TracedTensor) -> Spec:
-    return t._spec
-
-
 def _single(s: Any) -> Spec:
     if isinstance(s, list | tuple):
         return s[0]  # type: ignore[no-any-return]
@@ -441,7 +436,7 @@ def _spec_arg(a: Any) -> Any:
     if isinstance(a, TracedTensor):
         return a._spec
     if isinstance(a, torch.Tensor):
-        return Spec(tuple(a.shape), tuple(a.stride()), a.dtype)
+        return meta.spec_of(a)
     if isinstance(a, list | tuple):
         return type(a)(_spec_arg(x) for x in a)
     return symbolic.hint_of(a)
