@@ -79,7 +79,7 @@ def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_li
         return opt
     compiled = _OPTIMIZERS[opt] = Compiled(
         f"{type(opt).__name__}.step",
-        lambda L: trace_step(L["opt"], capturable=getattr(backend, "wants_capturable", False)),
+        lambda L: trace_step(L["opt"], capturable=backend.wants_capturable),
         lambda L: eager_step(L["opt"]),
         backend,
         fullgraph,
@@ -213,7 +213,7 @@ def explain(obj: Any) -> Explanation:
         entries=len(compiled.cache.entries),
         fallback_reason=compiled.stats.fallback_reason,
         entry_guards=[e.value.traced.guards.describe() for e in compiled.cache.entries],
-        kernel_launches_per_step=getattr(entry.plan, "kernel_launches_per_step", 0) if entry else 0,
+        kernel_launches_per_step=entry.plan.kernel_launches_per_step if entry else 0,
     )
 
 

@@ -14,6 +14,11 @@ class Plan(Protocol):
 
     backend: str
 
+    @property
+    def kernel_launches_per_step(self) -> int:
+        """Device launches (ATen ops or generated kernels) per call."""
+        ...
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
 
     def describe(self) -> str:
@@ -25,5 +30,6 @@ class Backend(Protocol):
     """Lowers graphs for one kind of execution (torch ops, Triton kernels)."""
 
     name: str
+    wants_capturable: bool  # trace the path that keeps every value on the device
 
     def compile(self, gm: fx.GraphModule) -> Plan: ...

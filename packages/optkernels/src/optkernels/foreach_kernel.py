@@ -61,8 +61,7 @@ def host_vars(program: LaneProgram) -> list[int]:
             if program.input_small[op.args[0]]:
                 small.add(op.out)
             continue
-        lanes = [a[1] for a in (*op.args, *(v for _, v in op.kwargs)) if a[0] == "lane"]
-        if all(v in small for v in lanes):
+        if all(v in small for v in op.lane_vars):
             small.add(op.out)
     return [op.out for op in program.ops if op.out in small]
 
@@ -114,7 +113,7 @@ def kernel_source(
             dtype = dtypes[op.args[0]]
             expr = _expr(op, program, {})
         else:
-            lanes = [a[1] for a in (*op.args, *(v for _, v in op.kwargs)) if a[0] == "lane"]
+            lanes = op.lane_vars
             values = [v for v in lanes if var_dtype[v] is not torch.bool]
             if op.op == "where":
                 values = [v for v in lanes[1:] if var_dtype[v] is not torch.bool]

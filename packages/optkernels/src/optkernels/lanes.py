@@ -37,6 +37,17 @@ class LaneOp:
     kwargs: tuple[tuple[str, Any], ...]
     small: bool  # every lane's value is a 0-dim tensor
 
+    @property
+    def lane_vars(self) -> list[int]:
+        """The lane values this op reads (none for an input)."""
+        return [] if self.op == "input" else lane_vars(self.args, self.kwargs)
+
+
+def lane_vars(args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...]) -> list[int]:
+    """The lane vars among an op's (args, kwargs) references."""
+    refs = (*args, *(v for _, v in kwargs))
+    return [a[1] for a in refs if isinstance(a, tuple) and a[0] == "lane"]
+
 
 @dataclass
 class LaneProgram:
@@ -383,19 +394,8 @@ class _Builder:
             raise NotLanes(f"{target} is not a foreach op the kernel generator knows")
         op = _FOREACH[base[len("_foreach_") :]]
         args = tuple(self._arg(a) for a in node.args)
-        kwargs = {k: self._arg(v) for k, v in node.kwargs.items()}
-        small = all(
-            self.small[a[1]]
-            for a in (*args, *kwargs.values())
-            if isinstance(a, tuple) and a[0] == "lane"
-        )
-        var = self.program.num_vars
-        self.program.num_vars += 1
-        self.small[var] = small
-        self.program.ops.append(
-            LaneOp(var, op, overload, args, tuple(sorted(kwargs.items())), small)
-        )
-        self.value[node] = ("lanes", var)
+        kwargs = tuple(sorted((k, self._arg(v)) for k, v in node.kwargs.items()))
+        self.value[node] = ("lanes", self._emit((op, overload, args, kwargs)))
 
     def _per_item(self, node: fx.Node, base: str, overload: str) -> None:
         """A single-tensor op applied to item i of lane lists (``[torch.where(r > 5, ...)
@@ -446,8 +446,7 @@ class _Builder:
 
     def _emit(self, key: Any) -> int:
         op, overload, args, kwargs = key
-        lanes = [a[1] for a in (*args, *(v for _, v in kwargs)) if a[0] == "lane"]
-        small = all(self.small[v] for v in lanes)
+        small = all(self.small[v] for v in lane_vars(args, kwargs))
         var = self.program.num_vars
         self.program.num_vars += 1
         self.small[var] = small

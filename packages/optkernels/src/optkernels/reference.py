@@ -94,6 +94,7 @@ class TorchBackend:
     """Backend that executes graphs with torch ops (no fusion, any device)."""
 
     name = "torch"
+    wants_capturable = False
 
     def compile(self, gm: fx.GraphModule) -> TorchPlan:
         return TorchPlan(gm)

@@ -65,6 +65,7 @@ class _Group:
         )
         self.ptrs: torch.Tensor | None = None
         self.last_ptrs: list[int] = []
+        self.small_out: torch.Tensor | None = None
 
 
 class _Part:
@@ -79,7 +80,7 @@ class _Part:
         self.host_small = host_small
         self.groups: list[_Group] = []
         self.launches = 0
-        self._checked_devices = False
+        self.device = torch.device("cpu")  # where the kernels run; set by check_devices
         self.host = False
         self.host_order: list[int] = []
         self.host_cols: dict[int, int] = {}
@@ -110,6 +111,7 @@ class _Part:
         small = {t.device for k, lane in enumerate(tensors) for t in lane if program.input_small[k]}
         if len(big) > 1 or (small and small != {device} and small != {torch.device("cpu")}):
             return f"its tensors live on several devices ({', '.join(map(str, big | small))})"
+        self.device = device
         on_host = small == {torch.device("cpu")} and device.type != "cpu"
         if self.host_small if self.host_small is not None else on_host:
             # Step counts of capturable=False optimizers stay on the CPU: what depends
@@ -121,8 +123,7 @@ class _Part:
     def run(self, inputs: Sequence[Any]) -> None:
         program = self.program
         tensors = [[inputs[self.index[n]] for n in nodes] for nodes in program.inputs]
-        big_inputs = [k for k, small in enumerate(program.input_small) if not small] or [0]
-        device = tensors[big_inputs[0]][0].device  # where the kernel runs
+        device = self.device
         scalar_values = eval_scalars(program, inputs, self.index)
         scalars = torch.tensor(scalar_values or [0.0], dtype=torch.float32).to(
             device, non_blocking=True
@@ -138,17 +139,27 @@ class _Part:
             if ptrs != group.last_ptrs or group.ptrs is None:
                 group.ptrs = torch.tensor(ptrs, dtype=torch.int64).to(device, non_blocking=True)
                 group.last_ptrs = ptrs
-            small_out = torch.empty(
-                (len(group.lanes), max(len(self._small_writes), 1)),
-                dtype=torch.float32,
-                device=device,
-            )
+            if group.small_out is None:  # its shape is fixed: one buffer for every call
+                group.small_out = torch.empty(
+                    (len(group.lanes), max(len(self._small_writes), 1)),
+                    dtype=torch.float32,
+                    device=device,
+                )
             group.kernel[(blk_lane.numel(),)](
-                group.ptrs, numels, blk_lane, blk_start, scalars, small_out, host_vals, BLOCK=BLOCK
+                group.ptrs,
+                numels,
+                blk_lane,
+                blk_start,
+                scalars,
+                group.small_out,
+                host_vals,
+                BLOCK=BLOCK,
             )
             if group.small_kernel is not None:
                 n = len(group.lanes)
-                group.small_kernel[(triton_cdiv(n, 256),)](group.ptrs, small_out, n, BLOCK=256)
+                group.small_kernel[(triton_cdiv(n, 256),)](
+                    group.ptrs, group.small_out, n, BLOCK=256
+                )
 
     def _host_values(
         self,
@@ -183,7 +194,6 @@ class _Part:
         which the entry's guards fix, so they are built once."""
         tables = self._tables.get(g)
         if tables is None:
-            assert self.program is not None
             big = [k for k, small in enumerate(self.program.input_small) if not small]
             numels = [tensors[big[0]][lane].numel() if big else 1 for lane in group.lanes]
             blk_lane, blk_start = [], []
