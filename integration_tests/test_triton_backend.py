@@ -49,8 +49,25 @@ FUSED = {
 FUSED["RAdam"] = lambda ps: optim.RAdam(ps, lr=1e-2, foreach=True, **CAP)
 FUSED["Rprop"] = lambda ps: optim.Rprop(ps, lr=1e-2, foreach=True, **CAP)
 FUSED["Adagrad"] = lambda ps: optim.Adagrad(ps, lr=1e-2, foreach=True)
-NOT_FUSED = {  # its for-loop path reads step counts back into Python (.item())
-    "Adagrad for-loop": lambda ps: optim.Adagrad(ps, lr=1e-2, foreach=False),
+
+
+class TrustRatioSGD(optim.Optimizer):
+    """LARS-style: each update scaled by ||p|| / ||g||, a per-tensor reduction."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ratio = p.norm() / (p.grad.norm() + 1e-8)
+                    p.add_(p.grad * ratio, alpha=-group["lr"])
+
+
+NOT_FUSED = {  # a reduction inside the step: the kernels are elementwise only
+    "trust ratio": lambda ps: TrustRatioSGD(ps),
 }
 
 
@@ -93,6 +110,7 @@ def test_a_graph_the_kernels_cannot_take_runs_on_the_torch_backend_and_says_why(
     report = optcompile.explain(opt)
     assert report.graph_code.startswith("# not fused (")
     assert "the torch backend runs this graph" in report.graph_code
+    assert "linalg_vector_norm" in report.graph_code.splitlines()[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -146,6 +164,10 @@ LOOP_FUSED = {
     "RAdam": lambda ps: optim.RAdam(ps, lr=1e-2, foreach=False, **CAP),
     "Adamax": lambda ps: optim.Adamax(ps, lr=1e-2, foreach=False, **CAP),
     "SGD nesterov": lambda ps: optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, foreach=False),
+    # Its step reads ``-clr`` back as a Python number (.item()): the read stays a lane value.
+    "Adagrad lr decay": lambda ps: optim.Adagrad(
+        ps, lr=1e-2, lr_decay=0.01, weight_decay=0.1, foreach=False
+    ),
 }
 
 
@@ -202,3 +224,39 @@ def test_param_groups_of_different_sizes_fuse_group_by_group():
     plan = _OPTIMIZERS[opt].cache.entries[0].value.plan
     assert [part.program.lanes for part in plan.parts] in ([4, 2], [2, 4])
     assert optcompile.explain(opt).kernel_launches_per_step <= 4
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_empty_groups_and_params_without_grads_fuse_the_rest(foreach):
+    """A group with no params, and a group whose params have no grads, add no lanes."""
+
+    def make(ps):
+        return optim.AdamW(
+            [{"params": ps[:4]}, {"params": []}, {"params": ps[4:], "lr": 0.1}],
+            lr=1e-2,
+            foreach=foreach,
+            **CAP,
+        )
+
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, eager = optcompile.compile(make(params), backend="triton"), make(reference)
+    for _ in range(3):
+        for p, q in zip(params[:4], reference[:4], strict=True):
+            grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    assert all(not opt.state[p] for p in params[4:])
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and 1 <= report.kernel_launches_per_step <= 2
+
+
+def test_a_step_without_any_grad_launches_nothing():
+    opt = optcompile.compile(optim.AdamW([torch.nn.Parameter(torch.ones(3))]), backend="triton")
+    opt.step()
+    report = optcompile.explain(opt)
+    assert report.kernel_launches_per_step == 0
+    assert report.graph_code.startswith("# no tensor work")

@@ -329,12 +329,28 @@ def _bf16(x):
 """
 
 
+def source_dir() -> str:
+    """Where generated kernel sources live: $OPTKERNELS_CACHE_DIR, else a per-user folder
+    in the temp dir."""
+    configured = os.environ.get("OPTKERNELS_CACHE_DIR")
+    if configured:
+        return configured
+    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    return os.path.join(tempfile.gettempdir(), f"optkernels-src-{user}")
+
+
 def load_kernel(source: str, name: str) -> Any:
     """Import the generated source as a module (Triton jit needs real source files) and
-    return the kernel. Modules are cached on disk by a hash of their text."""
+    return the kernel.
+
+    The on-disk kernel cache: a module's file is named by a hash of its text, which the graph
+    structure and dtypes determine, so a second process compiling the same optimizer
+    imports the same file, and Triton's own disk cache (keyed by that source, the Triton
+    version, the target and the compile options) hands back the compiled binary without
+    running the compiler."""
     text = _PRELUDE + source
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    directory = os.path.join(tempfile.gettempdir(), "optkernels-src")
+    directory = source_dir()
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"k_{digest}.py")
     if not os.path.exists(path):

@@ -103,6 +103,9 @@ _SINGLE = {
     "clone": "identity",
     "detach": "identity",
     "alias": "identity",
+    # A 0-dim lane value used as a Python number (Adagrad's for-loop ``-clr``): the lane
+    # keeps it as a per-lane value, nothing leaves the device.
+    "_local_scalar_dense": "identity",
     "scalar_tensor": "full",
     "ones_like": "ones",
     "zeros_like": "zero",
@@ -323,7 +326,7 @@ def _lower_component(
             (k, arg(v)) for k, v in sorted(node.kwargs.items()) if k not in _IGNORED_KWARGS
         )
         val = node.meta.get("val")
-        small = isinstance(val, torch.Tensor) and val.dim() == 0
+        small = base == "_local_scalar_dense" or (isinstance(val, torch.Tensor) and val.dim() == 0)
         var_of[node] = program.num_vars
         program.ops.append(LaneOp(program.num_vars, _SINGLE[base], overload, args, kwargs, small))
         program.num_vars += 1

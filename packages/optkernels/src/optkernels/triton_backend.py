@@ -269,6 +269,8 @@ class TritonPlan:
         return ()
 
     def describe(self) -> str:
+        if not any(n.op == "call_function" for n in self.gm.graph.nodes):
+            return "# no tensor work in this step (no parameter has a gradient): nothing runs"
         if not self.parts:
             return (
                 f"# not fused ({self.reason}); the torch backend runs this graph\n"

@@ -1,0 +1,82 @@
+"""The on-disk kernel cache: a second process compiling the same optimizer reuses the
+generated source file and, on a GPU, Triton's compiled binary (the Triton compiler is not
+run). Each process is a fresh interpreter with its own cache folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
+)
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, time
+    import torch
+    from triton.compiler import compiler
+
+    compiles = []
+    make_ir = compiler.ASTSource.make_ir
+
+    def counting(self, *args, **kwargs):
+        compiles.append(self.name)
+        return make_ir(self, *args, **kwargs)
+
+    compiler.ASTSource.make_ir = counting
+    import optcompile
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = [torch.nn.Parameter(torch.ones(n, device=device)) for n in (7, 1000)]
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    extra = {"capturable": True} if device == "cuda" else {}
+    opt = optcompile.compile(
+        torch.optim.AdamW(params, lr=0.1, foreach=True, **extra), backend="triton"
+    )
+    start = time.perf_counter()
+    opt.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print(json.dumps({
+        "compiles": compiles,
+        "files": sorted(os.listdir(os.environ["OPTKERNELS_CACHE_DIR"])),
+        "first_step_s": time.perf_counter() - start,
+        "param": params[0][0].item(),
+    }))
+    """
+)
+
+
+def _child(tmp_path):
+    env = dict(
+        os.environ,
+        OPTKERNELS_CACHE_DIR=str(tmp_path / "src"),
+        TRITON_CACHE_DIR=str(tmp_path / "triton"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_reuses_the_generated_kernels(tmp_path):
+    first = _child(tmp_path)
+    second = _child(tmp_path)
+    assert first["files"] and first["files"] == second["files"]  # no new source written
+    assert second["param"] == first["param"]
+    if torch.cuda.is_available():
+        assert first["compiles"], "the first process should have run the Triton compiler"
+        assert second["compiles"] == [], f"recompiled: {second['compiles']}"
+        # And a fresh cache folder compiles again (the check above can fail).
+        third = _child(tmp_path / "fresh")
+        assert third["compiles"]
