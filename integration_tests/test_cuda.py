@@ -50,11 +50,16 @@ DEFAULTS = {
 STEPS = 4
 
 
-def _run(make: Callable[[list[torch.nn.Parameter]], Any], compiled: bool, schedule: bool):
+def _run(
+    make: Callable[[list[torch.nn.Parameter]], Any],
+    compiled: bool,
+    schedule: bool,
+    backend: str = "torch",
+):
     model = small_model().cuda()
     opt = make(list(model.parameters()))
     if compiled:
-        opt = optcompile.compile(opt, backend="torch")
+        opt = optcompile.compile(opt, backend=backend)
     sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS) if schedule else None
     for step in range(STEPS):
         set_grads(model, step)
@@ -77,15 +82,21 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def _check(make_for: Callable[[bool], Any], foreach: bool, schedule: bool) -> None:
+def _check(
+    make_for: Callable[[bool], Any],
+    foreach: bool,
+    schedule: bool,
+    backend: str = "torch",
+    floor: float = 1e-6,
+) -> None:
     tolerance = max(
         _max_diff(
             _values(*_run(make_for(True), False, schedule)),
             _values(*_run(make_for(False), False, schedule)),
         ),
-        1e-6,
+        floor,
     )
-    model, opt = _run(make_for(foreach), True, schedule)
+    model, opt = _run(make_for(foreach), True, schedule, backend)
     reference, eager = _run(make_for(foreach), False, schedule)
     report = optcompile.explain(opt)
     assert report.fallback_reason is None, report.fallback_reason
@@ -107,6 +118,28 @@ def test_eager_paths_on_cuda_match_eager_under_a_scheduler_without_retrace(name,
     _, opt = _run(lambda ps: DEFAULTS[name](ps, foreach), True, schedule=True)
     _, baseline = _run(lambda ps: DEFAULTS[name](ps, foreach), True, schedule=False)
     assert optcompile.explain(opt).traces == optcompile.explain(baseline).traces
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize("name", sorted(DEFAULTS))
+def test_auto_backend_fuses_cuda_steps_into_triton_kernels_matching_eager(name, foreach):
+    """backend="auto" (the default) on CUDA params: the Triton kernels, with the user's
+    default capturable=False (step counts on the CPU), under a cosine schedule. The kernels
+    round each op separately where ATen fuses some into FMAs: tolerance floored at 1e-5."""
+    _check(
+        lambda f: lambda ps: DEFAULTS[name](ps, f), foreach, True, backend="auto", floor=1e-5
+    )
+    _, opt = _run(lambda ps: DEFAULTS[name](ps, foreach), True, True, backend="auto")
+    report = optcompile.explain(opt)
+    assert report.backend == "triton"
+    assert "@triton.jit" in report.graph_code, report.graph_code[:300]
+    assert 1 <= report.kernel_launches_per_step <= 2
+    assert report.traces == 1
+
+
+def test_auto_backend_keeps_cpu_params_on_the_torch_backend():
+    opt = optcompile.compile(optim.AdamW(small_model().parameters(), lr=1e-2))
+    assert optcompile.explain(opt).backend == "torch"
 
 
 def test_foreach_none_takes_the_foreach_path_on_cuda_like_eager():

@@ -28,14 +28,29 @@ _OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Compiled] = (
 )
 
 
-def _backend(name: str) -> Backend:
+def _backend(name: str, obj: Any) -> Backend:
     if name not in BACKEND_CHOICES:
         raise CompileError(f"backend={name!r} is unknown; choose one of {BACKEND_CHOICES}")
-    # "auto" means Triton on CUDA once its kernels land; until then the torch backend.
+    if name == "auto":
+        name = "triton" if _wants_triton(obj) else "torch"
     try:
-        return get_backend("torch" if name == "auto" else name)
+        return get_backend(name)
     except BackendError as exc:
         raise CompileError(str(exc)) from exc
+
+
+def _wants_triton(obj: Any) -> bool:
+    """ "auto": the Triton kernels when there is a CUDA device, Triton can run, and (for an
+    optimizer) its params live on CUDA; otherwise the torch backend."""
+    if not torch.cuda.is_available():
+        return False
+    from optkernels.triton_backend import triton_usable
+
+    if triton_usable() is not None:
+        return False
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(p.is_cuda for group in obj.param_groups for p in group["params"])
+    return True
 
 
 @overload
@@ -59,11 +74,12 @@ def compile(
 ) -> Any:
     """Compile an optimizer's ``step`` (returns the same optimizer) or a function.
 
-    ``backend``: "auto" | "torch" | "triton". ``fullgraph=True`` raises where the tracer
-    cannot capture the step instead of falling back to eager with a warning.
+    ``backend``: "auto" (Triton kernels for CUDA tensors, else torch) | "torch" | "triton".
+    ``fullgraph=True`` raises where the tracer cannot capture the step instead of falling
+    back to eager with a warning.
     ``recompile_limit``: entries kept per object before it falls back to eager.
     """
-    chosen = _backend(backend)
+    chosen = _backend(backend, obj)
     if isinstance(obj, torch.optim.Optimizer):
         return _compile_optimizer(obj, chosen, fullgraph, recompile_limit)
     if callable(obj):

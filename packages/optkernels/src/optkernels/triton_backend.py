@@ -111,6 +111,8 @@ class _Part:
         small = {t.device for k, lane in enumerate(tensors) for t in lane if program.input_small[k]}
         if len(big) > 1 or (small and small != {device} and small != {torch.device("cpu")}):
             return f"its tensors live on several devices ({', '.join(map(str, big | small))})"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return f"its tensors live on {device} (the kernels run on CUDA devices)"
         self.device = device
         on_host = small == {torch.device("cpu")} and device.type != "cpu"
         if self.host_small if self.host_small is not None else on_host:
