@@ -126,9 +126,7 @@ def test_auto_backend_fuses_cuda_steps_into_triton_kernels_matching_eager(name, 
     """backend="auto" (the default) on CUDA params: the Triton kernels, with the user's
     default capturable=False (step counts on the CPU), under a cosine schedule. The kernels
     round each op separately where ATen fuses some into FMAs: tolerance floored at 1e-5."""
-    _check(
-        lambda f: lambda ps: DEFAULTS[name](ps, f), foreach, True, backend="auto", floor=1e-5
-    )
+    _check(lambda f: lambda ps: DEFAULTS[name](ps, f), foreach, True, backend="auto", floor=1e-5)
     _, opt = _run(lambda ps: DEFAULTS[name](ps, foreach), True, True, backend="auto")
     report = optcompile.explain(opt)
     assert report.backend == "triton"
