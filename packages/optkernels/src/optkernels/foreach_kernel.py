@@ -71,15 +71,19 @@ def kernel_source(
     dtypes: Sequence[torch.dtype],
     name: str,
     host: dict[int, int] | None = None,
+    dynamic: Sequence[bool] | None = None,
 ) -> str:
     """Triton source of the kernel for ``program`` whose inputs have ``dtypes``. ``host``
-    maps vars computed on the host to their column in the ``host_vals`` buffer."""
+    maps vars computed on the host to their column in the ``host_vals`` buffer. Input
+    ``k``'s addresses come from the static table ``ptrs`` (addresses the guards fix: params,
+    state) or, where ``dynamic[k]``, from ``dptrs`` (grads: new tensors every step)."""
     host = host or {}
-    n_slots = len(program.inputs)
+    dynamic = list(dynamic) if dynamic is not None else [False] * len(program.inputs)
+    columns = table_columns(dynamic)
     small_writes = [(v, k) for v, k in program.writes if program.input_small[k]]
     lines = [
         "@triton.jit",
-        f"def {name}(ptrs, numels, blk_lane, blk_start, scalars, small_out, host_vals,"
+        f"def {name}(ptrs, dptrs, numels, blk_lane, blk_start, scalars, small_out, host_vals,"
         " BLOCK: tl.constexpr):",
         "    pid = tl.program_id(0)",
         "    lane = tl.load(blk_lane + pid).to(tl.int64)",
@@ -93,9 +97,7 @@ def kernel_source(
         if dtype not in _TL_DTYPES:
             raise KernelError(f"dtype {dtype} of a lane input")
         tl_type = _TL_DTYPES[dtype]
-        lines.append(
-            f"    p{k} = tl.load(ptrs + lane * {n_slots} + {k}).to(tl.pointer_type({tl_type}))"
-        )
+        lines.append(f"    p{k} = tl.load({columns[k]}).to(tl.pointer_type({tl_type}))")
     # Eager materializes each foreach result in its tensors' dtype: rounding every value to
     # that dtype after each op (and computing in float32 between) gives eager's numbers.
     # Operands are first cast to the op's result dtype (a 0-dim float32 count used with
@@ -143,29 +145,43 @@ def kernel_source(
             stored = _store_cast(f"v{var}", dtypes[k])
             lines.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
     if small_writes and not host:
-        lines += ["", "", *_small_kernel(program, dtypes, name, small_writes)]
+        copies = _small_kernel(dtypes, name, small_writes, table_columns(dynamic, "lanes"))
+        lines += ["", "", *copies]
     return "\n".join(lines) + "\n"
 
 
+def table_columns(dynamic: Sequence[bool], lane: str = "lane") -> list[str]:
+    """Per input, the address-table expression of its lane's pointer: static inputs in
+    ``ptrs`` and dynamic ones in ``dptrs``, each a [lanes, columns] row-major table."""
+    dynamic = list(dynamic)
+    n_static = max(dynamic.count(False), 1)
+    n_dynamic = max(dynamic.count(True), 1)
+    out, counts = [], {False: 0, True: 0}
+    for d in dynamic:
+        table, width = ("dptrs", n_dynamic) if d else ("ptrs", n_static)
+        out.append(f"{table} + {lane} * {width} + {counts[d]}")
+        counts[d] += 1
+    return out
+
+
 def _small_kernel(
-    program: LaneProgram,
     dtypes: Sequence[torch.dtype],
     name: str,
     small_writes: list[tuple[int, int]],
+    columns: list[str],
 ) -> list[str]:
     """``{name}_small``: copies each lane's 0-dim results from the small buffer into their
-    tensors, addresses from the same table: one launch for all lanes, no Python per lane."""
-    n_slots = len(program.inputs)
+    tensors, addresses from the same tables: one launch for all lanes, no Python per lane."""
     lines = [
         "@triton.jit",
-        f"def {name}_small(ptrs, small_out, n_lanes, BLOCK: tl.constexpr):",
+        f"def {name}_small(ptrs, dptrs, small_out, n_lanes, BLOCK: tl.constexpr):",
         "    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
         "    m = lanes < n_lanes",
     ]
     for j, (_, k) in enumerate(small_writes):
         tl_type = _TL_DTYPES[dtypes[k]]
         lines += [
-            f"    a{j} = tl.load(ptrs + lanes * {n_slots} + {k}, mask=m, other=0)",
+            f"    a{j} = tl.load({columns[k]}, mask=m, other=0)",
             f"    x{j} = tl.load(small_out + lanes * {len(small_writes)} + {j}, mask=m, other=0)",
             f"    tl.store(a{j}.to(tl.pointer_type({tl_type})), x{j}.to({tl_type}), mask=m)",
         ]
@@ -393,6 +409,7 @@ def eval_host(
     lane): ``small_inputs`` maps input index to its stacked values."""
     values: dict[int, Any] = {}
     ops = {op.out: op for op in program.ops}
+    lanes = next(iter(small_inputs.values())).shape[0] if small_inputs else 1
 
     def ref(a: Any) -> Any:
         if a[0] == "lane":
@@ -408,6 +425,9 @@ def eval_host(
             continue
         a = [ref(x) for x in op.args]
         kw = {k: ref(v) for k, v in op.kwargs if v[0] != "ignore"}
+        if op.op == "full":  # a constant for every lane (``scalar_tensor(0.0)``)
+            values[var] = torch.full((lanes,), float(a[0]), dtype=torch.float32)
+            continue
         values[var] = _HOST[op.op](a, kw)
     return values
 
@@ -452,6 +472,11 @@ _HOST: dict[str, Any] = {
     "eq": lambda a, kw: a[0] == a[1],
     "ne": lambda a, kw: a[0] != a[1],
     "where": lambda a, kw: torch.where(a[0], a[1], a[2]),
+    "clamp": lambda a, kw: torch.clamp(
+        a[0],
+        kw.get("min", a[1] if len(a) > 1 else None),
+        kw.get("max", a[2] if len(a) > 2 else None),
+    ),
     "lerp": lambda a, kw: torch.lerp(a[0], a[1], a[2]),
     "addcmul": lambda a, kw: torch.addcmul(
         a[0], a[1], a[2], value=kw.get("value", a[3] if len(a) > 3 else 1)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from optkernels._torch_compat import data_ptrs_equal
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import (
     BLOCK,
@@ -43,13 +44,19 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 class _Group:
-    """The lanes sharing one dtype signature: one kernel, its tables and buffers."""
+    """The lanes sharing one dtype signature: one kernel, its address tables and buffers.
+
+    Addresses the entry's guards fix (params, state: ``meta["static_address"]``) live in a
+    static table, checked each call in one batch and rebuilt only if one moved; the others
+    (grads, new tensors every step) live in a small dynamic table, re-read each call and
+    re-uploaded when they change."""
 
     def __init__(
         self,
         program: LaneProgram,
         lanes: list[int],
         dtypes: tuple[torch.dtype, ...],
+        index: dict[Any, int],
         host: dict[int, int] | None = None,
     ):
         self.lanes = lanes
@@ -57,15 +64,52 @@ class _Group:
         self.name = "foreach_" + "_".join(str(d).replace("torch.", "") for d in dtypes)
         if host:
             self.name += "_host"
-        self.source = kernel_source(program, dtypes, self.name, host)
+        dynamic = [
+            not all(n.meta.get("static_address", False) for n in column)
+            for column in program.inputs
+        ]
+        self.source = kernel_source(program, dtypes, self.name, host, dynamic)
         self.kernel = load_kernel(self.source, self.name)
         has_small = any(program.input_small[k] for _, k in program.writes)
         self.small_kernel = (
             load_kernel(self.source, self.name + "_small") if has_small and not host else None
         )
+
+        def slots(columns: list[int]) -> list[int]:
+            return [index[program.inputs[k][lane]] for lane in lanes for k in columns]
+
+        self.static_slots = slots([k for k, d in enumerate(dynamic) if not d])
+        self.dynamic_slots = slots([k for k, d in enumerate(dynamic) if d])
+        self.small_slots = {
+            k: [index[program.inputs[k][lane]] for lane in lanes]
+            for k, small in enumerate(program.input_small)
+            if small
+        }
+        big = [k for k, small in enumerate(program.input_small) if not small]
+        self.numel_slots = slots(big[:1])  # one full-size input per lane gives its size
+        self.static_ptrs: list[int] = []
+        self.dynamic_ptrs: list[int] = []
         self.ptrs: torch.Tensor | None = None
-        self.last_ptrs: list[int] = []
+        self.dptrs: torch.Tensor | None = None
         self.small_out: torch.Tensor | None = None
+        self.table_uploads = 0  # times an address table was (re)built
+
+    def refresh(self, inputs: Sequence[Any], device: torch.device) -> None:
+        """Bring both address tables up to date with this call's tensors."""
+        statics = [inputs[i] for i in self.static_slots]
+        if self.ptrs is None or not data_ptrs_equal(statics, self.static_ptrs, range(len(statics))):
+            self.static_ptrs = [t.data_ptr() for t in statics]
+            self.ptrs = _upload(self.static_ptrs, device)
+            self.table_uploads += 1
+        dynamic = [inputs[i].data_ptr() for i in self.dynamic_slots]
+        if self.dptrs is None or dynamic != self.dynamic_ptrs:
+            self.dynamic_ptrs = dynamic
+            self.dptrs = _upload(dynamic, device)
+            self.table_uploads += 1
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values or [0], dtype=torch.int64).to(device, non_blocking=True)
 
 
 class _Part:
@@ -93,7 +137,9 @@ class _Part:
             by_dtypes.setdefault(dtypes, []).append(lane)
         self.host_order = host_vars(program) if host else []
         self.host_cols = {v: j for j, v in enumerate(self.host_order)}
-        self.groups = [_Group(program, lanes, d, self.host_cols) for d, lanes in by_dtypes.items()]
+        self.groups = [
+            _Group(program, lanes, d, self.index, self.host_cols) for d, lanes in by_dtypes.items()
+        ]
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
         self.launches = len(self.groups) + (1 if small_writes and not host else 0)
         self._tables: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -124,7 +170,6 @@ class _Part:
 
     def run(self, inputs: Sequence[Any]) -> None:
         program = self.program
-        tensors = [[inputs[self.index[n]] for n in nodes] for nodes in program.inputs]
         device = self.device
         scalar_values = eval_scalars(program, inputs, self.index)
         scalars = torch.tensor(scalar_values or [0.0], dtype=torch.float32).to(
@@ -133,14 +178,9 @@ class _Part:
         for g, group in enumerate(self.groups):
             host_vals = scalars
             if self.host:
-                host_vals = self._host_values(program, group, tensors, scalar_values, device)
-            numels, blk_lane, blk_start = self._group_tables(g, group, tensors, device)
-            ptrs = [
-                tensors[k][lane].data_ptr() for lane in group.lanes for k in range(len(tensors))
-            ]
-            if ptrs != group.last_ptrs or group.ptrs is None:
-                group.ptrs = torch.tensor(ptrs, dtype=torch.int64).to(device, non_blocking=True)
-                group.last_ptrs = ptrs
+                host_vals = self._host_values(program, group, inputs, scalar_values, device)
+            numels, blk_lane, blk_start = self._group_tables(g, group, inputs, device)
+            group.refresh(inputs, device)
             if group.small_out is None:  # its shape is fixed: one buffer for every call
                 group.small_out = torch.empty(
                     (len(group.lanes), max(len(self._small_writes), 1)),
@@ -149,6 +189,7 @@ class _Part:
                 )
             group.kernel[(blk_lane.numel(),)](
                 group.ptrs,
+                group.dptrs,
                 numels,
                 blk_lane,
                 blk_start,
@@ -160,29 +201,27 @@ class _Part:
             if group.small_kernel is not None:
                 n = len(group.lanes)
                 group.small_kernel[(triton_cdiv(n, 256),)](
-                    group.ptrs, group.small_out, n, BLOCK=256
+                    group.ptrs, group.dptrs, group.small_out, n, BLOCK=256
                 )
 
     def _host_values(
         self,
         program: LaneProgram,
         group: _Group,
-        tensors: list[list[torch.Tensor]],
+        inputs: Sequence[Any],
         scalar_values: list[float],
         device: torch.device,
     ) -> torch.Tensor:
         """Compute the host vars for the group's lanes on the CPU, write the 0-dim results
         back there, and return the values the kernel reads, on the device."""
         small_inputs = {
-            k: torch.stack([tensors[k][lane] for lane in group.lanes])
-            for k, small in enumerate(program.input_small)
-            if small
+            k: torch.stack([inputs[i] for i in slots]) for k, slots in group.small_slots.items()
         }
         with torch.no_grad():
             values = eval_host(program, self.host_order, small_inputs, scalar_values)
             for var, k in program.writes:
                 if program.input_small[k]:
-                    targets = [tensors[k][lane] for lane in group.lanes]
+                    targets = [inputs[i] for i in group.small_slots[k]]
                     torch._foreach_copy_(targets, list(values[var].unbind(0)))
         columns = [values[v].to(torch.float32) for v in self.host_order] or [
             torch.zeros(len(group.lanes))
@@ -190,14 +229,13 @@ class _Part:
         return torch.stack(columns, dim=1).to(device, non_blocking=True)
 
     def _group_tables(
-        self, g: int, group: _Group, tensors: list[list[torch.Tensor]], device: torch.device
+        self, g: int, group: _Group, inputs: Sequence[Any], device: torch.device
     ) -> tuple[torch.Tensor, ...]:
         """Per-lane sizes and the block -> (lane, offset) table: they depend only on shapes,
         which the entry's guards fix, so they are built once."""
         tables = self._tables.get(g)
         if tables is None:
-            big = [k for k, small in enumerate(self.program.input_small) if not small]
-            numels = [tensors[big[0]][lane].numel() if big else 1 for lane in group.lanes]
+            numels = [inputs[i].numel() for i in group.numel_slots] or [1] * len(group.lanes)
             blk_lane, blk_start = [], []
             for row, n in enumerate(numels):
                 for start in range(0, max(n, 1), BLOCK):

@@ -225,12 +225,13 @@ class TraceContext:
         if i is None:
             raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")
         self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
-        if self._is_static(source):
+        static = self._is_static(source)
+        if static:
             self.guard(DataPtrGuard(source, real.data_ptr()))
         fake = self._fakes.get(i)
         if fake is None:
             name = variable_name(source)
-            fake = self._fakes[i] = self.recorder.placeholder(name, real, source)
+            fake = self._fakes[i] = self.recorder.placeholder(name, real, source, static)
             self._fake_index[id(fake)] = i
         if (real.requires_grad or real.grad is not None) and i not in self._grad_bound:
             self._grad_bound.add(i)

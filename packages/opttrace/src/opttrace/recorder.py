@@ -128,10 +128,15 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self.on_decision = None
         self.on_grad_store = None
 
-    def placeholder(self, name: str, real: torch.Tensor, source: Any) -> TracedTensor:
-        """A traced stand-in for the input tensor ``real``, bound to a new placeholder."""
+    def placeholder(
+        self, name: str, real: torch.Tensor, source: Any, static: bool = False
+    ) -> TracedTensor:
+        """A traced stand-in for the input tensor ``real``, bound to a new placeholder.
+        ``static``: the entry's guards fix its address (``meta["static_address"]``), so a
+        backend may bake it in; other tensor inputs (grads) may move every call."""
         t = TracedTensor(self, meta.spec_of(real), real.device, real.requires_grad)
         t._node = self._placeholder(name, source, t)
+        t._node.meta["static_address"] = static
         return t
 
     def scalar_placeholder(self, name: str, value: float, source: Any) -> symbolic.SymScalar:
