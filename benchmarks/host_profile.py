@@ -1,7 +1,7 @@
 """Where the host time of one compiled ``opt.step()`` goes (GPU machine).
 
-Usage: python benchmarks/host_profile.py [--tensors 200] [--rows 18]
-AdamW over N tensors of 64x64 (launch-bound: the step time is the host time), for
+Usage: python benchmarks/host_profile.py [--tensors 200] [--rows 18] [--optimizer AdamW]
+The optimizer over N tensors of 64x64 (launch-bound: the step time is the host time), for
 capturable=False (the default: step counts on the CPU) and capturable=True: host µs per step
 (200 steps, synchronized at both ends), then a cProfile of 200 steps sorted by own time.
 A diagnostic, not a benchmark result: step_time.py holds the figures we claim.
@@ -22,13 +22,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tensors", type=int, default=200)
     parser.add_argument("--rows", type=int, default=18)
+    parser.add_argument("--optimizer", default="AdamW")
     args = parser.parse_args()
     params = [torch.nn.Parameter(torch.randn(64, 64, device="cuda")) for _ in range(args.tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
     for capturable in (False, True):
+        options = {"capturable": capturable} if args.optimizer != "Adagrad" else {}
         opt = optcompile.compile(
-            torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, capturable=capturable),
+            getattr(torch.optim, args.optimizer)(params, lr=1e-3, **options),
             backend="triton",
         )
         for _ in range(5):

@@ -409,7 +409,8 @@ def eval_host(
     lane): ``small_inputs`` maps input index to its stacked values."""
     values: dict[int, Any] = {}
     ops = {op.out: op for op in program.ops}
-    lanes = next(iter(small_inputs.values())).shape[0] if small_inputs else 1
+    first = next(iter(small_inputs.values()), None)
+    lanes, device = (1, None) if first is None else (first.shape[0], first.device)
 
     def ref(a: Any) -> Any:
         if a[0] == "lane":
@@ -426,7 +427,7 @@ def eval_host(
         a = [ref(x) for x in op.args]
         kw = {k: ref(v) for k, v in op.kwargs if v[0] != "ignore"}
         if op.op == "full":  # a constant for every lane (``scalar_tensor(0.0)``)
-            values[var] = torch.full((lanes,), float(a[0]), dtype=torch.float32)
+            values[var] = torch.full((lanes,), float(a[0]), dtype=torch.float32, device=device)
             continue
         values[var] = _HOST[op.op](a, kw)
     return values

@@ -93,6 +93,8 @@ class _Group:
         self.dptrs: torch.Tensor | None = None
         self.small_out: torch.Tensor | None = None
         self.table_uploads = 0  # times an address table was (re)built
+        # Host-computed 0-dim writes: a buffer per value and its per-lane views.
+        self.host_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def refresh(self, inputs: Sequence[Any], device: torch.device) -> None:
         """Bring both address tables up to date with this call's tensors."""
@@ -221,8 +223,17 @@ class _Part:
             values = eval_host(program, self.host_order, small_inputs, scalar_values)
             for var, k in program.writes:
                 if program.input_small[k]:
+                    # One persistent buffer per written value, its per-lane views made once:
+                    # a copy into it and one foreach copy out (unbinding anew costs more).
+                    held = group.host_views.get(var)
+                    if held is None or held[0].dtype != values[var].dtype:
+                        buffer = values[var].clone()
+                        held = group.host_views[var] = (buffer, list(buffer.unbind(0)))
+                    else:
+                        held[0].copy_(values[var])
+                    views = held[1]
                     targets = [inputs[i] for i in group.small_slots[k]]
-                    torch._foreach_copy_(targets, list(values[var].unbind(0)))
+                    torch._foreach_copy_(targets, views)
         columns = [values[v].to(torch.float32) for v in self.host_order] or [
             torch.zeros(len(group.lanes))
         ]
