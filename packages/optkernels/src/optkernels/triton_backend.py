@@ -247,15 +247,15 @@ class _Part:
         tables = self._tables.get(g)
         if tables is None:
             numels = [inputs[i].numel() for i in group.numel_slots] or [1] * len(group.lanes)
-            blk_lane, blk_start = [], []
-            for row, n in enumerate(numels):
-                for start in range(0, max(n, 1), BLOCK):
-                    blk_lane.append(row)
-                    blk_start.append(start)
+            sizes = torch.tensor(numels, dtype=torch.int64)
+            blocks = (sizes.clamp(min=1) + BLOCK - 1) // BLOCK  # a 0-dim lane has one block
+            blk_lane = torch.repeat_interleave(torch.arange(len(numels)), blocks)
+            first = torch.cumsum(blocks, 0) - blocks  # each lane's first block
+            blk_start = (torch.arange(int(blocks.sum())) - first[blk_lane]) * BLOCK
             tables = self._tables[g] = (
-                torch.tensor(numels, dtype=torch.int64, device=device),
-                torch.tensor(blk_lane, dtype=torch.int32, device=device),
-                torch.tensor(blk_start, dtype=torch.int64, device=device),
+                sizes.to(device),
+                blk_lane.to(device, torch.int32),
+                blk_start.to(device),
             )
         return tables
 
