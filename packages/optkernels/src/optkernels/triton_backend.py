@@ -57,6 +57,7 @@ class _Group:
         lanes: list[int],
         dtypes: tuple[torch.dtype, ...],
         index: dict[Any, int],
+        dynamic: list[bool],
         host: dict[int, int] | None = None,
     ):
         self.lanes = lanes
@@ -64,10 +65,6 @@ class _Group:
         self.name = "foreach_" + "_".join(str(d).replace("torch.", "") for d in dtypes)
         if host:
             self.name += "_host"
-        dynamic = [
-            not all(n.meta.get("static_address", False) for n in column)
-            for column in program.inputs
-        ]
         self.source = kernel_source(program, dtypes, self.name, host, dynamic)
         self.kernel = load_kernel(self.source, self.name)
         has_small = any(program.input_small[k] for _, k in program.writes)
@@ -79,6 +76,7 @@ class _Group:
             return [index[program.inputs[k][lane]] for lane in lanes for k in columns]
 
         self.static_slots = slots([k for k, d in enumerate(dynamic) if not d])
+        self.static_indices = list(range(len(self.static_slots)))  # for the batch compare
         self.dynamic_slots = slots([k for k, d in enumerate(dynamic) if d])
         self.small_slots = {
             k: [index[program.inputs[k][lane]] for lane in lanes]
@@ -99,7 +97,7 @@ class _Group:
     def refresh(self, inputs: Sequence[Any], device: torch.device) -> None:
         """Bring both address tables up to date with this call's tensors."""
         statics = [inputs[i] for i in self.static_slots]
-        if self.ptrs is None or not data_ptrs_equal(statics, self.static_ptrs, range(len(statics))):
+        if self.ptrs is None or not data_ptrs_equal(statics, self.static_ptrs, self.static_indices):
             self.static_ptrs = [t.data_ptr() for t in statics]
             self.ptrs = _upload(self.static_ptrs, device)
             self.table_uploads += 1
@@ -139,8 +137,14 @@ class _Part:
             by_dtypes.setdefault(dtypes, []).append(lane)
         self.host_order = host_vars(program) if host else []
         self.host_cols = {v: j for j, v in enumerate(self.host_order)}
+        # An input column is static when the guards fix every lane's address (params, state).
+        dynamic = [
+            not all(n.meta.get("static_address", False) for n in column)
+            for column in program.inputs
+        ]
         self.groups = [
-            _Group(program, lanes, d, self.index, self.host_cols) for d, lanes in by_dtypes.items()
+            _Group(program, lanes, d, self.index, dynamic, self.host_cols)
+            for d, lanes in by_dtypes.items()
         ]
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
         self.launches = len(self.groups) + (1 if small_writes and not host else 0)
@@ -226,7 +230,7 @@ class _Part:
                     # One persistent buffer per written value, its per-lane views made once:
                     # a copy into it and one foreach copy out (unbinding anew costs more).
                     held = group.host_views.get(var)
-                    if held is None or held[0].dtype != values[var].dtype:
+                    if held is None:  # dtypes and lane count are fixed by the entry's guards
                         buffer = values[var].clone()
                         held = group.host_views[var] = (buffer, list(buffer.unbind(0)))
                     else:
