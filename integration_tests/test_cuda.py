@@ -149,3 +149,16 @@ def test_foreach_none_takes_the_foreach_path_on_cuda_like_eager():
         p.grad = torch.ones_like(p)
     opt.step()
     assert "_foreach_" in optcompile.explain(opt).graph_code
+
+
+def test_triton_backend_on_cpu_params_runs_the_torch_backend_and_says_why():
+    model, reference = small_model(), small_model()
+    opt = optcompile.compile(optim.AdamW(model.parameters(), lr=1e-2), backend="triton")
+    eager = optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        set_grads(model, step)
+        set_grads(reference, step)
+        opt.step()
+        eager.step()
+    assert _max_diff(_values(model, opt), _values(reference, eager)) <= 1e-6
+    assert optcompile.explain(opt).graph_code.startswith("# not fused (its tensors live on cpu")
