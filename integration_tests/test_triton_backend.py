@@ -66,8 +66,52 @@ class TrustRatioSGD(optim.Optimizer):
                     p.add_(p.grad * ratio, alpha=-group["lr"])
 
 
-NOT_FUSED = {  # a reduction inside the step: the kernels are elementwise only
-    "trust ratio": lambda ps: TrustRatioSGD(ps),
+class ForeachLamb(optim.Optimizer):
+    """LAMB-style foreach step: the norm of an update that itself updates a state tensor.
+    The moment's new value comes from the torch backend and is written after the kernel."""
+
+    def __init__(self, params, lr=1e-2, weight_decay=0.01):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            ms = []
+            for p in ps:
+                if "m" not in self.state[p]:
+                    self.state[p]["m"] = torch.zeros_like(p)
+                ms.append(self.state[p]["m"])
+            torch._foreach_lerp_(ms, [p.grad for p in ps], 0.1)
+            update = torch._foreach_add(ms, ps, alpha=group["weight_decay"])
+            ratio = torch._foreach_div(
+                torch._foreach_norm(ps), torch._foreach_add(torch._foreach_norm(update), 1e-8)
+            )
+            torch._foreach_mul_(update, ratio)
+            torch._foreach_add_(ps, update, alpha=-group["lr"])
+
+
+class DecayMatricesOnly(optim.Optimizer):
+    """Weight decay on matrices only: the per-parameter op sequences differ."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.dim() > 1:
+                        p.mul_(1 - group["lr"] * 0.1)
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+# A reduction inside the step: the kernels are elementwise only, so the norms (and what they
+# depend on) run on the torch backend first; the rest is one kernel.
+PARTLY_FUSED = {
+    "trust ratio (for-loop)": (TrustRatioSGD, "aten.linalg_vector_norm.default", 0),
+    "LAMB (foreach)": (ForeachLamb, "aten._foreach_norm.Scalar", 1),
 }
 
 
@@ -103,14 +147,40 @@ def test_foreach_step_runs_as_at_most_two_launches_and_matches_eager(name):
     assert "@triton.jit" in report.graph_code
 
 
-@pytest.mark.parametrize("name", sorted(NOT_FUSED))
-def test_a_graph_the_kernels_cannot_take_runs_on_the_torch_backend_and_says_why(name):
-    params, opt, reference, eager = _run(NOT_FUSED[name])
+@pytest.mark.parametrize("name", sorted(PARTLY_FUSED))
+def test_an_op_the_kernels_cannot_take_runs_on_the_torch_backend_inside_the_plan(name):
+    cls, op, writes = PARTLY_FUSED[name]
+    params, opt, reference, eager = _run(cls)
     _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
     report = optcompile.explain(opt)
-    assert report.graph_code.startswith("# not fused (")
-    assert "the torch backend runs this graph" in report.graph_code
-    assert "linalg_vector_norm" in report.graph_code.splitlines()[0]
+    assert report.fallback_reason is None
+    code = report.graph_code
+    assert f"# partly fused: {op} not an op the kernel generator knows" in code
+    assert "@triton.jit" in code
+    plan = _plan(opt)
+    assert plan.split is not None and len(plan.split.writes) == 6 * writes
+    # The reductions run on the torch backend; everything elementwise is one kernel.
+    assert len(plan.groups) == 1
+    unfused = plan.prelude.kernel_launches_per_step
+    assert report.kernel_launches_per_step == unfused + 1 + writes
+
+
+def test_a_graph_that_is_not_one_program_per_tensor_runs_wholly_on_the_torch_backend():
+    params, opt, reference, eager = _run(DecayMatricesOnly)
+    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    code = optcompile.explain(opt).graph_code
+    assert code.startswith("# not fused (the per-tensor op sequences differ between parameters)")
+    assert "the torch backend runs this graph" in code
+    assert _plan(opt).split is None
+
+
+def _plan(opt):
+    from optcompile.api import _compiled_of
+    from optcompile.driver import newest
+
+    entry = newest(_compiled_of(opt))
+    assert entry is not None and isinstance(entry.plan, TritonPlan)
+    return entry.plan
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

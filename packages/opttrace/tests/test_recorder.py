@@ -55,6 +55,24 @@ def test_a_foreach_result_list_feeds_the_next_foreach_op_as_one_node():
     assert len(getitems) == 3  # only for the returned tensors
 
 
+def test_a_foreach_node_records_its_items_and_a_foreach_norm_gives_0_dim_items():
+    def step(xs):
+        norms = torch._foreach_norm(xs)
+        scaled = torch._foreach_mul(xs, norms)
+        torch._foreach_add_(xs, scaled)
+        return torch.stack(norms)
+
+    xs = [torch.ones(2), torch.ones(3, 4)]
+    traced = trace(step, {"xs": xs})
+    nodes = {n.target: n for n in traced.graph.nodes}
+    norm = nodes[aten._foreach_norm.Scalar]
+    assert [tuple(v.shape) for v in norm.meta["val"]] == [(), ()]
+    mul = nodes[aten._foreach_mul.List]
+    assert [tuple(v.shape) for v in mul.meta["val"]] == [(2,), (3, 4)]
+    out = _run(traced, *[x.clone() for x in xs])
+    torch.testing.assert_close(out[0], torch.tensor([2**0.5, 12**0.5]))
+
+
 def test_writes_through_a_full_alias_reach_the_aliased_input():
     def step(x):
         x.detach().add_(1)

@@ -1,7 +1,9 @@
 """The Triton backend: a foreach graph runs as one generated kernel launch per dtype group.
 
-Graphs that are not per-lane programs (``lanes.analyze`` says why) run on the torch
-reference backend inside the same plan, and ``describe()`` says so.
+Ops the kernel generator does not know (a norm) run on the torch backend before the kernels,
+with what they depend on (``split.split_unfused``); graphs that are not per-lane programs
+for another reason (``lanes.analyze`` says why) run wholly on the torch reference backend
+inside the same plan. ``describe()`` says which.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from optkernels.foreach_kernel import (
 )
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.reference import TorchPlan
+from optkernels.split import Split, split_unfused
 
 
 def triton_usable() -> str | None:
@@ -274,15 +277,29 @@ class TritonPlan:
         exactly when those inputs live on the CPU and the rest on a device)."""
         self.gm = gm
         self.reference = TorchPlan(gm)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.index = {n: i for i, n in enumerate(placeholders)}
+        self.num_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         self.parts: list[_Part] = []
         self.reason: str | None = None
+        self.split: Split | None = None  # ops run by the torch backend around the kernels
+        self.prelude: TorchPlan | None = None
         self._checked_devices = False
         try:
-            self.parts = [_Part(p, self.index, host_small) for p in analyze_parts(gm.graph)]
+            self.parts = self._lower(gm, host_small)
         except (NotLanes, KernelError) as exc:
             self.parts, self.reason = [], str(exc)
+            split = split_unfused(gm)
+            if split is not None:
+                try:
+                    self.parts = self._lower(split.main, host_small)
+                except (NotLanes, KernelError):
+                    self.parts = []  # the whole graph stays on the torch backend
+                else:
+                    self.split, self.prelude = split, TorchPlan(split.prelude)
+
+    def _lower(self, gm: fx.GraphModule, host_small: bool | None) -> list[_Part]:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.index = {n: i for i, n in enumerate(placeholders)}
+        return [_Part(p, self.index, host_small) for p in analyze_parts(gm.graph)]
 
     @property
     def program(self) -> LaneProgram | None:
@@ -305,22 +322,38 @@ class TritonPlan:
     def kernel_launches_per_step(self) -> int:
         if not self.parts:
             return self.reference.kernel_launches_per_step
-        return sum(part.launches for part in self.parts)
+        launches = sum(part.launches for part in self.parts)
+        if self.prelude is not None and self.split is not None:
+            launches += self.prelude.kernel_launches_per_step + (1 if self.split.writes else 0)
+        return launches
 
     def __call__(self, inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
         if not self.parts:
             return self.reference(inputs)
-        if len(inputs) != len(self.index):
-            raise ValueError(f"graph takes {len(self.index)} inputs, got {len(inputs)}")
+        if len(inputs) != self.num_inputs:
+            raise ValueError(f"graph takes {self.num_inputs} inputs, got {len(inputs)}")
+        results: tuple[torch.Tensor, ...] = ()
+        if self.prelude is not None:
+            results = self.prelude(inputs)
+            inputs = [*inputs, *results]
         if not self._checked_devices:
             self._checked_devices = True
             for part in self.parts:
                 reason = part.check_devices(inputs)
                 if reason is not None:
                     self.parts, self.reason = [], reason
-                    return self.reference(inputs)
+                    self.split = self.prelude = None
+                    return self.reference(inputs[: self.num_inputs])
         for part in self.parts:
             part.run(inputs)
+        if self.split is not None and self.split.writes:
+            # Prelude values written back (a LAMB moment): after the kernels, which read
+            # the inputs' old values.
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [inputs[i] for i, _ in self.split.writes],
+                    [results[j] for _, j in self.split.writes],
+                )
         return ()
 
     def describe(self) -> str:
@@ -333,7 +366,23 @@ class TritonPlan:
             )
         lanes = " + ".join(str(part.program.lanes) for part in self.parts)
         header = f"# {self.kernel_launches_per_step} kernel launch(es) per step over {lanes} lanes"
-        return "\n\n".join([header, *(g.source for g in self.groups)])
+        sections = [header]
+        if self.split is not None and self.prelude is not None:
+            ops = sorted({str(n.target) for n in self.split.unfused})
+            sections.append(
+                f"# partly fused: {', '.join(ops)} not an op the kernel generator knows "
+                f"({len(self.split.unfused)} node(s)); the torch backend runs them and what "
+                f"they depend on first ({self.prelude.kernel_launches_per_step} launch(es))"
+                + (
+                    f", and copies {len(self.split.writes)} of their results into the "
+                    "inputs after the kernels (1 launch)"
+                    if self.split.writes
+                    else ""
+                )
+                + ":\n"
+                + self.prelude.describe()
+            )
+        return "\n\n".join([*sections, *(g.source for g in self.groups)])
 
 
 class TritonBackend:

@@ -313,7 +313,8 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             for i in range(n):
                 item_args = _specs([_item_arg(a, i) for a in args])
                 item_kwargs = _specs_kw({k: _item_arg(v, i) for k, v in kwargs.items()})
-                specs.append(_single(meta.infer(func, item_args, item_kwargs, pointwise=True)))
+                pointwise = func.overloadpacket.__name__ not in _FOREACH_REDUCTIONS
+                specs.append(_single(meta.infer(func, item_args, item_kwargs, pointwise)))
             devices = [t.device for t in first_list]
             node = self._record(func, args, kwargs)
             return self._wrap_list(node, specs, devices)
@@ -324,6 +325,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
         node = self._record(functional, pure_args, pure_kwargs)
         self._list_len[node] = n
+        node.meta["val"] = tuple(_written_tensor(func, t) for t in targets)
         for i, t in enumerate(targets):
             self._set_value(_written_tensor(func, t), None, (node, i))
         return None if not func._schema.returns else targets
@@ -357,6 +359,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             t = TracedTensor(self, spec, device)
             t._item = (node, i)
             outs.append(t)
+        node.meta["val"] = tuple(outs)  # what each item is (shape, dtype, device)
         return outs
 
     def _rebind(self, target: Any, node: fx.Node, spec: Spec) -> None:
@@ -411,6 +414,10 @@ def _specialize_ints(values: Any) -> list[Any]:
             v = type(v)(int(x) if isinstance(x, torch.SymInt) else x for x in v)
         out.append(v)
     return out
+
+
+# Foreach ops whose items are reductions (a 0-dim result per tensor), not pointwise.
+_FOREACH_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
 
 
 def _written_tensor(func: Any, t: Any) -> TracedTensor:

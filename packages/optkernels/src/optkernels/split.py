@@ -1,0 +1,145 @@
+"""Splitting a step graph around the ops the kernel generator does not know.
+
+A step such as LARS or LAMB takes a norm of each tensor (a reduction) and uses it in
+otherwise elementwise work. ``split_unfused`` moves each such op, with everything it depends
+on, into a *prelude* the torch backend runs first; the rest becomes the *main* graph, whose
+extra inputs are the prelude's results (per-tensor norms become 0-dim lane inputs of the
+kernel). Writes of prelude values back into the inputs are *deferred*: the plan copies them
+after the main graph ran, since the main graph still reads those inputs' old values (the
+step graph is functional: its reads see the inputs as they were at the call).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from optkernels.lanes import _FOREACH, _SINGLE, _is_scalar
+
+aten = torch.ops.aten
+
+
+def fusible(node: fx.Node) -> bool:
+    """Whether the kernel generator knows ``node``'s op (placeholders and outputs count)."""
+    if node.op != "call_function":
+        return True
+    target = node.target
+    if target is operator.getitem or target is aten.copy_.default or _is_scalar(node):
+        return True
+    if target in (min, max, abs):
+        return True
+    base = getattr(target, "__name__", "").partition(".")[0]
+    if base in _SINGLE:
+        return True
+    return base.startswith("_foreach_") and base[len("_foreach_") :] in _FOREACH
+
+
+@dataclass
+class Split:
+    prelude: fx.GraphModule  # the step's inputs -> the values the rest needs
+    main: fx.GraphModule  # the step's inputs + the prelude's results -> the graph's outputs
+    writes: list[tuple[int, int]]  # (input index, prelude result index), copied after main
+    unfused: list[fx.Node]  # the ops the kernel generator does not know, in graph order
+
+
+def split_unfused(gm: fx.GraphModule) -> Split | None:
+    """The prelude / main split of ``gm``; None when every op is one the kernels know."""
+    graph = gm.graph
+    unfused = [n for n in graph.nodes if not fusible(n)]
+    if not unfused:
+        return None
+    prelude = _ancestors(unfused)
+    # A list-valued prelude op (``_foreach_norm``) is read through its items: they join it,
+    # so that the prelude's results are tensors.
+    for node in list(prelude):
+        prelude.update(u for u in node.users if u.target is operator.getitem)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    deferred = [
+        n
+        for n in graph.nodes
+        if n.target is aten.copy_.default and n not in prelude and n.args[1] in prelude
+    ]
+    rest = [
+        n for n in graph.nodes if n.op != "placeholder" and n not in prelude and n not in deferred
+    ]
+    needed: dict[fx.Node, None] = {}  # prelude values the rest reads, in order
+    for node in rest:
+        for arg in node.all_input_nodes:
+            if arg in prelude:
+                needed[arg] = None
+    for node in deferred:
+        needed[node.args[1]] = None
+    # Results are tensors: a list value (a foreach op's) is returned item by item.
+    results: list[tuple[fx.Node, int | None]] = []
+    for node in needed:
+        val = node.meta.get("val")
+        if isinstance(val, list | tuple):
+            results.extend((node, i) for i in range(len(val)))
+        else:
+            results.append((node, None))
+
+    first = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    scalars = _needed(prelude)
+    for node in graph.nodes:
+        if node.op == "placeholder" or node in prelude or node in scalars:
+            env[node] = first.node_copy(node, env.__getitem__)
+    first.output(
+        tuple(
+            env[n] if i is None else first.call_function(operator.getitem, (env[n], i))
+            for n, i in results
+        )
+    )
+
+    second = fx.Graph()
+    env = {}
+    for node in placeholders:
+        env[node] = second.node_copy(node, env.__getitem__)
+    position: dict[fx.Node, int] = {}
+    for j, (node, i) in enumerate(results):
+        position.setdefault(node, j)
+        extra = second.placeholder(f"unfused_{j}_{node.name}")
+        extra.meta = {k: v for k, v in node.meta.items() if k != "source"}
+        if i is not None:
+            extra.meta["val"] = node.meta["val"][i]
+            env.setdefault(node, []).append(extra)
+        else:
+            env[node] = extra
+        extra.meta["static_address"] = False  # a new tensor every call
+    for node in rest:
+        env[node] = second.node_copy(node, env.__getitem__)
+
+    index = {n: i for i, n in enumerate(placeholders)}
+    writes = [(index[n.args[0]], position[n.args[1]]) for n in deferred]
+    return Split(fx.GraphModule(gm, first), fx.GraphModule(gm, second), writes, unfused)
+
+
+def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    """``nodes`` and the tensor ops they depend on (placeholders and Python scalar math
+    excluded: every graph keeps its own copy of the latter)."""
+    found: set[fx.Node] = set()
+    todo = list(nodes)
+    while todo:
+        node = todo.pop()
+        if node in found or node.op == "placeholder" or _is_scalar(node):
+            continue
+        found.add(node)
+        todo.extend(node.all_input_nodes)
+    return found
+
+
+def _needed(nodes: set[fx.Node]) -> set[fx.Node]:
+    """The Python scalar nodes ``nodes`` read, directly or through other scalar nodes."""
+    found: set[fx.Node] = set()
+    todo = [a for n in nodes for a in n.all_input_nodes if _is_scalar(a)]
+    while todo:
+        node = todo.pop()
+        if node in found or node.op == "placeholder":
+            continue
+        found.add(node)
+        todo.extend(a for a in node.all_input_nodes if _is_scalar(a))
+    return found
