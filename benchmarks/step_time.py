@@ -6,8 +6,8 @@ eager foreach, fused=True (where torch has it for the device), torch.compile (in
 optimizer-step recipe from torch's docs) and optcompile (backend="triton", the user's default
 options: capturable=False). Reported: median time per step, its ratio to the floor, device
 operations per step (kernels and copies seen by the profiler in one step), and the first-call
-(compile) time. optcompile's compile time is measured in fresh processes: cold (empty Triton
-and optkernels caches) and warm (the same caches, filled by the cold process).
+(compile) time. optcompile's compile time is measured in fresh processes: cold (empty Triton,
+optkernels and optguard caches) and warm (the same caches, filled by the cold process).
 
 The floor: the bytes the optimizer must move (AdamW/Adam read p, g, m, v and write p, m, v;
 SGD with momentum and Adagrad read p, g, one state and write p and the state; every tensor in
@@ -200,9 +200,16 @@ def compile_times(set_name: str, opt_name: str, device: str) -> tuple[float, flo
             os.environ,
             TRITON_CACHE_DIR=os.path.join(cache, "triton"),
             OPTKERNELS_CACHE_DIR=os.path.join(cache, "src"),
+            OPTGUARD_CACHE_DIR=os.path.join(cache, "guards"),
+            # Bytecode of the modules Triton imports on a first launch: a pip install
+            # writes it; the GPU machine's site-packages has none (and the environment
+            # turns bytecode writing off), which would add 0.1 s of Python compiling
+            # Triton's sources to every "warm" process.
+            PYTHONPYCACHEPREFIX=os.path.join(cache, "pycache"),
         )
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         out = []
-        for _ in range(2):
+        for _ in range(2):  # cold, then warm
             done = subprocess.run(
                 [sys.executable, __file__, "probe", set_name, opt_name, "--device", device],
                 env=env,
@@ -362,6 +369,41 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def compile_report(args: argparse.Namespace) -> None:
+    """Cold / warm / in-process compile seconds of optcompile, ``--repeats`` fresh cache
+    folders per (set, optimizer): the median of each, and the range."""
+    import triton
+
+    lines = [
+        "# optcompile compile time (first call: trace, guards, lowering, kernels, first step)",
+        "",
+        f"Produced by `{' '.join(['python', *sys.argv])}` on "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}; Python "
+        f"{sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}.",
+        "",
+        "Cold = a fresh process with empty Triton, optkernels and optguard disk caches; warm = "
+        "a fresh process after the cold one (caches filled); in-process = a second optimizer "
+        "of the same structure in the warm process. Each figure: the median over "
+        f"{args.repeats} cache folders (range in brackets). The process's imports are not "
+        "counted (``import torch`` alone is seconds there).",
+        "",
+        "| set | optimizer | cold (s) | warm (s) | in-process (s) |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for set_name in args.sets.split(","):
+        for opt_name in args.optimizers.split(","):
+            samples = [compile_times(set_name, opt_name, args.device) for _ in range(args.repeats)]
+            cells = []
+            for column in zip(*samples, strict=True):
+                ordered = sorted(column)
+                cells.append(
+                    f"{statistics.median(ordered):.2f} [{ordered[0]:.2f} to {ordered[-1]:.2f}]"
+                )
+            lines.append(f"| {set_name} | {opt_name} | {' | '.join(cells)} |")
+            print(lines[-1], flush=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -376,6 +418,12 @@ def main() -> None:
     p.add_argument("set")
     p.add_argument("optimizer")
     p.add_argument("--device", default="cuda")
+    c = sub.add_parser("compile", help="cold / warm / in-process compile time only")
+    c.add_argument("--sets", default="gpt2,1.3b")
+    c.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--out", required=True)
     rep = sub.add_parser("report")
     rep.add_argument("json", nargs="+")
     rep.add_argument("--out", required=True)
@@ -385,6 +433,8 @@ def main() -> None:
         run(args)
     elif args.command == "probe":
         probe(args.set, args.optimizer, args.device)
+    elif args.command == "compile":
+        compile_report(args)
     else:
         report(args)
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import ast
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from optguard import (
     LocalSource,
     SourceCode,
     build_function,
+    codegen,
     compile_fetch,
 )
 from optguard_paths import GROUP, GROUPS, OPT, PARAMS
@@ -126,3 +128,33 @@ def test_compile_fetch_agrees_with_fetch_on_every_path(tree):
     sources = list(_paths(tree, LocalSource("tree")))
     fetch, _ = compile_fetch(sources)
     assert fetch({"tree": tree}) == [s.fetch({"tree": tree}) for s in sources]
+
+
+def test_generated_code_is_compiled_once_then_loaded_from_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTGUARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(codegen, "_CODE", {})
+    text = "def f(L):\n    return L['x'] + 1\n"
+    first = codegen.code_object(text, "<optguard:f>")
+    assert codegen.code_object(text, "<optguard:f>") is first  # in this process
+    (stored,) = tmp_path.iterdir()
+
+    def no_compile(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(codegen, "_CODE", {})  # a new process: only the disk cache
+    monkeypatch.setattr(codegen, "compile", no_compile, raising=False)
+    loaded = codegen.code_object(text, "<optguard:f>")
+    namespace = {}
+    exec(loaded, namespace)
+    assert namespace["f"]({"x": 41}) == 42
+    with pytest.raises(AssertionError, match="compiled again"):  # other text: compiled
+        codegen.code_object(text.replace("+ 1", "+ 2"), "<optguard:f>")
+
+    monkeypatch.undo()
+    monkeypatch.setenv("OPTGUARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(codegen, "_CODE", {})
+    stored.write_bytes(b"not marshal data")  # a damaged file: compiled again, rewritten
+    namespace = {}
+    exec(codegen.code_object(text, "<optguard:f>"), namespace)
+    assert namespace["f"]({"x": 1}) == 2
+    assert stored.read_bytes() != b"not marshal data"

@@ -77,6 +77,27 @@ def test_data_pointer_guard_names_old_and_new_address():
     assert guard.changed(other).startswith("data pointer changed (0x")
 
 
+def test_generated_checks_name_addresses_and_ids_so_their_text_is_the_same_in_every_run():
+    """The check's text keys its compiled-code cache: addresses and ids, which differ between
+    processes, are bound names, not literals."""
+    codes, checks = [], []
+    for _ in range(2):
+        t, items = torch.zeros(3), [1]
+        guards = GuardSet(
+            (
+                DataPtrGuard(LocalSource("t"), t.data_ptr()),
+                IdentityGuard.of(LocalSource("x"), items),
+            )
+        )
+        check = compile_check(guards, fast=False)  # the generated tier (it checks addresses)
+        assert check({"t": t, "x": items}) and not check({"t": t.clone(), "x": items})
+        assert not check({"t": t, "x": list(items)})
+        codes.append(check.describe())
+        checks.append((t, items))
+    assert codes[0] == codes[1]
+    assert str(checks[0][0].data_ptr()) not in codes[0]
+
+
 def test_weakref_alive_guard():
     target = torch.zeros(1)
     ref = weakref.ref(target)

@@ -8,9 +8,15 @@ it) so the generated functions evaluate each access path once.
 from __future__ import annotations
 
 import builtins
+import hashlib
+import importlib.util
 import keyword
+import marshal
 import math
+import os
 import sys
+import tempfile
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -84,9 +90,54 @@ def build_function(
     """Compile ``def name(signature):`` over indented ``lines``; return the function and source."""
     code = "\n".join([f"def {name}({signature}):", *lines]) + "\n"
     namespace: dict[str, Any] = {"sys": sys, **constants}  # GlobalSource fetches use sys
-    exec(compile(code, f"<optguard:{name}>", "exec"), namespace)
+    exec(code_object(code, f"<optguard:{name}>"), namespace)
     fn: Callable[..., Any] = namespace[name]
     return fn, code
+
+
+# Compiled generated code, by hash of its text and file name. A guard check over a large
+# model is a long function: compiling it is most of the guard-building time (70 ms for
+# GPT-2's 148 parameters), so compiled code is kept in this process and on disk.
+_CODE: dict[str, types.CodeType] = {}
+
+
+def code_object(code: str, filename: str) -> types.CodeType:
+    """``compile(code, filename, "exec")``, from the in-process or on-disk cache when the
+    same text was compiled before (by this Python version)."""
+    key = hashlib.sha256(f"{filename}\0{code}".encode()).hexdigest()
+    compiled = _CODE.get(key)
+    if compiled is not None:
+        return compiled
+    path = os.path.join(code_dir(), f"{key[:32]}.{importlib.util.MAGIC_NUMBER.hex()}.bin")
+    try:
+        with open(path, "rb") as f:
+            loaded = marshal.load(f)
+        if isinstance(loaded, types.CodeType) and loaded.co_filename == filename:
+            compiled = loaded
+    except (OSError, EOFError, ValueError, TypeError):
+        pass
+    if compiled is None:
+        compiled = compile(code, filename, "exec")
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                marshal.dump(compiled, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only or full disk: the next process compiles again
+    _CODE[key] = compiled
+    return compiled
+
+
+def code_dir() -> str:
+    """Where compiled generated code is kept: $OPTGUARD_CACHE_DIR, else a per-user folder
+    in the temp dir."""
+    configured = os.environ.get("OPTGUARD_CACHE_DIR")
+    if configured:
+        return configured
+    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    return os.path.join(tempfile.gettempdir(), f"optguard-code-{user}")
 
 
 def compile_fetch(

@@ -197,7 +197,7 @@ class IdentityGuard(Guard):
         if self.ref is not None:
             ref = code.constant(self.ref, "ref")
             return f"({ref}() is not None and {var} is {ref}())"
-        return f"id({var}) == {self.object_id}"
+        return f"id({var}) == {code.constant(self.object_id, 'obj_id')}"
 
     def expected(self) -> str:
         return f"is the object seen while tracing (id {self.object_id:#x})"
@@ -214,7 +214,9 @@ class DataPtrGuard(Guard):
     ptr: int
 
     def test(self, var: str, code: SourceCode) -> str:
-        return f"{var}.data_ptr() == {self.ptr}"
+        # A named constant, not a literal: the generated text (and its compiled code, cached
+        # on disk by text) is then the same in every process.
+        return f"{var}.data_ptr() == {code.constant(self.ptr, 'ptr')}"
 
     def expected(self) -> str:
         return f"has data pointer {self.ptr:#x}"

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from optkernels._triton_compat import Kernel
 from optkernels.lanes import LaneOp, LaneProgram
 
 BLOCK = 1024
@@ -355,15 +356,15 @@ def source_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"optkernels-src-{user}")
 
 
-def load_kernel(source: str, name: str) -> Any:
+def load_kernel(source: str, name: str) -> Kernel:
     """Import the generated source as a module (Triton jit needs real source files) and
     return the kernel.
 
     The on-disk kernel cache: a module's file is named by a hash of its text, which the graph
     structure and dtypes determine, so a second process compiling the same optimizer
-    imports the same file, and Triton's own disk cache (keyed by that source, the Triton
-    version, the target and the compile options) hands back the compiled binary without
-    running the compiler."""
+    imports the same file, and the compiled binary Triton stored for it (keyed by that
+    source, the Triton version, the target and the compile options) is loaded without
+    running the compiler or Triton's per-process self-hash (``_triton_compat.Kernel``)."""
     text = _PRELUDE + source
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     directory = source_dir()
@@ -382,7 +383,7 @@ def load_kernel(source: str, name: str) -> Any:
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
-    return getattr(module, name)
+    return Kernel(getattr(module, name), os.path.join(directory, f"k_{digest}.{name}.json"))
 
 
 def eval_scalars(program: LaneProgram, inputs: Sequence[Any], index: dict[Any, int]) -> list[float]:
