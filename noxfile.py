@@ -28,7 +28,7 @@ ROOT = Path(__file__).parent
 ENVS = ROOT / ".nox"
 
 # Layers, lowest first. A package depends only on packages listed before it.
-PACKAGES = ["optguard", "optsidefx", "opttrace", "optkernels", "optcompile"]
+PACKAGES = ["optguard", "optsidefx", "opttrace", "optkernels", "optcudagraph", "optcompile"]
 
 # Direct dependencies on other packages of this repo (mirror of each pyproject.toml).
 LOCAL_DEPS: dict[str, list[str]] = {
@@ -36,7 +36,8 @@ LOCAL_DEPS: dict[str, list[str]] = {
     "optsidefx": ["optguard"],
     "opttrace": ["optguard", "optsidefx"],
     "optkernels": [],
-    "optcompile": ["optguard", "optsidefx", "opttrace", "optkernels"],
+    "optcudagraph": [],
+    "optcompile": ["optguard", "optsidefx", "opttrace", "optkernels", "optcudagraph"],
 }
 
 TORCH = "torch>=2.11" if shutil.which("nvidia-smi") else "torch==2.13.0"

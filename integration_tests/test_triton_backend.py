@@ -179,8 +179,15 @@ def _plan(opt):
     from optcompile.driver import newest
 
     entry = newest(_compiled_of(opt))
-    assert entry is not None and isinstance(entry.plan, TritonPlan)
-    return entry.plan
+    assert entry is not None
+    plan = _unwrap(entry.plan)
+    assert isinstance(plan, TritonPlan)
+    return plan
+
+
+def _unwrap(plan):
+    """The backend's plan inside optcompile's CUDA-graph wrapper."""
+    return getattr(plan, "plan", plan)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -213,7 +220,7 @@ def test_low_precision_kernels_match_the_torch_backend_on_the_same_graph(dtype):
 
 def test_new_grad_tensors_each_step_update_the_address_table_only():
     params, opt, *_ = _run(FUSED["Adam"], steps=2)
-    plan = _OPTIMIZERS[opt].cache.entries[0].value.plan
+    plan = _unwrap(_OPTIMIZERS[opt].cache.entries[0].value.plan)
     tables = dict(plan._tables)
     (group,) = plan.groups
     static = group.ptrs
@@ -233,7 +240,7 @@ def test_a_param_moved_to_new_storage_is_seen_by_the_kernel():
     """``p.data = ...`` keeps the object (the fast guard tier passes) but moves its address:
     the plan's batch check of static addresses catches it and rebuilds the table."""
     params, opt, reference, eager = _run(FUSED["AdamW weight decay"], steps=2)
-    plan = _OPTIMIZERS[opt].cache.entries[0].value.plan
+    plan = _unwrap(_OPTIMIZERS[opt].cache.entries[0].value.plan)
     uploads = plan.groups[0].table_uploads
     for p, q in zip(params, reference, strict=True):
         p.data = p.data.clone()
@@ -315,7 +322,7 @@ def test_param_groups_of_different_sizes_fuse_group_by_group():
 
     params, opt, reference, eager = _run(make)
     _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
-    plan = _OPTIMIZERS[opt].cache.entries[0].value.plan
+    plan = _unwrap(_OPTIMIZERS[opt].cache.entries[0].value.plan)
     assert [part.program.lanes for part in plan.parts] in ([4, 2], [2, 4])
     assert optcompile.explain(opt).kernel_launches_per_step <= 4
 

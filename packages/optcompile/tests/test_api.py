@@ -221,3 +221,30 @@ def test_compiled_function_returns_its_input_object():
     f = optcompile.compile(lambda x: x)
     x = torch.ones(2)
     assert f(x) is x
+
+
+def test_cudagraphs_option_is_checked_and_explain_says_why_no_graph_runs(monkeypatch):
+    model = make_model()
+    with pytest.raises(optcompile.CompileError, match="cudagraphs must be one of"):
+        optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1), cudagraphs="yes")
+    opt = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert optcompile.explain(opt).cudagraphs == "no entry yet"
+    set_grads(model, 0)
+    opt.step()
+    report = optcompile.explain(opt)
+    expected = "no CUDA device" if not torch.cuda.is_available() else "the torch backend"
+    assert report.cudagraphs.startswith("not used: ") and expected in report.cudagraphs
+    assert report.cudagraph_recordings == 0 and report.cudagraph_replays == 0
+    assert f"CUDA graphs: {report.cudagraphs}" in str(report)
+
+    off = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1), cudagraphs=False)
+    off.step()
+    assert optcompile.explain(off).cudagraphs == "off (cudagraphs=False)"
+
+
+def test_cudagraphs_true_raises_with_the_reason_when_the_step_cannot_be_recorded():
+    model = make_model()
+    opt = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1), cudagraphs=True)
+    set_grads(model, 0)
+    with pytest.raises(optcompile.CompileError, match="cudagraphs=True, but this step cannot"):
+        opt.step()

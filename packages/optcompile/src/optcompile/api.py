@@ -16,6 +16,7 @@ from optkernels import Backend, BackendError, get_backend
 from opttrace import eager_step, trace, trace_step
 
 from optcompile._torch_compat import step_post_hooks, step_pre_hooks
+from optcompile.cudagraphs import GraphedBackend, GraphedPlan
 from optcompile.driver import Compiled, newest, reset_all
 from optcompile.errors import CompileError
 
@@ -55,13 +56,23 @@ def _wants_triton(obj: Any) -> bool:
 
 @overload
 def compile(
-    obj: Opt, *, backend: str = ..., fullgraph: bool = ..., recompile_limit: int = ...
+    obj: Opt,
+    *,
+    backend: str = ...,
+    cudagraphs: str | bool = ...,
+    fullgraph: bool = ...,
+    recompile_limit: int = ...,
 ) -> Opt: ...
 
 
 @overload
 def compile(
-    obj: F, *, backend: str = ..., fullgraph: bool = ..., recompile_limit: int = ...
+    obj: F,
+    *,
+    backend: str = ...,
+    cudagraphs: str | bool = ...,
+    fullgraph: bool = ...,
+    recompile_limit: int = ...,
 ) -> F: ...
 
 
@@ -69,17 +80,23 @@ def compile(
     obj: Any,
     *,
     backend: str = "auto",
+    cudagraphs: str | bool = "auto",
     fullgraph: bool = False,
     recompile_limit: int = DEFAULT_RECOMPILE_LIMIT,
 ) -> Any:
     """Compile an optimizer's ``step`` (returns the same optimizer) or a function.
 
     ``backend``: "auto" (Triton kernels for CUDA tensors, else torch) | "torch" | "triton".
+    ``cudagraphs``: "auto" records the step's kernels as a CUDA graph after its first call
+    when they run on one CUDA device (explain() says why not otherwise); True raises where
+    that is not possible; False never records.
     ``fullgraph=True`` raises where the tracer cannot capture the step instead of falling
     back to eager with a warning.
     ``recompile_limit``: entries kept per object before it falls back to eager.
     """
-    chosen = _backend(backend, obj)
+    chosen: Backend = _backend(backend, obj)
+    if cudagraphs is not False:
+        chosen = GraphedBackend(chosen, cudagraphs)
     if isinstance(obj, torch.optim.Optimizer):
         return _compile_optimizer(obj, chosen, fullgraph, recompile_limit)
     if callable(obj):
@@ -175,6 +192,9 @@ class Explanation:
     fallback_reason: str | None
     entry_guards: list[list[str]] = field(default_factory=list)  # per entry, newest first
     kernel_launches_per_step: int = 0  # of the newest entry's plan
+    cudagraphs: str = "off"  # the newest entry's graph, or why it has none
+    cudagraph_recordings: int = 0  # over every entry
+    cudagraph_replays: int = 0
 
     def __str__(self) -> str:
         older = [
@@ -186,6 +206,7 @@ class Explanation:
             f"traces: {self.traces}   entries: {self.entries}   backend: {self.backend}"
             f"   kernel launches per step: {self.kernel_launches_per_step}",
             f"fallback: {self.fallback_reason or 'none'}",
+            f"CUDA graphs: {self.cudagraphs}",
             "retrace reasons:",
             *(f"  - {r}" for r in self.retrace_reasons or ["(none)"]),
             f"guards of the newest entry ({len(self.guards)}):",
@@ -217,6 +238,14 @@ def explain(obj: Any) -> Explanation:
     """Report traces, retrace reasons, guards and generated code of a compiled object."""
     compiled = _compiled_of(obj)
     entry = newest(compiled)
+    plans = [e.value.plan for e in compiled.cache.entries]
+    graphed = [p for p in plans if isinstance(p, GraphedPlan)]
+    if entry is None:
+        status = "no entry yet"
+    elif isinstance(entry.plan, GraphedPlan):
+        status = entry.plan.status()
+    else:
+        status = "off (cudagraphs=False)"
     return Explanation(
         traces=compiled.stats.traces,
         retrace_reasons=list(compiled.stats.retrace_reasons),
@@ -230,6 +259,9 @@ def explain(obj: Any) -> Explanation:
         fallback_reason=compiled.stats.fallback_reason,
         entry_guards=[e.value.traced.guards.describe() for e in compiled.cache.entries],
         kernel_launches_per_step=entry.plan.kernel_launches_per_step if entry else 0,
+        cudagraphs=status,
+        cudagraph_recordings=sum(p.recordings for p in graphed),
+        cudagraph_replays=sum(p.replays for p in graphed),
     )
 
 

@@ -93,26 +93,37 @@ class _Group:
         self.ptrs: torch.Tensor | None = None
         self.dptrs: torch.Tensor | None = None
         self.small_out: torch.Tensor | None = None
+        self.host_vals: torch.Tensor | None = None  # host-computed values (host mode)
         self.table_uploads = 0  # times an address table was (re)built
         # Host-computed 0-dim writes: a buffer per value and its per-lane views.
         self.host_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def refresh(self, inputs: Sequence[Any], device: torch.device) -> None:
-        """Bring both address tables up to date with this call's tensors."""
+        """Bring both address tables up to date with this call's tensors (in place: the
+        tables keep their own addresses, which a recorded CUDA graph reads)."""
         statics = [inputs[i] for i in self.static_slots]
         if self.ptrs is None or not data_ptrs_equal(statics, self.static_ptrs, self.static_indices):
             self.static_ptrs = [t.data_ptr() for t in statics]
-            self.ptrs = _upload(self.static_ptrs, device)
+            self.ptrs = _upload(self.ptrs, self.static_ptrs, torch.int64, device)
             self.table_uploads += 1
         dynamic = [inputs[i].data_ptr() for i in self.dynamic_slots]
         if self.dptrs is None or dynamic != self.dynamic_ptrs:
             self.dynamic_ptrs = dynamic
-            self.dptrs = _upload(dynamic, device)
+            self.dptrs = _upload(self.dptrs, dynamic, torch.int64, device)
             self.table_uploads += 1
 
 
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values or [0], dtype=torch.int64).to(device, non_blocking=True)
+def _upload(
+    buffer: torch.Tensor | None, values: Any, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``values`` (a list or a CPU tensor) on ``device``: copied into ``buffer`` when it has
+    their size (its address stays), else into a new buffer."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values or [0], dtype=dtype)
+    if buffer is None or buffer.shape != host.shape:
+        return host.to(device, non_blocking=True)
+    # From pageable memory: the host copy is done when copy_ returns, so ``host`` may go.
+    buffer.copy_(host, non_blocking=True)
+    return buffer
 
 
 class _Part:
@@ -153,6 +164,8 @@ class _Part:
         self.launches = len(self.groups) + (1 if small_writes and not host else 0)
         self._tables: dict[int, tuple[torch.Tensor, ...]] = {}
         self._small_writes = [(v, k) for v, k in program.writes if program.input_small[k]]
+        self.scalars: torch.Tensor | None = None  # the scalar inputs and host arithmetic
+        self._scalar_values: list[float] = []
 
     def check_devices(self, inputs: Sequence[Any]) -> str | None:
         """Decide where 0-dim values are computed; the reason if the kernels cannot run."""
@@ -178,17 +191,23 @@ class _Part:
         return None
 
     def run(self, inputs: Sequence[Any]) -> None:
+        self.prepare(inputs)
+        self.launch()
+
+    def prepare(self, inputs: Sequence[Any]) -> None:
+        """The host side of a call: scalars, host-computed values and address tables go
+        into device buffers that keep their addresses from call to call."""
         program = self.program
         device = self.device
         scalar_values = eval_scalars(program, inputs, self.index)
-        scalars = torch.tensor(scalar_values or [0.0], dtype=torch.float32).to(
-            device, non_blocking=True
-        )
+        if self.scalars is None or scalar_values != self._scalar_values:
+            self._scalar_values = scalar_values
+            self.scalars = _upload(self.scalars, scalar_values, torch.float32, device)
         for g, group in enumerate(self.groups):
-            host_vals = scalars
             if self.host:
-                host_vals = self._host_values(program, group, inputs, scalar_values, device)
-            numels, blk_lane, blk_start = self._group_tables(g, group, inputs, device)
+                values = self._host_values(program, group, inputs, scalar_values)
+                group.host_vals = _upload(group.host_vals, values, torch.float32, device)
+            self._group_tables(g, group, inputs, device)
             group.refresh(inputs, device)
             if group.small_out is None:  # its shape is fixed: one buffer for every call
                 group.small_out = torch.empty(
@@ -196,15 +215,20 @@ class _Part:
                     dtype=torch.float32,
                     device=device,
                 )
+
+    def launch(self) -> None:
+        """The device side of a call: the kernels, reading only the prepared buffers."""
+        for g, group in enumerate(self.groups):
+            numels, blk_lane, blk_start = self._tables[g]
             group.kernel[(blk_lane.numel(),)](
                 group.ptrs,
                 group.dptrs,
                 numels,
                 blk_lane,
                 blk_start,
-                scalars,
+                self.scalars,
                 group.small_out,
-                host_vals,
+                group.host_vals if self.host else self.scalars,
                 BLOCK=BLOCK,
             )
             if group.small_kernel is not None:
@@ -213,16 +237,26 @@ class _Part:
                     group.ptrs, group.dptrs, group.small_out, n, BLOCK=256
                 )
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor the kernels read or write directly (the rest they reach through
+        the address tables)."""
+        out = [] if self.scalars is None else [self.scalars]
+        for g, group in enumerate(self.groups):
+            out.extend(self._tables[g])
+            for t in (group.ptrs, group.dptrs, group.small_out, group.host_vals):
+                if t is not None:
+                    out.append(t)
+        return out
+
     def _host_values(
         self,
         program: LaneProgram,
         group: _Group,
         inputs: Sequence[Any],
         scalar_values: list[float],
-        device: torch.device,
     ) -> torch.Tensor:
         """Compute the host vars for the group's lanes on the CPU, write the 0-dim results
-        back there, and return the values the kernel reads, on the device."""
+        back there, and return the values the kernel reads (on the CPU)."""
         small_inputs = {
             k: torch.stack([inputs[i] for i in slots]) for k, slots in group.small_slots.items()
         }
@@ -244,7 +278,7 @@ class _Part:
         columns = [values[v].to(torch.float32) for v in self.host_order] or [
             torch.zeros(len(group.lanes))
         ]
-        return torch.stack(columns, dim=1).to(device, non_blocking=True)
+        return torch.stack(columns, dim=1)
 
     def _group_tables(
         self, g: int, group: _Group, inputs: Sequence[Any], device: torch.device
@@ -355,6 +389,44 @@ class TritonPlan:
                     [results[j] for _, j in self.split.writes],
                 )
         return ()
+
+    def capture_reason(self) -> str | None:
+        """Why this plan's device work cannot be recorded as one CUDA graph (after its
+        first call), or None when ``prepare`` + ``launch`` can be split that way."""
+        if not any(n.op == "call_function" for n in self.gm.graph.nodes):
+            return "the step has no tensor work"
+        if not self.parts:
+            return (
+                f"the torch backend runs this graph ({self.reason}); its ops read the "
+                "gradients by address, which a graph would bake in"
+            )
+        if self.prelude is not None:
+            return (
+                "ops the kernels cannot take run on the torch backend before them; they read "
+                "the gradients by address, which a graph would bake in"
+            )
+        devices = {part.device for part in self.parts}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            return f"its kernels run on {', '.join(sorted(map(str, devices)))}, not one CUDA device"
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device if self.parts else torch.device("cpu")
+
+    def prepare(self, inputs: Sequence[Any]) -> None:
+        """Host side of a call of a capturable plan: fill the buffers ``launch`` reads."""
+        for part in self.parts:
+            part.prepare(inputs)
+
+    def launch(self) -> None:
+        """Device side of a call of a capturable plan: the kernels (what a graph records)."""
+        for part in self.parts:
+            part.launch()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors ``launch`` reads or writes directly: a graph's static inputs."""
+        return [t for part in self.parts for t in part.buffers()]
 
     def describe(self) -> str:
         if not any(n.op == "call_function" for n in self.gm.graph.nodes):

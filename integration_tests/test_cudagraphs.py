@@ -1,0 +1,117 @@
+"""CUDA graphs for compiled steps (skipped without CUDA; run on the GPU machine).
+
+Compiled (default options: backend and cudagraphs "auto") vs eager on copies of one model
+over 10 steps with zero_grad(set_to_none=True) before every backward-like grad assignment
+(new gradient tensors each step) and a cosine LR schedule: params and every state tensor
+match, the step is recorded exactly once and replayed after that.
+"""
+
+from __future__ import annotations
+
+import optcompile
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+optim = torch.optim
+STEPS = 10
+CASES = {
+    "AdamW": lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "AdamW capturable": lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.1, capturable=True),
+    "AdamW for-loop": lambda ps: optim.AdamW(ps, lr=1e-2, foreach=False),
+    "SGD momentum": lambda ps: optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "SGD momentum nesterov for-loop": lambda ps: optim.SGD(
+        ps, lr=1e-2, momentum=0.9, nesterov=True, foreach=False
+    ),
+}
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 7), torch.nn.LayerNorm(7)
+    ).cuda()
+
+
+def _pair(make):
+    model, reference = _model(), _model()
+    opt = optcompile.compile(make(list(model.parameters())))
+    eager = make(list(reference.parameters()))
+    schedules = [optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS) for o in (opt, eager)]
+    return model, reference, opt, eager, schedules
+
+
+def _step(models, opts, schedules, step):
+    gen = torch.Generator().manual_seed(step)
+    grads = [torch.randn(p.shape, generator=gen) for p in models[0].parameters()]
+    for model, opt, schedule in zip(models, opts, schedules, strict=True):
+        opt.zero_grad(set_to_none=True)
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g.to(p.device)  # a new tensor: a new address every step
+        opt.step()
+        schedule.step()
+
+
+def _assert_same(model, reference, opt, eager):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for key, value in eager.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_graphed_step_matches_eager_over_ten_steps_with_one_recording(name):
+    model, reference, opt, eager, schedules = _pair(CASES[name])
+    for step in range(STEPS):
+        _step((model, reference), (opt, eager), schedules, step)
+    _assert_same(model, reference, opt, eager)
+    report = optcompile.explain(opt)
+    # SGD creates its momentum buffers in the first step: the second call traces again.
+    assert report.fallback_reason is None and report.traces == (2 if "SGD" in name else 1)
+    assert report.cudagraph_recordings == 1, report.cudagraphs
+    # Each entry's first call runs (and compiles) eagerly; the next is recorded and replayed.
+    assert report.cudagraph_replays == STEPS - report.traces
+    assert report.kernel_launches_per_step == 1
+    assert report.cudagraphs.startswith("graph #") and "1 recording(s)" in report.cudagraphs
+
+
+def test_a_moved_parameter_updates_the_address_table_without_re_recording():
+    model, reference, opt, eager, schedules = _pair(CASES["AdamW"])
+    for step in range(3):
+        _step((model, reference), (opt, eager), schedules, step)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            p.data = p.data.clone()  # same values, new addresses
+            q.data = q.data.clone()
+    for step in range(3, 6):
+        _step((model, reference), (opt, eager), schedules, step)
+    _assert_same(model, reference, opt, eager)
+    report = optcompile.explain(opt)
+    assert report.cudagraph_recordings == 1 and report.traces == 1
+
+
+def test_a_step_with_an_op_the_kernels_cannot_take_runs_without_a_graph_and_says_why():
+    class TrustRatio(optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 1e-2})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    ratio = p.norm() / (p.grad.norm() + 1e-8)
+                    p.add_(p.grad * ratio, alpha=-group["lr"])
+
+    model, reference, opt, eager, schedules = _pair(TrustRatio)
+    for step in range(3):
+        _step((model, reference), (opt, eager), schedules, step)
+    _assert_same(model, reference, opt, eager)
+    report = optcompile.explain(opt)
+    assert report.cudagraph_recordings == 0
+    assert report.cudagraphs.startswith("not used: ops the kernels cannot take")
+    with pytest.raises(optcompile.CompileError, match="cudagraphs=True, but"):
+        strict = optcompile.compile(TrustRatio(list(_model().parameters())), cudagraphs=True)
+        for p in strict.param_groups[0]["params"]:
+            p.grad = torch.ones_like(p)
+        strict.step()

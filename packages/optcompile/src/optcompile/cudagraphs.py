@@ -1,0 +1,123 @@
+"""CUDA graphs for compiled steps (``compile(..., cudagraphs="auto")``).
+
+A plan's first call runs as usual (Triton compiles its kernels there, the plan settles where
+each value lives). If the plan can be split into host preparation and device launches on one
+CUDA device, its launches are then recorded once, by optcudagraph, and every later call is
+``prepare`` (scalars, host-computed values and address tables written into the plan's
+device buffers) + one graph replay. Gradients and every other tensor the kernels read
+through address tables are indirect: a new address rewrites a table entry, nothing is
+re-recorded. The graph's static inputs are the plan's own buffers; if one is reallocated the
+graph is re-recorded, with the reason, up to optcudagraph's limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from optcudagraph import Graphed, tree_manager
+from optkernels import Backend, Plan
+from torch import fx
+
+from optcompile.errors import CompileError
+
+
+class GraphedPlan:
+    """A plan whose device work is replayed as a CUDA graph once it can be (see module)."""
+
+    def __init__(self, plan: Plan, mode: str | bool) -> None:
+        self.plan = plan
+        self.backend = plan.backend
+        self.mode = mode
+        self.graphed: Graphed | None = None
+        self.reason: str | None = None  # why the plan runs without a graph
+        self._decided = False
+
+    @property
+    def kernel_launches_per_step(self) -> int:
+        if self.graphed is not None and self.graphed.recordings:
+            return 1  # one graph launch
+        return self.plan.kernel_launches_per_step
+
+    @property
+    def recordings(self) -> int:
+        return self.graphed.recordings if self.graphed is not None else 0
+
+    @property
+    def replays(self) -> int:
+        return self.graphed.replays if self.graphed is not None else 0
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        graphed = self.graphed
+        if graphed is None:
+            out = self.plan(inputs)
+            if not self._decided:
+                self._decide()
+            return out
+        plan: Any = self.plan
+        plan.prepare(inputs)
+        graphed(plan.buffers())
+        return ()
+
+    def _decide(self) -> None:
+        self._decided = True
+        self.reason = capture_reason(self.plan)
+        if self.reason is None:
+            plan: Any = self.plan
+            manager = tree_manager(plan.device)
+            self.graphed = manager.graphed(plan.launch, "optimizer step", warmup=0)
+        elif self.mode is True:
+            raise CompileError(
+                f"cudagraphs=True, but this step cannot be recorded as a CUDA graph: "
+                f"{self.reason}. Use cudagraphs='auto' to run it without one"
+            )
+
+    def status(self) -> str:
+        """One line for explain(): what the graph did, or why there is none."""
+        graphed = self.graphed
+        if graphed is None:
+            if not self._decided:
+                return "not decided yet (decided after the first call)"
+            return f"not used: {self.reason}"
+        if graphed.fallback_reason is not None:
+            return f"dropped: {graphed.fallback_reason}"
+        line = (
+            f"graph #{graphed.graph_id} on {graphed.manager.device}: "
+            f"{graphed.recordings} recording(s), {graphed.replays} replay(s)"
+        )
+        if graphed.rerecord_reasons:
+            line += "; re-recorded because: " + "; ".join(graphed.rerecord_reasons)
+        return line
+
+    def describe(self) -> str:
+        return self.plan.describe()  # the graph's status is explain()'s ``cudagraphs``
+
+
+def capture_reason(plan: Plan) -> str | None:
+    """Why ``plan`` cannot be recorded as a CUDA graph, or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    reason = getattr(plan, "capture_reason", None)
+    if reason is None:
+        return (
+            f"the {plan.backend} backend runs each op from Python and reads every tensor by "
+            "address (CUDA graphs record the Triton backend's kernels)"
+        )
+    result: str | None = reason()
+    return result
+
+
+class GraphedBackend:
+    """A backend whose plans are GraphedPlans."""
+
+    def __init__(self, inner: Backend, mode: str | bool) -> None:
+        if not (mode is True or mode is False or mode == "auto"):
+            raise CompileError(f"cudagraphs must be one of 'auto', True, False; got {mode!r}")
+        self.inner = inner
+        self.mode = mode
+        self.name = inner.name
+        self.wants_capturable = inner.wants_capturable
+
+    def compile(self, gm: fx.GraphModule) -> GraphedPlan:
+        return GraphedPlan(self.inner.compile(gm), self.mode)
