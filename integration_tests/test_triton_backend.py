@@ -17,6 +17,7 @@ import torch
 from optcompile.api import _OPTIMIZERS
 from optkernels import TorchPlan
 from optkernels.triton_backend import TritonPlan
+from step_optimizers import DecayMatricesOnly, ForeachLamb, TrustRatioSGD
 
 optim = torch.optim
 pytestmark = pytest.mark.skipif(
@@ -49,62 +50,6 @@ FUSED = {
 FUSED["RAdam"] = lambda ps: optim.RAdam(ps, lr=1e-2, foreach=True, **CAP)
 FUSED["Rprop"] = lambda ps: optim.Rprop(ps, lr=1e-2, foreach=True, **CAP)
 FUSED["Adagrad"] = lambda ps: optim.Adagrad(ps, lr=1e-2, foreach=True)
-
-
-class TrustRatioSGD(optim.Optimizer):
-    """LARS-style: each update scaled by ||p|| / ||g||, a per-tensor reduction."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    ratio = p.norm() / (p.grad.norm() + 1e-8)
-                    p.add_(p.grad * ratio, alpha=-group["lr"])
-
-
-class ForeachLamb(optim.Optimizer):
-    """LAMB-style foreach step: the norm of an update that itself updates a state tensor.
-    The moment's new value comes from the torch backend and is written after the kernel."""
-
-    def __init__(self, params, lr=1e-2, weight_decay=0.01):
-        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
-            ms = []
-            for p in ps:
-                if "m" not in self.state[p]:
-                    self.state[p]["m"] = torch.zeros_like(p)
-                ms.append(self.state[p]["m"])
-            torch._foreach_lerp_(ms, [p.grad for p in ps], 0.1)
-            update = torch._foreach_add(ms, ps, alpha=group["weight_decay"])
-            ratio = torch._foreach_div(
-                torch._foreach_norm(ps), torch._foreach_add(torch._foreach_norm(update), 1e-8)
-            )
-            torch._foreach_mul_(update, ratio)
-            torch._foreach_add_(ps, update, alpha=-group["lr"])
-
-
-class DecayMatricesOnly(optim.Optimizer):
-    """Weight decay on matrices only: the per-parameter op sequences differ."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    if p.dim() > 1:
-                        p.mul_(1 - group["lr"] * 0.1)
-                    p.add_(p.grad, alpha=-group["lr"])
 
 
 # A reduction inside the step: the kernels are elementwise only, so the norms (and what they

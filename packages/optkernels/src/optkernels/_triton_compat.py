@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 # What a Triton version whose JIT internals differ from the ones used below raises here.
@@ -27,7 +28,6 @@ class Kernel:
     def __init__(self, fn: Any, record: str) -> None:
         self.fn = fn
         self.record = record
-        self.seeded: bool | None = None  # True: built from the record; False: Triton compiled
         self._ready = not hasattr(fn, "device_caches")  # the interpreter has no JIT cache
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
@@ -37,77 +37,78 @@ class Kernel:
 
     def _first(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
-            key = _jit_key(self.fn, args, kwargs)
+            launch = _bind(self.fn, args, kwargs)
         except _MISMATCH:
-            key = None
-        if key is not None:
-            self.seeded = _seed(self.fn, self.record, key, args, kwargs)
+            launch = None
+        seeded = launch is not None and _seed(self.fn, self.record, launch)
         self.fn[grid](*args, **kwargs)
-        if key is not None and not self.seeded:
-            _remember(self.fn, self.record, key)
+        if launch is not None and not seeded:
+            _remember(self.fn, self.record, launch)
         self._ready = True
 
 
-def _jit_key(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """(device, JIT cache key, target) for this launch, as ``JITFunction.run`` computes it."""
+@dataclass(frozen=True)
+class _Launch:
+    """One launch bound as ``JITFunction.run`` binds it: its device, JIT cache key and
+    target, and what building the compiled kernel's source needs."""
+
+    device: int
+    jit_key: Any
+    target: Any
+    kwargs: dict[str, Any]
+    bound: Any
+    specialization: Any
+    options: Any
+
+    @property
+    def entry_name(self) -> str:
+        import triton
+
+        return f"{triton.__version__}|{self.target}|{self.jit_key}"
+
+
+def _bind(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Launch:
     from triton import knobs
     from triton.runtime.driver import driver
     from triton.runtime.jit import compute_cache_key
 
     device = driver.active.get_current_device()
     _, key_cache, target, _, binder = fn.device_caches[device]
-    kw = _run_kwargs(fn, kwargs, knobs)
-    _, specialization, options = binder(*args, **kw)
-    return device, compute_cache_key(key_cache, specialization, options), target
-
-
-def _run_kwargs(fn: Any, kwargs: dict[str, Any], knobs: Any) -> dict[str, Any]:
     kw = dict(kwargs)  # what JITFunction.run adds before binding
     kw["debug"] = kw.get("debug", fn.debug) or knobs.runtime.debug
     kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    return kw
+    bound, specialization, options = binder(*args, **kw)
+    jit_key = compute_cache_key(key_cache, specialization, options)
+    return _Launch(device, jit_key, target, kw, bound, specialization, options)
 
 
-def _entry_name(key: tuple[Any, ...]) -> str:
-    import triton
-
-    _, jit_key, target = key
-    return f"{triton.__version__}|{target}|{jit_key}"
-
-
-def _seed(
-    fn: Any, record: str, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> bool:
+def _seed(fn: Any, record: str, launch: _Launch) -> bool:
     """Put the recorded compiled kernel into the JIT's cache; whether it was there to put."""
-    from triton import knobs
-
-    device, jit_key, _ = key
-    kernel_cache, _, _, backend, binder = fn.device_caches[device]
-    if jit_key in kernel_cache:
+    kernel_cache, _, _, backend, _ = fn.device_caches[launch.device]
+    if launch.jit_key in kernel_cache:
         return True
-    entry = _read(record).get(_entry_name(key))
+    entry = _read(record).get(launch.entry_name)
     if entry is None or not all(os.path.exists(p) for p in entry["group"].values()):
         return False
     try:
-        kw = _run_kwargs(fn, kwargs, knobs)
-        bound, specialization, options = binder(*args, **kw)
-        _, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
+        _, signature, constexprs, attrs = fn._pack_args(
+            backend, launch.kwargs, launch.bound, launch.specialization, launch.options
+        )
         src = fn.ASTSource(fn, signature, constexprs, attrs)
-        kernel_cache[jit_key] = fn.CompiledKernel(src, entry["group"], entry["hash"])
+        kernel_cache[launch.jit_key] = fn.CompiledKernel(src, entry["group"], entry["hash"])
     except (*_MISMATCH, OSError):
         return False
     return True
 
 
-def _remember(fn: Any, record: str, key: tuple[Any, ...]) -> None:
+def _remember(fn: Any, record: str, launch: _Launch) -> None:
     """Record the cache entry Triton made for this launch (if it made one)."""
-    device, jit_key, _ = key
-    kernel = fn.device_caches[device][0].get(jit_key)
+    kernel = fn.device_caches[launch.device][0].get(launch.jit_key)
     group = getattr(kernel, "metadata_group", None)
     if not group or not isinstance(getattr(kernel, "hash", None), str):
         return
     entries = _read(record)
-    entries[_entry_name(key)] = {"hash": kernel.hash, "group": dict(group)}
+    entries[launch.entry_name] = {"hash": kernel.hash, "group": dict(group)}
     tmp = f"{record}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(entries, f)

@@ -112,6 +112,21 @@ _SINGLE = {
 }
 
 
+def fusible(node: fx.Node) -> bool:
+    """Whether the kernel generator knows ``node``'s op (placeholders and outputs count)."""
+    if node.op != "call_function":
+        return True
+    target = node.target
+    if target is operator.getitem or target is aten.copy_.default or _is_scalar(node):
+        return True
+    if target in (min, max, abs):
+        return True
+    base = getattr(target, "__name__", "").partition(".")[0]
+    if base in _SINGLE:
+        return True
+    return base.startswith("_foreach_") and base[len("_foreach_") :] in _FOREACH
+
+
 def analyze(graph: fx.Graph) -> LaneProgram:
     """The LaneProgram of ``graph``; raises NotLanes naming what does not fit."""
     programs = analyze_parts(graph)
@@ -138,6 +153,18 @@ def analyze_parts(graph: fx.Graph) -> list[LaneProgram]:
 def _parts(graph: fx.Graph) -> list[set[fx.Node]]:
     """Tensor ops connected through the tensors and lists they share, ignoring the Python
     scalars every part reads."""
+    # Parts over the same number of tensors stay one program (a group's step increments are
+    # not connected to its update but belong to the same lanes): one kernel per group size.
+    by_lanes: dict[int, set[fx.Node]] = {}
+    for component in _components(graph):
+        part = set(component)
+        by_lanes.setdefault(_lane_count(part), set()).update(part)
+    return list(by_lanes.values())
+
+
+def _components(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The tensor ops of ``graph`` grouped by the tensors and lists they share (Python
+    scalars, which every op may read, do not connect them); each group in graph order."""
     ops = [n for n in graph.nodes if n.op == "call_function" and not _is_scalar(n)]
     parent: dict[fx.Node, fx.Node] = {n: n for n in graph.nodes}
 
@@ -151,15 +178,10 @@ def _parts(graph: fx.Graph) -> list[set[fx.Node]]:
         for arg in node.all_input_nodes:
             if not _is_scalar(arg):
                 parent[find(arg)] = find(node)
-    parts: dict[fx.Node, set[fx.Node]] = {}
+    components: dict[fx.Node, list[fx.Node]] = {}
     for node in ops:
-        parts.setdefault(find(node), set()).add(node)
-    # Parts over the same number of tensors stay one program (a group's step increments are
-    # not connected to its update but belong to the same lanes): one kernel per group size.
-    by_lanes: dict[int, set[fx.Node]] = {}
-    for part in parts.values():
-        by_lanes.setdefault(_lane_count(part), set()).update(part)
-    return list(by_lanes.values())
+        components.setdefault(find(node), []).append(node)
+    return list(components.values())
 
 
 def _lane_count(part: set[fx.Node]) -> int:
@@ -196,27 +218,10 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
     if graph.output_node().args[0]:
         raise NotLanes("the graph returns values (only in-place steps are fused)")
     nodes = [n for n in graph.nodes if n.op in ("placeholder", "call_function")]
-    parent: dict[fx.Node, fx.Node] = {n: n for n in nodes}
-
-    def find(n: fx.Node) -> fx.Node:
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for node in nodes:
-        if node.op != "call_function" or _is_scalar(node):
-            continue
-        for arg in node.all_input_nodes:
-            if not _is_scalar(arg):
-                parent[find(arg)] = find(node)
-    components: dict[fx.Node, list[fx.Node]] = {}
-    for node in nodes:
-        if not _is_scalar(node) and node.op == "call_function":
-            components.setdefault(find(node), []).append(node)
+    components = _components(graph)
     if not components:
         raise NotLanes("the graph has no tensor ops")
-    lanes = _lanes_from_components(list(components.values()))
+    lanes = _lanes_from_components(components)
     scalars = [n for n in nodes if _is_scalar(n)]
     program = LaneProgram(lanes=len(lanes))
     program.scalar_inputs = [n for n in scalars if n.op == "placeholder"]

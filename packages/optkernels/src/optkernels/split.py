@@ -18,24 +18,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from optkernels.lanes import _FOREACH, _SINGLE, _is_scalar
+from optkernels.lanes import _is_scalar, fusible
 
 aten = torch.ops.aten
-
-
-def fusible(node: fx.Node) -> bool:
-    """Whether the kernel generator knows ``node``'s op (placeholders and outputs count)."""
-    if node.op != "call_function":
-        return True
-    target = node.target
-    if target is operator.getitem or target is aten.copy_.default or _is_scalar(node):
-        return True
-    if target in (min, max, abs):
-        return True
-    base = getattr(target, "__name__", "").partition(".")[0]
-    if base in _SINGLE:
-        return True
-    return base.startswith("_foreach_") and base[len("_foreach_") :] in _FOREACH
 
 
 @dataclass
