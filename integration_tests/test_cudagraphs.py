@@ -11,6 +11,7 @@ from __future__ import annotations
 import optcompile
 import pytest
 import torch
+from step_optimizers import TrustRatioSGD
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -92,18 +93,7 @@ def test_a_moved_parameter_updates_the_address_table_without_re_recording():
 
 
 def test_a_step_with_an_op_the_kernels_cannot_take_runs_without_a_graph_and_says_why():
-    class TrustRatio(optim.Optimizer):
-        def __init__(self, params):
-            super().__init__(params, {"lr": 1e-2})
-
-        @torch.no_grad()
-        def step(self):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    ratio = p.norm() / (p.grad.norm() + 1e-8)
-                    p.add_(p.grad * ratio, alpha=-group["lr"])
-
-    model, reference, opt, eager, schedules = _pair(TrustRatio)
+    model, reference, opt, eager, schedules = _pair(TrustRatioSGD)
     for step in range(3):
         _step((model, reference), (opt, eager), schedules, step)
     _assert_same(model, reference, opt, eager)
@@ -111,7 +101,27 @@ def test_a_step_with_an_op_the_kernels_cannot_take_runs_without_a_graph_and_says
     assert report.cudagraph_recordings == 0
     assert report.cudagraphs.startswith("not used: ops the kernels cannot take")
     with pytest.raises(optcompile.CompileError, match="cudagraphs=True, but"):
-        strict = optcompile.compile(TrustRatio(list(_model().parameters())), cudagraphs=True)
+        strict = optcompile.compile(TrustRatioSGD(list(_model().parameters())), cudagraphs=True)
         for p in strict.param_groups[0]["params"]:
             p.grad = torch.ones_like(p)
         strict.step()
+
+
+def test_a_deleted_optimizer_takes_its_graph_with_it():
+    """The device's tree manager holds graphed functions weakly: the graph, the plan and its
+    buffers go with the compiled optimizer."""
+    import gc
+    import weakref
+
+    from optcompile.api import _OPTIMIZERS
+    from optcudagraph import tree_manager
+
+    model, reference, opt, eager, schedules = _pair(CASES["AdamW"])
+    for step in range(3):
+        _step((model, reference), (opt, eager), schedules, step)
+    graphed = _OPTIMIZERS[opt].cache.entries[0].value.plan.graphed
+    assert graphed is not None and graphed in tree_manager("cuda").functions
+    gone = weakref.ref(graphed)
+    del graphed, opt, schedules
+    gc.collect()
+    assert gone() is None

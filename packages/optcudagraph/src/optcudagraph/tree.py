@@ -23,6 +23,7 @@ use of them raises an error naming the graph, instead of returning the newer dat
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +55,9 @@ class TreeManager:
     generation: int = 0
     recordings: list[Recording] = field(default_factory=list)
     replays: int = 0
-    functions: list[Graphed] = field(default_factory=list)
+    # Held weakly: a graphed function (and the graph, plan and buffers it holds) goes with
+    # whoever made it (a compiled optimizer), not with the manager.
+    functions: weakref.WeakSet[Graphed] = field(default_factory=weakref.WeakSet)
     _next_id: int = 0
     _keeper: Any = None
 
@@ -67,7 +70,7 @@ class TreeManager:
     ) -> Graphed:
         """``fn`` (device work only, no host side effects) as a graphed function."""
         graphed = Graphed(self, fn, name, warmup, max_rerecords)
-        self.functions.append(graphed)
+        self.functions.add(graphed)
         return graphed
 
     def ensure_pool(self) -> None:
@@ -96,7 +99,7 @@ class TreeManager:
             lines.append(
                 f"  graph #{r.graph_id} {r.function} generation {r.generation}: {r.reason}"
             )
-        for f in self.functions:
+        for f in sorted(self.functions, key=lambda f: f.name):
             if f.fallback_reason is not None:
                 lines.append(f"  {f.name} runs without CUDA graphs: {f.fallback_reason}")
         return lines
@@ -171,6 +174,8 @@ class _Node:
         return result
 
     def invalidate(self, why: str) -> None:
+        if not self.handed:
+            return
         message = (
             f"optcudagraph: this tensor is an output of CUDA graph #{self.graph_id} "
             f"(generation {self.generation}) and its memory was overwritten: {why}. "
