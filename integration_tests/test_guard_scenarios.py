@@ -143,4 +143,4 @@ def test_explain_shows_the_check_with_its_fast_tier():
     report = optcompile.explain(opt)
     assert "def check(L)" in report.check_code
     assert "C++ guard tree" in report.check_code
-    assert "dict_version" in report.check_code
+    assert "entries are unchanged (dict versions)" in report.check_code

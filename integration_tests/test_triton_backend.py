@@ -249,6 +249,11 @@ def test_step_counts_computed_on_the_host_give_the_same_results(name):
             plan = TritonPlan(entry.traced.graph_module, host_small=True)
             opttrace.init_state(other)
         plan(entry.gather({"opt": other}))
+        steps = [other.state[q]["step"] for q in others]
+        # The step counts alias one buffer (read and written as one tensor per call)...
+        assert len({t.untyped_storage().data_ptr() for t in steps}) == 1
+        # ...and one re-pointed in between (same value, new storage) is aliased again.
+        steps[1].set_(steps[1].clone())
     assert plan.host and plan.kernel_launches_per_step == 1
     _assert_close(params, opt, others, other, rtol=1e-6, atol=1e-7)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from optguard import (
     AttrSource,
+    CompiledCheck,
     DataPtrGuard,
     DictLengthGuard,
     GuardSetBuilder,
@@ -122,9 +123,48 @@ def test_a_change_the_full_check_accepts_rearms_the_fast_tier():
     opt.state[p]["momentum_buffer"] = buf.clone()  # a new object...
     opt.state[p]["momentum_buffer"] = buf  # ...and back: same tensors, new versions
     assert not check.fast(L)
-    assert check(L)  # the full check passes and re-arms the versions
+    assert check(L)  # the full check passes and builds the tier anew
     assert check.fast is not None and check.fast(L)
-    assert check.rebuilds == 1  # versions were refreshed, the tree was not rebuilt
+    assert check.rebuilds == 2
+
+
+@needs_fast
+def test_changes_on_every_call_turn_the_fast_tier_off_rare_ones_do_not(monkeypatch):
+    opt = _optimizer()
+    check = _check(opt)
+    L = {"opt": opt}
+    p = opt.param_groups[0]["params"][0]
+
+    def touch() -> None:  # same tensor, new dict versions: the full check still passes
+        buf = opt.state[p]["momentum_buffer"]
+        opt.state[p]["momentum_buffer"] = buf.clone()
+        opt.state[p]["momentum_buffer"] = buf
+
+    monkeypatch.setattr(CompiledCheck, "REBUILD_AFTER_HITS", 3)
+    for _ in range(CompiledCheck.MAX_REBUILDS + 2):  # rare: hits in between
+        assert check(L)
+        for _ in range(3):
+            assert check(L) and check.fast_hit
+        touch()
+    assert check(L) and check(L) and check.fast_hit
+    for _ in range(CompiledCheck.MAX_REBUILDS + 1):  # on every call
+        touch()
+        assert check(L) and not check.fast_hit
+    assert check.fast is None and check.fast_note == "off: its tree kept changing"
+    assert check(L)  # the full check alone still answers
+
+
+@needs_fast
+def test_a_hit_pins_the_params_keying_the_state_and_their_state_tensors_not_grads():
+    opt = _optimizer(2)
+    check = _check(opt)
+    assert check({"opt": opt}) and check.fast is not None
+    pinned = {s.name() for s in check.fast.pinned}
+    param = "L['opt'].param_groups[0]['params'][1]"
+    assert param in pinned
+    assert f"L['opt'].state[{param}]['momentum_buffer']" in pinned
+    assert f"{param}.grad" not in pinned
+    assert "L['opt'].param_groups[0]['params']" not in pinned  # a list: its items may change
 
 
 def test_without_the_cxx_pieces_every_call_runs_the_full_check(monkeypatch):

@@ -117,9 +117,11 @@ def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_li
         backend,
         fullgraph,
         recompile_limit,
+        pin_inputs=True,
     )
-    # Entries hold no input (they fetch through Sources), but what they own themselves goes
-    # with the optimizer: the finalizer releases it even if something still holds `compiled`.
+    # Entries fetch their inputs through Sources and pin only what the optimizer holds anyway
+    # (params, state); what they own themselves (plans, graphs) goes with the optimizer: the
+    # finalizer releases it even if something still holds `compiled`.
     weakref.finalize(opt, compiled.release)
     opt.step = types.MethodType(_compiled_step, opt)  # type: ignore[method-assign]
     return opt

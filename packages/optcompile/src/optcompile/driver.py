@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from optguard import GuardedCache, Locals, compile_check, compile_fetch
+from optguard import (
+    CompiledCheck,
+    FastCheck,
+    FastGather,
+    GuardedCache,
+    Locals,
+    compile_check,
+    compile_fetch,
+)
 from optkernels import Backend, Plan
 from optsidefx import Replay, generate_replay
 from opttrace import TracedStep, TraceError, clear_cache
@@ -28,18 +36,38 @@ Tracer = Callable[[Locals], TracedStep]
 Eager = Callable[[Locals], Any]
 
 
-@dataclass(frozen=True)
+@dataclass
 class CompiledEntry:
-    """Everything one cache entry runs: gather inputs, the backend plan, the replay code."""
+    """Everything one cache entry runs: gather inputs, the backend plan, the replay code.
+
+    With ``pin_inputs`` (a compiled optimizer: it owns what its steps read), after a hit of
+    the check's fast tier the inputs come from a FastGather (the pinned ones from the last
+    full gather, the rest fetched); after a full check they are gathered in full, and the
+    FastGather of the current fast tier is armed from them. A compiled function's entries
+    hold none of its arguments, so they always gather in full."""
 
     traced: TracedStep
     gather: Callable[[Locals], list[torch.Tensor]]
     gather_code: str
     plan: Plan
     replay: Replay
+    pin_inputs: bool = False
+    fast_gather: FastGather | None = None
+    _fast_for: FastCheck | None = None  # the fast tier ``fast_gather`` was built for
 
-    def run(self, L: Locals) -> Any:
-        return self.replay(L, self.plan(self.gather(L)))
+    def run(self, L: Locals, check: CompiledCheck | None = None) -> Any:
+        fast = check.fast if check is not None and self.pin_inputs else None
+        fast_gather = self.fast_gather
+        hit = check is not None and check.fast_hit and fast is self._fast_for
+        if hit and fast is not None and fast_gather is not None and fast_gather.armed:
+            return self.replay(L, self.plan(fast_gather(L)))
+        inputs = self.gather(L)
+        if fast is not None:
+            if fast is not self._fast_for or fast_gather is None:
+                fast_gather = self.fast_gather = FastGather(self.traced.input_sources, fast.pinned)
+                self._fast_for = fast
+            fast_gather.arm(L, inputs)
+        return self.replay(L, self.plan(inputs))
 
 
 @dataclass
@@ -66,8 +94,10 @@ class Compiled:
         backend: Backend,
         fullgraph: bool,
         recompile_limit: int,
+        pin_inputs: bool = False,
     ) -> None:
         self.name = name
+        self.pin_inputs = pin_inputs
         self.tracer = tracer
         self.eager = eager
         self.backend = backend
@@ -78,11 +108,12 @@ class Compiled:
         _ALL.add(self)
 
     def __call__(self, L: Locals) -> Any:
-        entry = self.cache.lookup(L)
+        cached = self.cache.find(L)
+        if cached is not None:
+            return cached.value.run(L, cached.check)
+        entry = self._miss(L)
         if entry is None:
-            entry = self._miss(L)
-            if entry is None:
-                return self.eager(L)
+            return self.eager(L)
         return entry.run(L)
 
     def _miss(self, L: Locals) -> CompiledEntry | None:
@@ -114,7 +145,7 @@ class Compiled:
             where = f" at {exc.where}" if exc.where else ""
             self._fall_back(f"tracing failed{where}: {exc.reason}")
             return None
-        entry = lower(traced, self.backend)
+        entry = lower(traced, self.backend, self.pin_inputs)
         self.cache.add(compile_check(traced.guards), entry)
         self.stats.traces += 1
         if reason is not None:
@@ -140,8 +171,8 @@ class Compiled:
         self.released = True
 
 
-def lower(traced: TracedStep, backend: Backend) -> CompiledEntry:
-    """Turn a TracedStep into a runnable entry on ``backend``."""
+def lower(traced: TracedStep, backend: Backend, pin_inputs: bool = False) -> CompiledEntry:
+    """Turn a TracedStep into a runnable entry on ``backend`` (see CompiledEntry)."""
     gather, gather_code = compile_fetch(traced.input_sources)
     return CompiledEntry(
         traced=traced,
@@ -149,6 +180,7 @@ def lower(traced: TracedStep, backend: Backend) -> CompiledEntry:
         gather_code=gather_code,
         plan=backend.compile(traced.graph_module),
         replay=generate_replay(traced.effects),
+        pin_inputs=pin_inputs,
     )
 
 

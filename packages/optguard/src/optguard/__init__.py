@@ -8,6 +8,8 @@ generated ``check(L)`` function; a GuardedCache holds the entries of one compile
 from optguard.cache import DEFAULT_RECOMPILE_LIMIT, Entry, GuardedCache
 from optguard.check import CompiledCheck, GuardSet, GuardSetBuilder, compile_check, first_failure
 from optguard.codegen import SourceCode, build_function, compile_fetch
+from optguard.fast import FastCheck
+from optguard.gather import FastGather
 from optguard.guards import (
     ConstantGuard,
     DataPtrGuard,
@@ -46,6 +48,8 @@ __all__ = [
     "DictKeySource",
     "DictLengthGuard",
     "Entry",
+    "FastCheck",
+    "FastGather",
     "GlobalSource",
     "Guard",
     "GuardSet",

@@ -16,6 +16,7 @@ import torch
 _Root: Any = None
 _dict_version: Any = None
 _PLAIN: Any = None
+_DICT: Any = None
 try:
     from torch._C._dynamo import guards as _guards
 
@@ -25,6 +26,7 @@ try:
     _Root = _guards.RootGuardManager
     _dict_version = _guards.dict_version
     _PLAIN = _ManagerKind.GUARD_MANAGER
+    _DICT = _ManagerKind.DICT_GUARD_MANAGER
 except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
     _Root = _dict_version = None
 
@@ -43,6 +45,10 @@ def dict_version(d: dict[Any, Any]) -> int:
 DICT_VERSION = _dict_version
 
 
+def _kind(versioned: bool) -> Any:
+    return _DICT if versioned else _PLAIN
+
+
 class GuardTree:
     """A C++ guard tree: ``node(path)`` finds or adds the accessor chain for a value and
     ``add_*`` attach leaf guards to it; ``check(L)`` runs them all."""
@@ -56,23 +62,37 @@ class GuardTree:
 
     # -- accessors: each returns the child manager for a value of ``parent`` --------------
 
-    @staticmethod
-    def local(parent: Any, name: str, example: Any, label: str) -> Any:
-        return parent.dict_getitem_manager(name, label, example, _PLAIN)
+    # ``versioned``: the child is a dict whose entries ``versions`` will check by position.
 
     @staticmethod
-    def attr(parent: Any, name: str, example: Any, label: str) -> Any:
+    def local(parent: Any, name: str, example: Any, label: str, versioned: bool = False) -> Any:
+        return parent.dict_getitem_manager(name, label, example, _kind(versioned))
+
+    @staticmethod
+    def attr(parent: Any, name: str, example: Any, label: str, versioned: bool = False) -> Any:
         if name == "grad":
-            return parent.grad_manager(label, example, _PLAIN)
-        return parent.getattr_manager(name, label, example, _PLAIN)
+            return parent.grad_manager(label, example, _kind(versioned))
+        return parent.getattr_manager(name, label, example, _kind(versioned))
 
     @staticmethod
-    def item(parent: Any, container: Any, key: Any, example: Any, label: str) -> Any:
+    def item(
+        parent: Any, container: Any, key: Any, example: Any, label: str, versioned: bool = False
+    ) -> Any:
+        kind = _kind(versioned)
         if type(container) is list:
-            return parent.list_getitem_manager(key, label, example, _PLAIN)
+            return parent.list_getitem_manager(key, label, example, kind)
         if type(container) is tuple:
-            return parent.tuple_getitem_manager(key, label, example, _PLAIN)
-        return parent.dict_getitem_manager(key, label, example, _PLAIN)
+            return parent.tuple_getitem_manager(key, label, example, kind)
+        return parent.dict_getitem_manager(key, label, example, kind)
+
+    @staticmethod
+    def versions(node: Any, d: dict[Any, Any], label: str) -> None:
+        """``d`` (reached through a ``versioned`` node) and each of its values (dicts) keep
+        their version tags: no entry of ``d`` or of its values was set, added or removed."""
+        node.add_dict_version_guard(d, [f"{label} is unchanged (dict version)"], None)
+        for i, value in enumerate(d.values()):
+            entry = node.get_value_manager(i, f"{label} entry {i}", value, _PLAIN)
+            entry.add_dict_version_guard(value, [f"{label} entry {i} is unchanged"], None)
 
     # -- leaf guards --------------------------------------------------------------------
 

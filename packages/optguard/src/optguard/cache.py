@@ -32,9 +32,14 @@ class GuardedCache(Generic[T]):
         self.misses: list[str] = []
 
     def lookup(self, L: Locals) -> T | None:
+        entry = self.find(L)
+        return entry.value if entry is not None else None
+
+    def find(self, L: Locals) -> Entry[T] | None:
+        """The newest entry whose check holds (its ``check.fast_hit`` says which tier)."""
         for entry in self.entries:
             if entry.check(L):
-                return entry.value
+                return entry
         return None
 
     def miss_reason(self, L: Locals) -> str | None:

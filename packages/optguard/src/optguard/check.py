@@ -53,8 +53,11 @@ class CompiledCheck:
     (``fast.py``) armed the first time the full check passes."""
 
     # After this many rebuilds of the fast tier (its tree no longer matched although the
-    # full check passed), the inputs are too changeable for it: the full check alone runs.
+    # full check passed: a state entry replaced, a list item swapped for an equal one), each
+    # within REBUILD_AFTER_HITS hits of the one before, the inputs are too changeable for
+    # it: the full check alone runs. Rare changes (a checkpoint reload) rebuild freely.
     MAX_REBUILDS = 8
+    REBUILD_AFTER_HITS = 1000
 
     def __init__(self, guards: GuardSet, fn: CheckFn, code: str, fast: bool = True) -> None:
         self.guards = guards
@@ -62,12 +65,18 @@ class CompiledCheck:
         self.code = code
         self.fast: FastCheck | None = None
         self.fast_note: str | None = None if fast else "off"
-        self.rebuilds = 0
+        self.rebuilds = 0  # in a row, each soon after the one before
+        self.hits = 0  # fast-tier hits since it was last built
+        # Whether the last passing call passed on the fast tier (its pinned values held).
+        self.fast_hit = False
 
     def __call__(self, L: Locals) -> bool:
         fast = self.fast
         if fast is not None and fast(L):
+            self.fast_hit = True
+            self.hits += 1
             return True
+        self.fast_hit = False
         if not self.fn(L):
             return False
         if self.fast_note is None:
@@ -75,16 +84,14 @@ class CompiledCheck:
         return True
 
     def _arm(self, L: Locals) -> None:
-        fast = self.fast
         try:
-            if fast is not None:
-                fast.rearm(L)  # only versions changed (e.g. a state entry was replaced)?
-                if fast(L):
-                    return
+            if self.hits >= self.REBUILD_AFTER_HITS:
+                self.rebuilds = 0
             if self.rebuilds >= self.MAX_REBUILDS:
                 self.fast, self.fast_note = None, "off: its tree kept changing"
                 return
             self.rebuilds += 1
+            self.hits = 0
             self.fast = build_fast_check(self.guards.guards, L)
             if self.fast is None:
                 self.fast_note = "off: not available with this torch"

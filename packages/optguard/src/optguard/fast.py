@@ -1,4 +1,4 @@
-"""The fast tier of a check: a C++ guard tree plus dict versions, armed from live inputs.
+"""The fast tier of a check: a C++ guard tree with dict versions, built from live inputs.
 
 The full generated check tests every guard in Python: about 0.4 ms for GPT-2's 148
 parameters (some 1,200 guards, 740 on tensors). The fast tier answers the same question
@@ -8,26 +8,29 @@ for much less:
   (the optimizer, its param groups, the params and their grads) become one tree of dynamo's
   C++ guard managers, built from the live values the first time the full check passes;
 - everything inside an optimizer's state (reached through a tensor-keyed dict) is covered by
-  the version tags of the state dict and of each of its entries, plus the identity of the
-  parameters keying it: unchanged versions mean the same entry dicts holding the same
-  tensors the full check accepted;
+  the version tags of the state dict and of each of its entries (checked in the same tree,
+  by position), plus the identity of the parameters keying it: unchanged versions mean the
+  same entry dicts holding the same tensors the full check accepted;
 - the rest (predicates on hyperparameters, key tuples, other sources) runs as generated
   Python.
+
+A hit also pins values: a source the tree checks by identity (a parameter keying the state),
+an entry of a versioned state dict keyed by a pinned source, and a str-keyed item of such an
+entry (a state tensor) hold the very objects they held when the tier was armed. ``pinned``
+lists them; ``FastGather`` (gather.py) reuses them instead of fetching them again.
 
 What a hit does not re-check: data pointers (a backend that bakes addresses in checks its own,
 cheaply, per call), and metadata changed in place on the same state tensor object
 (``t.data = ...``). A replaced state tensor changes its entry's version: the full check then
-runs, data pointers included, and re-arms the fast tier.
+runs, data pointers included, and the tier is built anew (check.py limits how often).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from optguard import _torch_compat as compat
-from optguard.codegen import SourceCode
 from optguard.guards import (
     ConstantGuard,
     DataPtrGuard,
@@ -50,32 +53,6 @@ from optguard.sources import (
 )
 
 
-@dataclass(frozen=True)
-class StateVersionsGuard(Guard):
-    """A tensor-keyed dict (``Optimizer.state``) and each of its entries are unchanged since
-    the fast tier was armed. ``armed`` holds the versions; ``arm`` refreshes them."""
-
-    armed: list[Any] = field(default_factory=list, compare=False, hash=False)
-
-    def test(self, var: str, code: SourceCode) -> str:
-        armed = code.constant(self.armed, "armed")
-        version = code.constant(compat.DICT_VERSION, "dict_version")
-        return (
-            f"({version}({var}) == {armed}[0]"
-            f" and list(map({version}, {var}.values())) == {armed}[1])"
-        )
-
-    def expected(self) -> str:
-        return "and its entries are unchanged (dict versions)"
-
-    def arm(self, L: Locals) -> None:
-        state = self.source.fetch(L)
-        self.armed[:] = [
-            compat.dict_version(state),
-            [compat.dict_version(e) for e in state.values()],
-        ]
-
-
 class FastCheck:
     """``tree.check(L) and residual(L)``; see the module docstring."""
 
@@ -83,20 +60,16 @@ class FastCheck:
         self,
         tree: compat.GuardTree,
         residual: Any,
-        armed: list[StateVersionsGuard],
         lines: list[str],
+        pinned: frozenset[Source] = frozenset(),
     ) -> None:
         self.tree = tree
         self.residual = residual
-        self.armed = armed
         self.lines = lines
+        self.pinned = pinned
 
     def __call__(self, L: Locals) -> bool:
         return self.tree.check(L) and bool(self.residual(L))
-
-    def rearm(self, L: Locals) -> None:
-        for guard in self.armed:
-            guard.arm(L)
 
     def describe(self) -> str:
         return "\n".join(
@@ -116,10 +89,15 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
 
     if not compat.available():
         return None
-    builder = _TreeBuilder(L)
+    states = {
+        keyed.base: None
+        for g in guards
+        if not isinstance(g, DataPtrGuard) and (keyed := _keyed_ancestor(g.source)) is not None
+    }
+    builder = _TreeBuilder(L, set(states))
     residual: list[Guard] = []
+    identical: set[Source] = set()
     matched = {g.source for g in guards if isinstance(g, TensorMatchGuard)}
-    states: dict[Source, None] = {}
     keys: dict[Source, None] = {}
     for guard in guards:
         if isinstance(guard, DataPtrGuard):
@@ -128,11 +106,12 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
             continue  # a tensor match fails on None
         keyed = _keyed_ancestor(guard.source)
         if keyed is not None:
-            states[keyed.base] = None
             keys[keyed.key] = None
             continue
         if not builder.add(guard):
             residual.append(guard)
+        elif isinstance(guard, IdentityGuard):
+            identical.add(guard.source)
     for key in keys:
         node = builder.node(key)
         if node is None:
@@ -140,11 +119,40 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         value = key.fetch(L)
         compat.GuardTree.id_is(node, value, f"{key.name()} is the same object")
         builder.lines.append(f"{key.name()} is the same object (keys the state)")
-    armed = [StateVersionsGuard(source) for source in states]
-    for guard in armed:
-        guard.arm(L)
-    check = compile_check(GuardSet((*residual, *armed)), fast=False)
-    return FastCheck(builder.tree, check, armed, builder.lines)
+        identical.add(key)
+    for state in states:
+        node = builder.node(state)
+        value = state.fetch(L)
+        if node is None or not isinstance(value, dict):
+            return None
+        if not all(type(entry) is dict for entry in value.values()):
+            return None
+        compat.GuardTree.versions(node, value, state.name())
+        builder.lines.append(
+            f"{state.name()} and its {len(value)} entries are unchanged (dict versions)"
+        )
+    check = compile_check(GuardSet(tuple(residual)), fast=False)
+    pinned = _pinned_sources(guards, identical, set(states))
+    return FastCheck(builder.tree, check, builder.lines, pinned)
+
+
+def _pinned_sources(
+    guards: Sequence[Guard], identical: set[Source], versioned: set[Source]
+) -> frozenset[Source]:
+    """The guarded sources whose values a hit of the fast tier fixes (see the module)."""
+
+    def pinned(source: Source) -> bool:
+        if source in identical:
+            return True
+        if isinstance(source, KeyedSource):  # an entry of a versioned dict, pinned key
+            return source.base in versioned and pinned(source.key)
+        if isinstance(source, ItemSource) and isinstance(source.key, str):
+            entry = source.base  # the entry's own version is armed too
+            return isinstance(entry, KeyedSource) and pinned(entry)
+        return False
+
+    seen = {s for g in guards for s in ancestors(g.source)}
+    return frozenset(s for s in seen if pinned(s))
 
 
 def _keyed_ancestor(source: Source) -> KeyedSource | None:
@@ -152,10 +160,12 @@ def _keyed_ancestor(source: Source) -> KeyedSource | None:
 
 
 class _TreeBuilder:
-    """Adds guards to a GuardTree, creating the accessor chain of each source once."""
+    """Adds guards to a GuardTree, creating the accessor chain of each source once;
+    ``versioned`` sources get nodes that can check their entries' versions."""
 
-    def __init__(self, L: Locals) -> None:
+    def __init__(self, L: Locals, versioned: set[Source]) -> None:
         self.L = L
+        self.versioned = versioned
         self.tree = compat.GuardTree()
         self.nodes: dict[Source, Any] = {}
         self.lines: list[str] = []
@@ -165,12 +175,15 @@ class _TreeBuilder:
             return self.nodes[source]
         node: Any = None
         label = source.name()
+        versioned = source in self.versioned
         if isinstance(source, LocalSource):
-            node = self.tree.local(self.tree.root, source.local, source.fetch(self.L), label)
+            value = source.fetch(self.L)
+            node = self.tree.local(self.tree.root, source.local, value, label, versioned)
         elif isinstance(source, AttrSource):
             parent = self.node(source.base)
             if parent is not None:
-                node = self.tree.attr(parent, source.attr, source.fetch(self.L), label)
+                value = source.fetch(self.L)
+                node = self.tree.attr(parent, source.attr, value, label, versioned)
         elif isinstance(source, ItemSource):
             parent = self.node(source.base)
             container = source.base.fetch(self.L)
@@ -179,7 +192,7 @@ class _TreeBuilder:
             )
             if parent is not None and plain:
                 value = source.fetch(self.L)
-                node = self.tree.item(parent, container, source.key, value, label)
+                node = self.tree.item(parent, container, source.key, value, label, versioned)
         self.nodes[source] = node
         return node
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 # C++ batch compare of data pointers (what torch's CUDA graph trees use to check static
@@ -9,8 +12,9 @@ import torch
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
-def data_ptrs_equal(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:
-    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every i in ``indices``."""
+def data_ptrs_equal(tensors: Sequence[Any], ptrs: list[int], indices: list[int]) -> bool:
+    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every i in ``indices`` (``tensors``
+    may hold other values at other positions)."""
     if _ptrs_equal is not None:
         return bool(_ptrs_equal(tensors, ptrs, indices))
     return all(tensors[i].data_ptr() == ptrs[i] for i in indices)

@@ -29,6 +29,7 @@ from optkernels.foreach_kernel import (
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.reference import TorchPlan
 from optkernels.split import Split, split_unfused
+from optkernels.staging import Staging
 
 
 def triton_usable() -> str | None:
@@ -79,7 +80,6 @@ class _Group:
             return [index[program.inputs[k][lane]] for lane in lanes for k in columns]
 
         self.static_slots = slots([k for k, d in enumerate(dynamic) if not d])
-        self.static_indices = list(range(len(self.static_slots)))  # for the batch compare
         self.dynamic_slots = slots([k for k, d in enumerate(dynamic) if d])
         self.small_slots = {
             k: [index[program.inputs[k][lane]] for lane in lanes]
@@ -88,42 +88,45 @@ class _Group:
         }
         big = [k for k, small in enumerate(program.input_small) if not small]
         self.numel_slots = slots(big[:1])  # one full-size input per lane gives its size
-        self.static_ptrs: list[int] = []
-        self.dynamic_ptrs: list[int] = []
+        # The address each input slot had when a table was last written (by input index,
+        # for one batch compare over the whole input list).
+        self.expected: list[int] = []
         self.ptrs: torch.Tensor | None = None
         self.dptrs: torch.Tensor | None = None
         self.small_out: torch.Tensor | None = None
         self.host_vals: torch.Tensor | None = None  # host-computed values (host mode)
         self.table_uploads = 0  # times an address table was (re)built
-        # Host-computed 0-dim writes: a buffer per value and its per-lane views.
-        self.host_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        # Host mode: per 0-dim input column, one CPU buffer the lanes' tensors alias (see
+        # _Part._host_values), and the addresses that aliasing gives them.
+        self.small_buffers: dict[int, torch.Tensor] = {}
+        self.small_expected: list[int] = []
+        self.small_all = [i for slots in self.small_slots.values() for i in slots]
 
-    def refresh(self, inputs: Sequence[Any], device: torch.device) -> None:
+    def refresh(self, inputs: Sequence[Any], device: torch.device, staging: Staging) -> None:
         """Bring both address tables up to date with this call's tensors (in place: the
         tables keep their own addresses, which a recorded CUDA graph reads)."""
-        statics = [inputs[i] for i in self.static_slots]
-        if self.ptrs is None or not data_ptrs_equal(statics, self.static_ptrs, self.static_indices):
-            self.static_ptrs = [t.data_ptr() for t in statics]
-            self.ptrs = _upload(self.ptrs, self.static_ptrs, torch.int64, device)
-            self.table_uploads += 1
-        dynamic = [inputs[i].data_ptr() for i in self.dynamic_slots]
-        if self.dptrs is None or dynamic != self.dynamic_ptrs:
-            self.dynamic_ptrs = dynamic
-            self.dptrs = _upload(self.dptrs, dynamic, torch.int64, device)
-            self.table_uploads += 1
+        expected = self.expected
+        if len(expected) != len(inputs):
+            expected = self.expected = [0] * len(inputs)
+            self.ptrs = self.dptrs = None
+        if self.ptrs is None or not data_ptrs_equal(inputs, expected, self.static_slots):
+            self.ptrs = self._write(inputs, self.static_slots, self.ptrs, device, staging)
+        if self.dptrs is None or not data_ptrs_equal(inputs, expected, self.dynamic_slots):
+            self.dptrs = self._write(inputs, self.dynamic_slots, self.dptrs, device, staging)
 
-
-def _upload(
-    buffer: torch.Tensor | None, values: Any, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """``values`` (a list or a CPU tensor) on ``device``: copied into ``buffer`` when it has
-    their size (its address stays), else into a new buffer."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values or [0], dtype=dtype)
-    if buffer is None or buffer.shape != host.shape:
-        return host.to(device, non_blocking=True)
-    # From pageable memory: the host copy is done when copy_ returns, so ``host`` may go.
-    buffer.copy_(host, non_blocking=True)
-    return buffer
+    def _write(
+        self,
+        inputs: Sequence[Any],
+        slots: list[int],
+        table: torch.Tensor | None,
+        device: torch.device,
+        staging: Staging,
+    ) -> torch.Tensor:
+        ptrs = [inputs[i].data_ptr() for i in slots]
+        for i, ptr in zip(slots, ptrs, strict=True):
+            self.expected[i] = ptr
+        self.table_uploads += 1
+        return staging.upload(table, ptrs, torch.int64, device)
 
 
 class _Part:
@@ -137,6 +140,7 @@ class _Part:
         self.index = index
         self.host_small = host_small
         self.groups: list[_Group] = []
+        self.staging = Staging()
         self.launches = 0
         self.device = torch.device("cpu")  # where the kernels run; set by check_devices
         self.host = False
@@ -199,22 +203,25 @@ class _Part:
         into device buffers that keep their addresses from call to call."""
         program = self.program
         device = self.device
+        staging = self.staging
+        staging.begin()
         scalar_values = eval_scalars(program, inputs, self.index)
         if self.scalars is None or scalar_values != self._scalar_values:
             self._scalar_values = scalar_values
-            self.scalars = _upload(self.scalars, scalar_values, torch.float32, device)
+            self.scalars = staging.upload(self.scalars, scalar_values, torch.float32, device)
         for g, group in enumerate(self.groups):
             if self.host:
                 values = self._host_values(program, group, inputs, scalar_values)
-                group.host_vals = _upload(group.host_vals, values, torch.float32, device)
+                group.host_vals = staging.upload(group.host_vals, values, torch.float32, device)
             self._group_tables(g, group, inputs, device)
-            group.refresh(inputs, device)
+            group.refresh(inputs, device, staging)
             if group.small_out is None:  # its shape is fixed: one buffer for every call
                 group.small_out = torch.empty(
                     (len(group.lanes), max(len(self._small_writes), 1)),
                     dtype=torch.float32,
                     device=device,
                 )
+        staging.end()
 
     def launch(self) -> None:
         """The device side of a call: the kernels, reading only the prepared buffers."""
@@ -256,29 +263,43 @@ class _Part:
         scalar_values: list[float],
     ) -> torch.Tensor:
         """Compute the host vars for the group's lanes on the CPU, write the 0-dim results
-        back there, and return the values the kernel reads (on the CPU)."""
-        small_inputs = {
-            k: torch.stack([inputs[i] for i in slots]) for k, slots in group.small_slots.items()
-        }
+        back there, and return the values the kernel reads (on the CPU).
+
+        The lanes' 0-dim CPU tensors (step counts: state the optimizer owns) are made to
+        alias one buffer per column, slot ``j`` for lane ``j`` (``set_``: same tensor objects,
+        values, dtype and shape). All lanes are then read and written as that buffer, one op
+        each, instead of stacking and copying 200 tensors per call. Their addresses are
+        checked each call in one batch; a tensor re-pointed since (``set_``, ``.data =``) is
+        aliased again."""
+        if not group.small_buffers or not data_ptrs_equal(
+            inputs, group.small_expected, group.small_all
+        ):
+            self._alias_small(group, inputs)
+        small_inputs = group.small_buffers
         with torch.no_grad():
             values = eval_host(program, self.host_order, small_inputs, scalar_values)
             for var, k in program.writes:
                 if program.input_small[k]:
-                    # One persistent buffer per written value, its per-lane views made once:
-                    # a copy into it and one foreach copy out (unbinding anew costs more).
-                    held = group.host_views.get(var)
-                    if held is None:  # dtypes and lane count are fixed by the entry's guards
-                        buffer = values[var].clone()
-                        held = group.host_views[var] = (buffer, list(buffer.unbind(0)))
-                    else:
-                        held[0].copy_(values[var])
-                    views = held[1]
-                    targets = [inputs[i] for i in group.small_slots[k]]
-                    torch._foreach_copy_(targets, views)
-        columns = [values[v].to(torch.float32) for v in self.host_order] or [
-            torch.zeros(len(group.lanes))
-        ]
+                    small_inputs[k].copy_(values[var])
+        columns = [
+            v if v.dtype == torch.float32 else v.to(torch.float32)
+            for v in (values[var] for var in self.host_order)
+        ] or [torch.zeros(len(group.lanes))]
         return torch.stack(columns, dim=1)
+
+    @staticmethod
+    def _alias_small(group: _Group, inputs: Sequence[Any]) -> None:
+        expected = [0] * len(inputs)
+        buffers: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for k, slots in group.small_slots.items():
+                tensors = [inputs[i] for i in slots]
+                buffer = buffers[k] = torch.stack(tensors).contiguous()
+                storage = buffer.untyped_storage()
+                for j, (i, t) in enumerate(zip(slots, tensors, strict=True)):
+                    t.set_(storage, j, (), ())
+                    expected[i] = t.data_ptr()
+        group.small_buffers, group.small_expected = buffers, expected
 
     def _group_tables(
         self, g: int, group: _Group, inputs: Sequence[Any], device: torch.device

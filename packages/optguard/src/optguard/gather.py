@@ -1,0 +1,100 @@
+"""Gather an entry's inputs after a hit of its fast tier, fetching only what can change.
+
+The full gather (``compile_fetch``) walks every input's access path: over a thousand fetches
+for an optimizer of 200 parameters, most of them returning the very objects of the last call
+(the parameters, their state tensors). After a hit of the fast tier (fast.py) those are
+*pinned*: the tier's identity guards and dict versions prove the paths still lead to the
+objects it was armed with. ``FastGather`` keeps them in a template, armed from a full gather
+run while the fast tier held, and fetches the rest anew on each call:
+
+- an attribute of a pinned object (``param.grad``) is read for every such input at once,
+  ``map(attrgetter(attr), <the pinned objects>)``, written into its slots by one slice
+  assignment when they are evenly spaced;
+- any other input (a hyperparameter in a param group) by straight-line code from ``L``.
+
+The template holds the pinned objects (only those: not the grads of the call that armed it)
+until the next full gather re-arms it; whoever owns the FastGather must own them anyway (a
+compiled optimizer's entries: its params and state).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from optguard.codegen import SourceCode, build_function
+from optguard.sources import AttrSource, Locals, Source
+
+
+class FastGather:
+    """``gather(L)`` for calls on which the fast tier holding ``pinned`` passed; see the
+    module docstring. ``arm(L, inputs)`` after each full gather; until then ``armed`` is
+    False and the caller runs the full gather."""
+
+    def __init__(self, sources: Sequence[Source], pinned: Collection[Source]) -> None:
+        self.sources = list(sources)
+        position = {s: i for i, s in enumerate(self.sources)}
+        families: dict[str, list[tuple[int, Source]]] = {}
+        rest: list[tuple[int, Source]] = []
+        for i, s in enumerate(self.sources):
+            if s in pinned:
+                continue
+            if isinstance(s, AttrSource) and s.base in pinned:
+                families.setdefault(s.attr, []).append((i, s.base))
+            else:
+                rest.append((i, s))
+        self.pinned_slots = [i for i, s in enumerate(self.sources) if s in pinned]
+        # Per family: its slots and where each base comes from (an input slot, or a source
+        # fetched when arming).
+        self._families = [
+            (attr, [i for i, _ in items], [(position.get(b), b) for _, b in items])
+            for attr, items in families.items()
+        ]
+        body = SourceCode()
+        for k, (attr, slots, _) in enumerate(self._families):
+            getter = body.constant(operator.attrgetter(attr), f"get_{attr}")
+            values = f"map({getter}, bases[{k}])"
+            step = slots[1] - slots[0] if len(slots) > 1 else 1
+            if step > 0 and slots == list(range(slots[0], slots[-1] + 1, step)):
+                body.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = list({values})")
+            else:
+                where = body.constant(slots, f"slots_{attr}")
+                body.emit(f"for i, v in zip({where}, {values}):")
+                body.emit("    out[i] = v")
+        for i, s in rest:
+            body.emit(f"out[{i}] = {body.var(s)}")
+        body.emit("return out")
+        self._fill: Callable[[Locals, list[Any], list[list[Any]]], list[Any]]
+        self._fill, self.code = build_function(
+            "fast_gather", "L, out, bases", body.lines, body.constants
+        )
+        self._template: list[Any] | None = None
+        self._bases: list[list[Any]] = []
+
+    @property
+    def armed(self) -> bool:
+        return self._template is not None
+
+    def arm(self, L: Locals, inputs: Sequence[Any]) -> None:
+        """Take the pinned values from ``inputs``, gathered in full while the fast tier held."""
+        template: list[Any] = [None] * len(inputs)  # nothing fetched anew is held
+        for i in self.pinned_slots:
+            template[i] = inputs[i]
+        self._template = template
+        self._bases = [
+            [inputs[i] if i is not None else base.fetch(L) for i, base in bases]
+            for _, _, bases in self._families
+        ]
+
+    def disarm(self) -> None:
+        self._template, self._bases = None, []
+
+    def __call__(self, L: Locals) -> list[Any]:
+        assert self._template is not None, "FastGather used before arm()"
+        return self._fill(L, self._template.copy(), self._bases)
+
+    @property
+    def fetched(self) -> int:
+        """Inputs fetched anew on each call."""
+        return len(self.sources) - len(self.pinned_slots)
