@@ -79,7 +79,15 @@ class _Group:
         def slots(columns: list[int]) -> list[int]:
             return [index[program.inputs[k][lane]] for lane in lanes for k in columns]
 
-        self.static_slots = slots([k for k, d in enumerate(dynamic) if not d])
+        # Table entries by input slot; -1 where the kernel never dereferences the entry (in
+        # host mode, 0-dim inputs are read from ``host_vals``): written as 0, not checked.
+        unread = {k for k, small in enumerate(program.input_small) if small and host}
+        self.static_slots = [
+            -1 if k in unread else index[program.inputs[k][lane]]
+            for lane in lanes
+            for k in [k for k, d in enumerate(dynamic) if not d]
+        ]
+        self.static_checked = [i for i in self.static_slots if i >= 0]
         self.dynamic_slots = slots([k for k, d in enumerate(dynamic) if d])
         self.small_slots = {
             k: [index[program.inputs[k][lane]] for lane in lanes]
@@ -109,7 +117,7 @@ class _Group:
         if len(expected) != len(inputs):
             expected = self.expected = [0] * len(inputs)
             self.ptrs = self.dptrs = None
-        if self.ptrs is None or not data_ptrs_equal(inputs, expected, self.static_slots):
+        if self.ptrs is None or not data_ptrs_equal(inputs, expected, self.static_checked):
             self.ptrs = self._write(inputs, self.static_slots, self.ptrs, device, staging)
         if self.dptrs is None or not data_ptrs_equal(inputs, expected, self.dynamic_slots):
             self.dptrs = self._write(inputs, self.dynamic_slots, self.dptrs, device, staging)
@@ -122,9 +130,10 @@ class _Group:
         device: torch.device,
         staging: Staging,
     ) -> torch.Tensor:
-        ptrs = [inputs[i].data_ptr() for i in slots]
+        ptrs = [inputs[i].data_ptr() if i >= 0 else 0 for i in slots]
         for i, ptr in zip(slots, ptrs, strict=True):
-            self.expected[i] = ptr
+            if i >= 0:
+                self.expected[i] = ptr
         self.table_uploads += 1
         return staging.upload(table, ptrs, torch.int64, device)
 

@@ -226,7 +226,10 @@ class TraceContext:
             raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")
         self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
         static = self._is_static(source)
-        if static:
+        if static and not (real.dim() == 0 and real.device.type == "cpu"):
+            # (A 0-dim CPU tensor, a step count, is read by value on the host, or through
+            # an address table the backend re-checks each call: its address is free to
+            # change, and the Triton backend moves all of them into one buffer.)
             self.guard(DataPtrGuard(source, real.data_ptr()))
         fake = self._fakes.get(i)
         if fake is None:
