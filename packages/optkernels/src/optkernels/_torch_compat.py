@@ -18,3 +18,18 @@ def data_ptrs_equal(tensors: Sequence[Any], ptrs: list[int], indices: list[int])
     if _ptrs_equal is not None:
         return bool(_ptrs_equal(tensors, ptrs, indices))
     return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+
+
+_STREAMS: dict[Any, Any] = {}
+
+
+def current_stream(device: torch.device) -> Any:
+    """``torch.cuda.current_stream(device)`` without a new Stream object per call (building
+    one costs more than the rest of recording an event)."""
+    data = torch._C._cuda_getCurrentStream(device.index)  # (stream id, device index, type)
+    stream = _STREAMS.get(data)
+    if stream is None:
+        stream = _STREAMS[data] = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+            stream_id=data[0], device_index=data[1], device_type=data[2]
+        )
+    return stream

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from optkernels._torch_compat import current_stream
+
 SLOTS = 4
 
 
@@ -37,12 +39,12 @@ class Staging:
             event.synchronize()
         self._copied = False
 
-    def end(self) -> None:
+    def end(self, device: torch.device) -> None:
         if self._copied:
             event = self.events[self.slot]
             if event is None:
                 event = self.events[self.slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
+            event.record(current_stream(device))
 
     def upload(
         self, buffer: torch.Tensor | None, values: Any, dtype: torch.dtype, device: torch.device

@@ -230,7 +230,7 @@ class _Part:
                     dtype=torch.float32,
                     device=device,
                 )
-        staging.end()
+        staging.end(device)
 
     def launch(self) -> None:
         """The device side of a call: the kernels, reading only the prepared buffers."""
