@@ -1,0 +1,76 @@
+"""Where the host time of one compiled step goes (200 tensors of 64x64, CUDA graphs on).
+
+    python benchmarks/host_time.py [--set 200x64x64] [--optimizer AdamW] [--calls 1000]
+
+For optcompile with the defaults and with capturable=True, times (host microseconds per call,
+mean over ``--calls`` after warm-up) the whole ``opt.step()`` and each part of it: the guard
+check (its C++ fast tier), the fast gather of the inputs, the plan's host preparation (scalars,
+host-side step counts, address-table checks, staging copies) and the graph replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import step_time
+
+
+def _time(fn: Callable[[], Any], calls: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    return host * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="200x64x64")
+    parser.add_argument("--optimizer", default="AdamW")
+    parser.add_argument("--calls", type=int, default=1000)
+    args = parser.parse_args()
+    params = step_time.make_params(args.set, "cuda")
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.set} {args.optimizer}")
+    print("| variant | step | guard check | fast gather | prepare | graph replay |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for variant in ["optcompile", "optcompile-capturable"]:
+        row = _row(step_time.build(variant, args.optimizer, params), args.calls)
+        print(f"| {variant} | " + " | ".join(f"{v:.0f} µs" for v in row) + " |")
+
+
+def _row(step: Callable[[], Any], calls: int) -> list[float]:
+    from optcompile.api import _OPTIMIZERS
+
+    for _ in range(20):
+        step()
+    opt = step.__self__  # type: ignore[attr-defined]
+    compiled, L = _OPTIMIZERS[opt], {"opt": opt}
+    cached = compiled.cache.find(L)
+    assert cached is not None and cached.check.fast_hit
+    entry = cached.value
+    assert entry.fast_gather is not None
+    inputs = entry.fast_gather(L)
+    plan, graphed = entry.plan.plan, entry.plan.graphed
+    return [
+        _time(step, calls),
+        _time(lambda: compiled.cache.find(L), calls),
+        _time(lambda: entry.fast_gather(L), calls),
+        _time(lambda: plan.prepare(inputs), calls),
+        _time(lambda: graphed(plan.buffers()), calls),
+    ]
+
+
+if __name__ == "__main__":
+    main()
