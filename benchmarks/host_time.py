@@ -1,16 +1,20 @@
 """Where the host time of one compiled step goes (200 tensors of 64x64, CUDA graphs on).
 
     python benchmarks/host_time.py [--set 200x64x64] [--optimizer AdamW] [--calls 1000]
+                                   [--profile ROWS]
 
 For optcompile with the defaults and with capturable=True, times (host microseconds per call,
 mean over ``--calls`` after warm-up) the whole ``opt.step()`` and each part of it: the guard
 check (its C++ fast tier), the fast gather of the inputs, the plan's host preparation (scalars,
-host-side step counts, address-table checks, staging copies) and the graph replay.
+host-side step counts, address-table checks, staging copies) and the graph replay. With
+``--profile ROWS``, also a cProfile of ``--calls`` steps per variant, sorted by own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from collections.abc import Callable
@@ -40,14 +44,33 @@ def main() -> None:
     parser.add_argument("--set", default="200x64x64")
     parser.add_argument("--optimizer", default="AdamW")
     parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS")
     args = parser.parse_args()
     params = step_time.make_params(args.set, "cuda")
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.set} {args.optimizer}")
     print("| variant | step | guard check | fast gather | prepare | graph replay |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for variant in ["optcompile", "optcompile-capturable"]:
-        row = _row(step_time.build(variant, args.optimizer, params), args.calls)
+    steps = {
+        v: step_time.build(v, args.optimizer, params)
+        for v in ["optcompile", "optcompile-capturable"]
+    }
+    for variant, step in steps.items():
+        row = _row(step, args.calls)
         print(f"| {variant} | " + " | ".join(f"{v:.0f} µs" for v in row) + " |")
+    if args.profile:
+        for variant, step in steps.items():
+            _profile(variant, step, args.calls, args.profile)
+
+
+def _profile(variant: str, step: Callable[[], Any], calls: int, rows: int) -> None:
+    print(f"\n{variant}: cProfile of {calls} steps")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        step()
+    torch.cuda.synchronize()
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(rows)
 
 
 def _row(step: Callable[[], Any], calls: int) -> list[float]:
@@ -60,13 +83,14 @@ def _row(step: Callable[[], Any], calls: int) -> list[float]:
     cached = compiled.cache.find(L)
     assert cached is not None and cached.check.fast_hit
     entry = cached.value
-    assert entry.fast_gather is not None
-    inputs = entry.fast_gather(L)
+    assert entry.fast is not None
+    fast_gather = entry.fast[1]
+    inputs = fast_gather(L)
     plan, graphed = entry.plan.plan, entry.plan.graphed
     return [
         _time(step, calls),
         _time(lambda: compiled.cache.find(L), calls),
-        _time(lambda: entry.fast_gather(L), calls),
+        _time(lambda: fast_gather(L), calls),
         _time(lambda: plan.prepare(inputs), calls),
         _time(lambda: graphed(plan.buffers()), calls),
     ]

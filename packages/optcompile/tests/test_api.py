@@ -248,3 +248,28 @@ def test_cudagraphs_true_raises_with_the_reason_when_the_step_cannot_be_recorded
     set_grads(model, 0)
     with pytest.raises(optcompile.CompileError, match="cudagraphs=True, but this step cannot"):
         opt.step()
+
+
+def test_fast_hits_gather_through_the_fast_gather_and_still_match_eager(monkeypatch):
+    """After the check's fast tier passes, a compiled optimizer's entry fetches only grads and
+    hyperparameters (the full gather is not run); new grads and lr changes still land."""
+    from optcompile.api import _OPTIMIZERS
+    from optcompile.driver import newest
+
+    model, opt, reference, eager = run_pair(OPTIMIZERS["adamw_foreach"], steps=3)
+    entry = newest(_OPTIMIZERS[opt])
+    check = _OPTIMIZERS[opt].cache.entries[0].check
+    if check.fast is None:
+        pytest.skip("this torch lacks the C++ guards (no fast tier)")
+    assert entry.fast is not None and entry.fast[0] is check.fast
+
+    def no_full_gather(L):
+        raise AssertionError("the full gather ran on a fast-tier hit")
+
+    monkeypatch.setattr(entry, "gather", no_full_gather)
+    for o in (opt, eager):
+        o.param_groups[0]["lr"] = 3e-3
+    step_both(model, opt, reference, eager, range(3, 6))
+    assert check.fast_hit
+    assert_same(model, opt, reference, eager)
+    assert optcompile.explain(opt).traces == 1

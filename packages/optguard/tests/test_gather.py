@@ -27,18 +27,24 @@ def _sources(n: int, interleaved: bool = True):
     return [grads[0], lr, *params, *grads[1:], *bufs]
 
 
+def _setup(n: int, interleaved: bool = True):
+    """An optimizer whose check passed (fast tier built), its sources' full gather, and an
+    unarmed FastGather over the tier's pinned sources."""
+    opt = _optimizer(n)
+    L = {"opt": opt}
+    check = _check(opt)
+    assert check(L) and check.fast is not None
+    sources = _sources(n, interleaved)
+    full, _ = compile_fetch(sources)
+    return opt, L, check, full, FastGather(sources, check.fast.pinned)
+
+
 @needs_fast
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_fast_gather_returns_what_the_full_gather_does_fetching_only_grads_and_scalars(
     interleaved,
 ):
-    opt = _optimizer(4)
-    L = {"opt": opt}
-    check = _check(opt)
-    assert check(L) and check.fast is not None
-    sources = _sources(4, interleaved)
-    full, _ = compile_fetch(sources)
-    fast = FastGather(sources, check.fast.pinned)
+    opt, L, check, full, fast = _setup(4, interleaved)
     assert fast.fetched == 5  # 4 grads and lr
     assert ("out[" in fast.code and ":3] = list(map(" in fast.code) == interleaved
     assert not fast.armed
@@ -55,13 +61,7 @@ def test_fast_gather_returns_what_the_full_gather_does_fetching_only_grads_and_s
 
 @needs_fast
 def test_a_missing_grad_reads_as_none_and_the_fast_tier_misses():
-    opt = _optimizer(2)
-    L = {"opt": opt}
-    check = _check(opt)
-    assert check(L)
-    sources = _sources(2)
-    full, _ = compile_fetch(sources)
-    fast = FastGather(sources, check.fast.pinned)
+    opt, L, check, full, fast = _setup(2)
     fast.arm(L, full(L))
     opt.param_groups[0]["params"][1].grad = None
     assert not check(L)  # the caller never reaches the fast gather
@@ -76,13 +76,7 @@ def test_unarmed_fast_gather_refuses_to_run():
 
 @needs_fast
 def test_arming_holds_the_pinned_values_only():
-    opt = _optimizer(2)
-    L = {"opt": opt}
-    check = _check(opt)
-    assert check(L)
-    sources = _sources(2)
-    full, _ = compile_fetch(sources)
-    fast = FastGather(sources, check.fast.pinned)
+    opt, L, _, full, fast = _setup(2)
     grad = weakref.ref(opt.param_groups[0]["params"][0].grad)
     fast.arm(L, full(L))
     opt.zero_grad(set_to_none=True)

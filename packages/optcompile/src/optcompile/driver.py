@@ -52,21 +52,21 @@ class CompiledEntry:
     plan: Plan
     replay: Replay
     pin_inputs: bool = False
-    fast_gather: FastGather | None = None
-    _fast_for: FastCheck | None = None  # the fast tier ``fast_gather`` was built for
+    # The FastGather of the check's current fast tier, with that tier (a rebuilt tier pins
+    # other sources: its FastGather is built anew).
+    fast: tuple[FastCheck, FastGather] | None = None
 
     def run(self, L: Locals, check: CompiledCheck | None = None) -> Any:
-        fast = check.fast if check is not None and self.pin_inputs else None
-        fast_gather = self.fast_gather
-        hit = check is not None and check.fast_hit and fast is self._fast_for
-        if hit and fast is not None and fast_gather is not None and fast_gather.armed:
-            return self.replay(L, self.plan(fast_gather(L)))
+        tier = check.fast if check is not None and self.pin_inputs else None
+        if tier is not None and check is not None and check.fast_hit and self.fast is not None:
+            built_for, fast_gather = self.fast
+            if built_for is tier:
+                return self.replay(L, self.plan(fast_gather(L)))
         inputs = self.gather(L)
-        if fast is not None:
-            if fast is not self._fast_for or fast_gather is None:
-                fast_gather = self.fast_gather = FastGather(self.traced.input_sources, fast.pinned)
-                self._fast_for = fast
-            fast_gather.arm(L, inputs)
+        if tier is not None:
+            if self.fast is None or self.fast[0] is not tier:
+                self.fast = (tier, FastGather(self.traced.input_sources, tier.pinned))
+            self.fast[1].arm(L, inputs)
         return self.replay(L, self.plan(inputs))
 
 

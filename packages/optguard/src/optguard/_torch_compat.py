@@ -2,8 +2,8 @@
 
 The fast tier of a check is a tree of dynamo's C++ guard managers
 (``torch._C._dynamo.guards``): accessors (dict item, attribute, list item, ``.grad``) and
-leaf guards (type, id, equality, length, None, tensor metadata) evaluated without Python
-frames, plus CPython's dict version tags. ``available()`` says whether this torch has what
+leaf guards (type, id, equality, length, None, tensor metadata, CPython's dict version
+tags) evaluated without Python frames. ``available()`` says whether this torch has what
 we use; without it every call runs the generated Python check (correct, slower).
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 _Root: Any = None
-_dict_version: Any = None
 _PLAIN: Any = None
 _DICT: Any = None
 try:
@@ -24,25 +23,14 @@ try:
     from torch._dynamo.guards import GuardManagerType as _ManagerKind
 
     _Root = _guards.RootGuardManager
-    _dict_version = _guards.dict_version
     _PLAIN = _ManagerKind.GUARD_MANAGER
     _DICT = _ManagerKind.DICT_GUARD_MANAGER
 except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
-    _Root = _dict_version = None
+    _Root = _DICT = None
 
 
 def available() -> bool:
-    return _Root is not None and _dict_version is not None
-
-
-def dict_version(d: dict[Any, Any]) -> int:
-    """CPython's version tag of ``d``: changes whenever an entry is added, removed or set
-    to a different object (never for a store of the same object)."""
-    assert _dict_version is not None
-    return int(_dict_version(d))
-
-
-DICT_VERSION = _dict_version
+    return _Root is not None and _DICT is not None
 
 
 def _kind(versioned: bool) -> Any:

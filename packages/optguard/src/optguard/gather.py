@@ -87,9 +87,6 @@ class FastGather:
             for _, _, bases in self._families
         ]
 
-    def disarm(self) -> None:
-        self._template, self._bases = None, []
-
     def __call__(self, L: Locals) -> list[Any]:
         assert self._template is not None, "FastGather used before arm()"
         return self._fill(L, self._template.copy(), self._bases)

@@ -76,24 +76,20 @@ class _Group:
             load_kernel(self.source, self.name + "_small") if has_small and not host else None
         )
 
-        def slots(columns: list[int]) -> list[int]:
-            return [index[program.inputs[k][lane]] for lane in lanes for k in columns]
+        def slots(columns: list[int], unread: set[int] | None = None) -> list[int]:
+            return [
+                -1 if unread and k in unread else index[program.inputs[k][lane]]
+                for lane in lanes
+                for k in columns
+            ]
 
         # Table entries by input slot; -1 where the kernel never dereferences the entry (in
         # host mode, 0-dim inputs are read from ``host_vals``): written as 0, not checked.
         unread = {k for k, small in enumerate(program.input_small) if small and host}
-        self.static_slots = [
-            -1 if k in unread else index[program.inputs[k][lane]]
-            for lane in lanes
-            for k in [k for k, d in enumerate(dynamic) if not d]
-        ]
+        self.static_slots = slots([k for k, d in enumerate(dynamic) if not d], unread)
         self.static_checked = [i for i in self.static_slots if i >= 0]
         self.dynamic_slots = slots([k for k, d in enumerate(dynamic) if d])
-        self.small_slots = {
-            k: [index[program.inputs[k][lane]] for lane in lanes]
-            for k, small in enumerate(program.input_small)
-            if small
-        }
+        self.small_slots = {k: slots([k]) for k, small in enumerate(program.input_small) if small}
         big = [k for k, small in enumerate(program.input_small) if not small]
         self.numel_slots = slots(big[:1])  # one full-size input per lane gives its size
         # The address each input slot had when a table was last written (by input index,
