@@ -8,6 +8,7 @@ so results match eager within float rounding, not bitwise.
 
 from __future__ import annotations
 
+import io
 import os
 
 import optcompile
@@ -256,6 +257,14 @@ def test_step_counts_computed_on_the_host_give_the_same_results(name):
         steps[1].set_(steps[1].clone())
     assert plan.host and plan.kernel_launches_per_step == 1
     _assert_close(params, opt, others, other, rtol=1e-6, atol=1e-7)
+    # The aliased step counts save and load as separate values.
+    buffer = io.BytesIO()
+    torch.save(other.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = make([torch.nn.Parameter(q.detach().clone()) for q in others])
+    fresh.load_state_dict(torch.load(buffer))
+    saved = [fresh.state[q]["step"] for q in fresh.param_groups[0]["params"]]
+    assert [float(t) for t in saved] == [float(other.state[q]["step"]) for q in others]
 
 
 def test_param_groups_of_different_sizes_fuse_group_by_group():
