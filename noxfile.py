@@ -42,7 +42,8 @@ LOCAL_DEPS: dict[str, list[str]] = {
 
 TORCH = "torch>=2.11" if shutil.which("nvidia-smi") else "torch==2.13.0"
 TOOLS = ["triton>=3.6", "numpy", "pytest>=8", "hypothesis>=6", "mypy", "ruff"]
-TEST_ENV = {"TRITON_INTERPRET": "1"}
+# Tests build optguard's native checks in the foreground (deterministic: no tier upgrade mid-test).
+TEST_ENV = {"TRITON_INTERPRET": "1", "OPTCOMPILE_NATIVE": "sync"}
 
 
 def lower_layers(package: str) -> list[str]:

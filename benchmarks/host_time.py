@@ -46,8 +46,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS")
     args = parser.parse_args()
+    from optguard import native
+
+    native.start(wait=True)  # the steady state (it builds in the background otherwise)
     params = step_time.make_params(args.set, "cuda")
-    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.set} {args.optimizer}")
+    print(
+        f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.set} "
+        f"{args.optimizer}; native checks: {native.status()}"
+    )
     print("| variant | step | guard check | fast gather | prepare | graph replay |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     steps = {

@@ -253,6 +253,12 @@ def run(args: argparse.Namespace) -> None:
                     step()
                     sync(device)
                     row["first_call_s"] = time.perf_counter() - start
+                    if variant.startswith("optcompile"):
+                        # Steady state: with optguard's native checks, which users get from
+                        # the first seconds on (they build in the background, once).
+                        from optguard import native
+
+                        native.start(wait=True)
                     row["step_s"] = time_per_step(step, device)
                     row["device_ops"] = device_ops_per_step(step, device)
                     if variant.startswith("optcompile"):
@@ -263,6 +269,7 @@ def run(args: argparse.Namespace) -> None:
                         row["fallback"] = report.fallback_reason
                         row["cudagraphs"] = report.cudagraphs
                         row["cudagraph_recordings"] = report.cudagraph_recordings
+                        row["native_checks"] = report.native_checks
                     if variant == "optcompile" and not args.no_probe:
                         row["cold_s"], row["warm_s"], row["again_s"] = compile_times(
                             set_name, opt_name, device

@@ -19,6 +19,7 @@ from optguard import (
     TensorMeta,
     TypeGuard,
     compile_check,
+    native,
 )
 from optguard import _torch_compat as compat
 from optguard_paths import GROUP, GROUPS, OPT, PARAMS
@@ -60,7 +61,7 @@ needs_fast = pytest.mark.skipif(not compat.available(), reason="this torch lacks
 
 
 @needs_fast
-def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it():
+def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it(checks):
     opt = _optimizer()
     check = _check(opt)
     L = {"opt": opt}
@@ -72,14 +73,27 @@ def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it():
         p.grad = torch.randn_like(p)  # new grads every step
     assert check.fast(L) and check(L)
     assert "C++ guard tree" in check.describe()
+    native_lines = [line for line in check.fast.lines if "one native check" in line]
+    assert len(native_lines) == (2 if checks == "native" else 0)  # params, their grads
 
 
 @needs_fast
 @pytest.mark.parametrize(
     "change",
-    ["grad becomes None", "grad strides", "param moved to float64", "state cleared", "lr is int"],
+    [
+        "grad becomes None",
+        "grad strides",
+        "grad dtype",
+        "grad requires grad",
+        "param moved to float64",
+        "param reshaped",
+        "param replaced",
+        "param list shorter",
+        "state cleared",
+        "lr is int",
+    ],
 )
-def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change):
+def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change, checks):
     opt = _optimizer()
     check = _check(opt)
     L = {"opt": opt}
@@ -89,8 +103,20 @@ def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change):
         p.grad = None
     elif change == "grad strides":
         p.grad = torch.randn(2, 4).t()  # same shape, transposed layout
+    elif change == "grad dtype":
+        p.grad = None
+        p.grad = torch.randn(4, 2)
+        p.grad.data = p.grad.data.double()  # .data escapes the grad setter's dtype check
+    elif change == "grad requires grad":
+        p.grad = torch.randn(4, 2, requires_grad=True)
     elif change == "param moved to float64":
         p.data = p.data.double()
+    elif change == "param reshaped":
+        p.data = p.data.reshape(2, 4)
+    elif change == "param replaced":
+        opt.param_groups[0]["params"][1] = torch.nn.Parameter(p.detach().clone())
+    elif change == "param list shorter":
+        opt.param_groups[0]["params"].pop()
     elif change == "state cleared":
         opt.state.clear()
     elif change == "lr is int":
@@ -176,3 +202,24 @@ def test_without_the_cxx_pieces_every_call_runs_the_full_check(monkeypatch):
     assert check.fast is None and check.fast_note == "off: not available with this torch"
     opt.state.clear()
     assert not check(L)
+
+
+@needs_fast
+def test_a_tier_built_while_the_native_checks_build_is_rebuilt_once_they_load(checks, monkeypatch):
+    if checks == "python":
+        pytest.skip("the native module is needed")
+    module = native.module()
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_status", "building")  # as in its background thread
+    opt = _optimizer()
+    check = _check(opt)
+    L = {"opt": opt}
+    assert check(L) and check.fast is not None and check.fast.pending
+    assert check(L) and check.fast_hit  # still building: the tree's checks serve
+    monkeypatch.setattr(native, "_module", module)
+    first = check.fast
+    assert check(L) and not check.fast_hit  # rebuilt on this call, the full check passing
+    assert check.fast is not first and not check.fast.pending
+    assert sum("one native check" in line for line in check.fast.lines) == 2
+    assert check(L) and check.fast_hit
+    assert check.rebuilds == 1  # the upgrade is not counted against the tier

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
 import torch
-from optguard import DEFAULT_RECOMPILE_LIMIT, Locals
+from optguard import DEFAULT_RECOMPILE_LIMIT, Locals, native
 from optkernels import Backend, BackendError, get_backend
 from opttrace import eager_step, trace, trace_step
 
@@ -197,6 +197,7 @@ class Explanation:
     cudagraphs: str = "off"  # the newest entry's graph, or why it has none
     cudagraph_recordings: int = 0  # over every entry
     cudagraph_replays: int = 0
+    native_checks: str = ""  # optguard's C++ per-tensor checks: loaded, building, failed, off
 
     def __str__(self) -> str:
         older = [
@@ -209,6 +210,7 @@ class Explanation:
             f"   kernel launches per step: {self.kernel_launches_per_step}",
             f"fallback: {self.fallback_reason or 'none'}",
             f"CUDA graphs: {self.cudagraphs}",
+            f"native per-tensor checks: {self.native_checks}",
             "retrace reasons:",
             *(f"  - {r}" for r in self.retrace_reasons or ["(none)"]),
             f"guards of the newest entry ({len(self.guards)}):",
@@ -264,6 +266,7 @@ def explain(obj: Any) -> Explanation:
         cudagraphs=status,
         cudagraph_recordings=sum(p.recordings for p in graphed),
         cudagraph_replays=sum(p.replays for p in graphed),
+        native_checks=native.status(),
     )
 
 

@@ -25,12 +25,16 @@ from optguard import (
     Locals,
     compile_check,
     compile_fetch,
+    native,
 )
-from optkernels import Backend, Plan
+from optkernels import Backend, Plan, use_address_check
 from optsidefx import Replay, generate_replay
 from opttrace import TracedStep, TraceError, clear_cache
 
 from optcompile.errors import FallbackWarning
+
+# The backends' per-call address checks use optguard's C++ loop once it is built.
+native.when_loaded(lambda module: use_address_check(module.ptrs_equal))
 
 Tracer = Callable[[Locals], TracedStep]
 Eager = Callable[[Locals], Any]

@@ -111,6 +111,11 @@ class GuardTree:
             node.add_not_none_guard([text], None)
 
     @staticmethod
+    def predicate(node: Any, fn: Any, text: str) -> None:
+        """``fn(value)`` is true (a callable run from C++; cheap when ``fn`` is itself C)."""
+        node.add_lambda_guard(fn, [text], None)
+
+    @staticmethod
     def tensor(node: Any, t: torch.Tensor, text: str) -> None:
         """Same type, dtype, device, dispatch keys, shape, stride, requires_grad as ``t``."""
         node.add_tensor_match_guard(

@@ -11,6 +11,9 @@ for much less:
   the version tags of the state dict and of each of its entries (checked in the same tree,
   by position), plus the identity of the parameters keying it: unchanged versions mean the
   same entry dicts holding the same tensors the full check accepted;
+- the tensor-metadata guards on every item of a list (the params of a group) and on every
+  item's ``.grad`` are tested by one C++ loop per list (native.py) once that module is
+  loaded, instead of one tree node per tensor;
 - the rest (predicates on hyperparameters, key tuples, other sources) runs as generated
   Python.
 
@@ -27,10 +30,14 @@ runs, data pointers included, and the tier is built anew (check.py limits how of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from optguard import _torch_compat as compat
+from optguard import native
 from optguard.guards import (
     ConstantGuard,
     DataPtrGuard,
@@ -62,11 +69,15 @@ class FastCheck:
         residual: Any,
         lines: list[str],
         pinned: frozenset[Source] = frozenset(),
+        pending: bool = False,
     ) -> None:
         self.tree = tree
         self.residual = residual
         self.lines = lines
         self.pinned = pinned
+        # Built while the native module was still building: worth building again once it
+        # is loaded (CompiledCheck does).
+        self.pending = pending
 
     def __call__(self, L: Locals) -> bool:
         return self.tree.check(L) and bool(self.residual(L))
@@ -89,30 +100,36 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
 
     if not compat.available():
         return None
-    states = {
-        keyed.base: None
+    keyed_sources = [
+        keyed
         for g in guards
         if not isinstance(g, DataPtrGuard) and (keyed := _keyed_ancestor(g.source)) is not None
-    }
+    ]
+    states = {keyed.base: None for keyed in keyed_sources}
+    keys = {keyed.key: None for keyed in keyed_sources}
     builder = _TreeBuilder(L, set(states))
     residual: list[Guard] = []
-    identical: set[Source] = set()
     matched = {g.source for g in guards if isinstance(g, TensorMatchGuard)}
-    keys: dict[Source, None] = {}
+    module = native.start()
+    listed, identical = (
+        _list_families(module, guards, L, builder, set(keys))
+        if module is not None
+        else (set(), set())
+    )
     for guard in guards:
         if isinstance(guard, DataPtrGuard):
             continue  # checked by the full check only (see the module docstring)
         if isinstance(guard, NoneGuard) and not guard.is_none and guard.source in matched:
             continue  # a tensor match fails on None
-        keyed = _keyed_ancestor(guard.source)
-        if keyed is not None:
-            keys[keyed.key] = None
-            continue
+        if guard.source in listed or _keyed_ancestor(guard.source) is not None:
+            continue  # in its list's native check; under the state's dict versions
         if not builder.add(guard):
             residual.append(guard)
         elif isinstance(guard, IdentityGuard):
             identical.add(guard.source)
     for key in keys:
+        if key in identical:
+            continue  # its list's native check tests identity
         node = builder.node(key)
         if node is None:
             return None
@@ -133,7 +150,60 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         )
     check = compile_check(GuardSet(tuple(residual)), fast=False)
     pinned = _pinned_sources(guards, identical, set(states))
-    return FastCheck(builder.tree, check, builder.lines, pinned)
+    pending = module is None and native.status() == "building"
+    return FastCheck(builder.tree, check, builder.lines, pinned, pending)
+
+
+def _list_families(
+    module: Any, guards: Sequence[Guard], L: Locals, builder: _TreeBuilder, keys: set[Source]
+) -> tuple[set[Source], set[Source]]:
+    """Put the metadata guards on the items of a list (``params[i]``) or on their grads
+    (``params[i].grad``) into one native check per list and kind, where they cover every
+    item (with the identity of items that key the state, when all of them do). Return the
+    sources they guard (the caller adds no other guard for them) and those whose identity
+    they check."""
+    families: dict[tuple[Source, bool], dict[int, list[Guard]]] = {}
+    for g in guards:
+        if not isinstance(g, TensorMatchGuard) and not (isinstance(g, NoneGuard) and g.is_none):
+            continue
+        source, grad = g.source, False
+        if isinstance(source, AttrSource) and source.attr == "grad":
+            source, grad = source.base, True
+        if isinstance(source, ItemSource) and isinstance(source.key, int):
+            families.setdefault((source.base, grad), {}).setdefault(source.key, []).append(g)
+    listed: set[Source] = set()
+    identified: set[Source] = set()
+    for (container_source, grad), items in families.items():
+        container = container_source.fetch(L)
+        if (
+            type(container) is not list
+            or sorted(items) != list(range(len(container)))
+            or any(len(on_item) != 1 for on_item in items.values())
+        ):
+            continue
+        node = builder.node(container_source)
+        values = [v.grad if grad else v for v in container]
+        if node is None or not all(v is None or _strided(v) for v in values):
+            continue
+        sources = [items[i][0].source for i in range(len(container))]
+        ids = not grad and all(s in keys for s in sources)
+        spec = module.spec(values, ids)
+        what = (
+            "their grads keep"
+            if grad
+            else ("its items are the same objects with" if ids else "its items keep")
+        )
+        text = f"{container_source.name()}: {what} type, dtype, device, shape, stride"
+        compat.GuardTree.predicate(node, functools.partial(module.match, spec, grad), text)
+        builder.lines.append(f"{text} ({len(values)} tensors, one native check)")
+        listed.update(sources)
+        if ids:
+            identified.update(sources)
+    return listed, identified
+
+
+def _strided(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided
 
 
 def _pinned_sources(

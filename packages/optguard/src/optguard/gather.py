@@ -8,8 +8,9 @@ objects it was armed with. ``FastGather`` keeps them in a template, armed from a
 run while the fast tier held, and fetches the rest anew on each call:
 
 - an attribute of a pinned object (``param.grad``) is read for every such input at once,
-  ``map(attrgetter(attr), <the pinned objects>)``, written into its slots by one slice
-  assignment when they are evenly spaced;
+  ``map(attrgetter(attr), <the pinned objects>)`` (``.grad``: one C++ loop, native.py, once
+  that module is loaded), written into its slots by one slice assignment when they are
+  evenly spaced;
 - any other input (a hyperparameter in a param group) by straight-line code from ``L``.
 
 The template holds the pinned objects (only those: not the grads of the call that armed it)
@@ -23,6 +24,7 @@ import operator
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from optguard import native
 from optguard.codegen import SourceCode, build_function
 from optguard.sources import AttrSource, Locals, Source
 
@@ -52,12 +54,16 @@ class FastGather:
             for attr, items in families.items()
         ]
         body = SourceCode()
+        module = native.module()
         for k, (attr, slots, _) in enumerate(self._families):
-            getter = body.constant(operator.attrgetter(attr), f"get_{attr}")
-            values = f"map({getter}, bases[{k}])"
+            if attr == "grad" and module is not None:
+                values = f"{body.constant(module.grads, 'grads')}(bases[{k}])"
+            else:
+                getter = body.constant(operator.attrgetter(attr), f"get_{attr}")
+                values = f"list(map({getter}, bases[{k}]))"
             step = slots[1] - slots[0] if len(slots) > 1 else 1
             if step > 0 and slots == list(range(slots[0], slots[-1] + 1, step)):
-                body.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = list({values})")
+                body.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {values}")
             else:
                 where = body.constant(slots, f"slots_{attr}")
                 body.emit(f"for i, v in zip({where}, {values}):")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from optkernels._torch_compat import current_stream
@@ -49,13 +50,19 @@ class Staging:
     def upload(
         self, buffer: torch.Tensor | None, values: Any, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """``values`` (a list of numbers or a CPU tensor) in a device buffer: ``buffer`` when
-        it has their shape (its address stays), else a new one."""
+        """``values`` (a list of numbers, a numpy array or a CPU tensor) in a device buffer:
+        ``buffer`` when it has their shape (its address stays), else a new one."""
+        array = values if isinstance(values, np.ndarray) else None
         host = values if isinstance(values, torch.Tensor) else None
-        shape = tuple(host.shape) if host is not None else (max(len(values), 1),)
+        if array is not None:
+            shape: tuple[int, ...] = array.shape
+        else:
+            shape = tuple(host.shape) if host is not None else (max(len(values), 1),)
         if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype:
             buffer = torch.zeros(shape, dtype=dtype, device=device)
         if device.type != "cuda":
+            if array is not None:
+                host = torch.from_numpy(array)
             source = host if host is not None else torch.tensor(values or [0], dtype=dtype)
             buffer.copy_(source)
             return buffer
@@ -66,7 +73,7 @@ class Staging:
         pinned_slot = ring[1][self.slot]
         if host is not None:
             pinned_slot.copy_(host)
-        elif values:
+        elif array is not None or values:
             ring[2][self.slot][:] = values
         buffer.copy_(pinned_slot, non_blocking=True)
         self._copied = True

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import fx
 
@@ -20,8 +21,8 @@ from optkernels.errors import BackendError
 from optkernels.foreach_kernel import (
     BLOCK,
     KernelError,
-    eval_host,
     eval_scalars,
+    host_function,
     host_vars,
     kernel_source,
     load_kernel,
@@ -103,6 +104,7 @@ class _Group:
         # Host mode: per 0-dim input column, one CPU buffer the lanes' tensors alias (see
         # _Part._host_values), and the addresses that aliasing gives them.
         self.small_buffers: dict[int, torch.Tensor] = {}
+        self.small_views: dict[int, np.ndarray] = {}  # numpy views of small_buffers
         self.small_expected: list[int] = []
         self.small_all = [i for slots in self.small_slots.values() for i in slots]
 
@@ -160,6 +162,8 @@ class _Part:
             by_dtypes.setdefault(dtypes, []).append(lane)
         self.host_order = host_vars(program) if host else []
         self.host_cols = {v: j for j, v in enumerate(self.host_order)}
+        self._host_fn = host_function(program, self.host_order) if host else None
+        self._host_fn_uniform = host_function(program, self.host_order, True) if host else None
         # An input column is static when the guards fix every lane's address (params, state).
         dynamic = [
             not all(n.meta.get("static_address", False) for n in column)
@@ -266,31 +270,75 @@ class _Part:
         group: _Group,
         inputs: Sequence[Any],
         scalar_values: list[float],
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """Compute the host vars for the group's lanes on the CPU, write the 0-dim results
-        back there, and return the values the kernel reads (on the CPU).
+        back there, and return the values the kernel reads (lanes x vars, float32).
 
         The lanes' 0-dim CPU tensors (step counts: state the optimizer owns) are made to
         alias one buffer per column, slot ``j`` for lane ``j`` (``set_``: same tensor objects,
-        values, dtype and shape). All lanes are then read and written as that buffer, one op
-        each, instead of stacking and copying 200 tensors per call. Their addresses are
+        values, dtype and shape). All lanes are then read and written as that buffer (through
+        a numpy view: host_function), one op each, instead of stacking and copying 200 tensors per
+        call. Their addresses are
         checked each call in one batch; a tensor re-pointed since (``set_``, ``.data =``) is
         aliased again."""
         if not group.small_buffers or not data_ptrs_equal(
             inputs, group.small_expected, group.small_all
         ):
             self._alias_small(group, inputs)
-        small_inputs = group.small_buffers
-        with torch.no_grad():
-            values = eval_host(program, self.host_order, small_inputs, scalar_values)
-            for var, k in program.writes:
-                if program.input_small[k]:
-                    small_inputs[k].copy_(values[var])
-        columns = [
-            v if v.dtype == torch.float32 else v.to(torch.float32)
-            for v in (values[var] for var in self.host_order)
-        ] or [torch.zeros(len(group.lanes))]
-        return torch.stack(columns, dim=1)
+        buffers = group.small_buffers
+        on_cpu = all(b.device.type == "cpu" for b in buffers.values())
+        # On the CPU, numpy views of the buffers (written in place); forced host mode with
+        # device tensors (tests): copies, written back with copy_.
+        views = group.small_views if on_cpu else {k: b.cpu().numpy() for k, b in buffers.items()}
+        if on_cpu:
+            uniform = self._host_values_uniform(program, group, views, scalar_values)
+            if uniform is not None:
+                return uniform
+        assert self._host_fn is not None
+        with np.errstate(all="ignore"):
+            values = self._host_fn(views, scalar_values, len(group.lanes))
+        for var, k in program.writes:
+            if not program.input_small[k]:
+                continue
+            if on_cpu:
+                np.copyto(views[k], values[var], casting="unsafe")
+            else:
+                new = np.array(np.broadcast_to(values[var], views[k].shape), views[k].dtype)
+                buffers[k].copy_(torch.from_numpy(new))
+        out = np.zeros((len(group.lanes), max(len(self.host_order), 1)), dtype=np.float32)
+        for j, var in enumerate(self.host_order):
+            out[:, j] = values[var]
+        return out
+
+    def _host_values_uniform(
+        self,
+        program: LaneProgram,
+        group: _Group,
+        views: dict[int, np.ndarray],
+        scalar_values: list[float],
+    ) -> np.ndarray | None:
+        """``_host_values`` when every lane holds the same values (the lanes' step counts
+        advance together unless a param joined later or a state was loaded): computed once,
+        with Python floats (host_function). None when the lanes differ or that arithmetic
+        raised; the caller then computes every lane."""
+        first: dict[int, Any] = {}
+        for k, view in views.items():
+            head = view[:1]
+            if view.tobytes() != head.tobytes() * len(view):  # bitwise: cheap, NaN-safe
+                return None
+            first[k] = head.item()
+        assert self._host_fn_uniform is not None
+        try:
+            values = self._host_fn_uniform(first, scalar_values, 1)
+        except (ArithmeticError, ValueError):
+            return None
+        for var, k in program.writes:
+            if program.input_small[k]:
+                views[k].fill(values[var])
+        out = np.zeros((len(group.lanes), max(len(self.host_order), 1)), dtype=np.float32)
+        if self.host_order:
+            out[:] = [float(values[var]) for var in self.host_order]
+        return out
 
     @staticmethod
     def _alias_small(group: _Group, inputs: Sequence[Any]) -> None:
@@ -305,6 +353,7 @@ class _Part:
                     t.set_(storage, j, (), ())
                     expected[i] = t.data_ptr()
         group.small_buffers, group.small_expected = buffers, expected
+        group.small_views = {k: b.numpy() for k, b in buffers.items() if b.device.type == "cpu"}
 
     def _group_tables(
         self, g: int, group: _Group, inputs: Sequence[Any], device: torch.device

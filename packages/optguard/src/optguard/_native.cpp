@@ -1,0 +1,232 @@
+// Per-tensor checks of the fast tier in one C++ pass (built on first use by native.py).
+//
+// A guard on each of 200 parameters and their gradients costs ~100 ns per tensor through
+// dynamo's guard tree or Python; here a whole list costs a few ns per tensor:
+//
+//   plain(types)                            types whose .grad is TensorBase's own (set once)
+//   spec(values, ids) -> capsule            record each value's metadata (None or a tensor),
+//                                           and with ids=True its identity
+//   match(spec, grad, container) -> bool    container[i] (or container[i].grad) still matches
+//   grads(objects) -> list                  [o.grad for o in objects]
+//   ptrs_equal(tensors, ptrs, indices)      tensors[i].data_ptr() == ptrs[i] for i in indices
+//
+// "Matches" is TensorMatchGuard's test (guards.py): same Python type, dtype, device,
+// layout, shape, stride and requires_grad; an entry recorded as None must still be None.
+
+#include <Python.h>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+struct Meta {
+  Py_ssize_t index;  // position in the container
+  PyObject* id;      // the very object expected (not owned; compared by address), or null
+  bool none;         // the value was None
+  PyTypeObject* type;
+  c10::ScalarType dtype;
+  c10::Device device{c10::kCPU};
+  c10::Layout layout;
+  bool requires_grad;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+};
+
+struct Spec {
+  std::vector<Meta> metas;
+  ~Spec() {
+    for (Meta& m : metas) Py_XDECREF(reinterpret_cast<PyObject*>(m.type));
+  }
+};
+
+// Types whose .grad is TensorBase's own getter (torch.Tensor, torch.nn.Parameter): their
+// gradient is read in C++; any other type through getattr. Owned references, set by plain().
+std::vector<PyObject*> g_plain;
+
+const char* kCapsule = "optguard.native.Spec";
+
+void drop_spec(PyObject* capsule) {
+  delete static_cast<Spec*>(PyCapsule_GetPointer(capsule, kCapsule));
+}
+
+bool is_plain(PyObject* obj) {
+  for (PyObject* t : g_plain)
+    if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) == t) return true;
+  return false;
+}
+
+// obj.grad as a new reference (nullptr with an error set on failure).
+PyObject* grad_of(PyObject* obj) {
+  if (is_plain(obj)) return THPVariable_Wrap(THPVariable_Unpack(obj).grad());
+  return PyObject_GetAttrString(obj, "grad");
+}
+
+PyObject* plain(PyObject*, PyObject* types) {
+  if (!PyTuple_Check(types)) {
+    PyErr_SetString(PyExc_TypeError, "plain(types: tuple)");
+    return nullptr;
+  }
+  for (PyObject* t : g_plain) Py_DECREF(t);
+  g_plain.clear();
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); ++i) {
+    PyObject* t = PyTuple_GET_ITEM(types, i);
+    Py_INCREF(t);
+    g_plain.push_back(t);
+  }
+  Py_RETURN_NONE;
+}
+
+bool matches(const Meta& m, PyObject* value) {
+  if (m.id != nullptr && value != m.id) return false;
+  if (m.none) return value == Py_None;
+  if (Py_TYPE(value) != m.type || !THPVariable_Check(value)) return false;
+  const at::Tensor& t = THPVariable_Unpack(value);
+  if (t.scalar_type() != m.dtype || t.device() != m.device || t.layout() != m.layout ||
+      t.requires_grad() != m.requires_grad)
+    return false;
+  return t.sizes().equals(m.sizes) && t.strides().equals(m.strides);
+}
+
+PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "spec(values: list, ids: bool)");
+    return nullptr;
+  }
+  PyObject* values = args[0];
+  bool ids = args[1] == Py_True;
+  auto* out = new Spec();
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); ++i) {
+    PyObject* v = PyList_GET_ITEM(values, i);
+    Meta m{i, ids ? v : nullptr, v == Py_None, nullptr, c10::ScalarType::Undefined, c10::Device(c10::kCPU),
+           c10::kStrided, false, {}, {}};
+    if (!m.none) {
+      if (!THPVariable_Check(v)) {
+        delete out;
+        PyErr_Format(PyExc_TypeError, "spec: item %zd is neither a tensor nor None", i);
+        return nullptr;
+      }
+      const at::Tensor& t = THPVariable_Unpack(v);
+      if (t.layout() != c10::kStrided) {
+        delete out;
+        PyErr_Format(PyExc_ValueError, "spec: item %zd is not a strided tensor", i);
+        return nullptr;
+      }
+      m.type = Py_TYPE(v);
+      Py_INCREF(reinterpret_cast<PyObject*>(m.type));
+      m.dtype = t.scalar_type();
+      m.device = t.device();
+      m.layout = t.layout();
+      m.requires_grad = t.requires_grad();
+      m.sizes = t.sizes().vec();
+      m.strides = t.strides().vec();
+    }
+    out->metas.push_back(std::move(m));
+  }
+  return PyCapsule_New(out, kCapsule, drop_spec);
+}
+
+PyObject* match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "match(spec, grad: bool, container: list)");
+    return nullptr;
+  }
+  auto* s = static_cast<Spec*>(PyCapsule_GetPointer(args[0], kCapsule));
+  if (s == nullptr) return nullptr;
+  bool grad = args[1] == Py_True;
+  PyObject* container = args[2];
+  if (!PyList_Check(container)) Py_RETURN_FALSE;
+  if (PyList_GET_SIZE(container) != static_cast<Py_ssize_t>(s->metas.size())) Py_RETURN_FALSE;
+  for (const Meta& m : s->metas) {
+    PyObject* item = PyList_GET_ITEM(container, m.index);
+    if (!grad) {
+      if (!matches(m, item)) Py_RETURN_FALSE;
+      continue;
+    }
+    PyObject* g = grad_of(item);
+    if (g == nullptr) {
+      PyErr_Clear();  // any error fetching is a miss, as in the generated check
+      Py_RETURN_FALSE;
+    }
+    bool ok = matches(m, g);
+    Py_DECREF(g);
+    if (!ok) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+PyObject* grads(PyObject*, PyObject* objects) {
+  if (!PyList_Check(objects)) {
+    PyErr_SetString(PyExc_TypeError, "grads(objects: list)");
+    return nullptr;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(objects);
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* g = grad_of(PyList_GET_ITEM(objects, i));
+    if (g == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, g);
+  }
+  return out;
+}
+
+PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "ptrs_equal(tensors: list, ptrs: list, indices: list)");
+    return nullptr;
+  }
+  PyObject* tensors = args[0];
+  PyObject* ptrs = args[1];
+  PyObject* indices = args[2];
+  Py_ssize_t n = PyList_GET_SIZE(tensors);
+  if (PyList_GET_SIZE(ptrs) != n) Py_RETURN_FALSE;
+  try {
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(indices); ++k) {
+      Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(indices, k));
+      if (i < 0 || i >= n) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+      }
+      PyObject* t = PyList_GET_ITEM(tensors, i);
+      if (!THPVariable_Check(t)) Py_RETURN_FALSE;
+      void* expected = PyLong_AsVoidPtr(PyList_GET_ITEM(ptrs, i));
+      if (expected == nullptr && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+      }
+      if (THPVariable_Unpack(t).data_ptr() != expected) Py_RETURN_FALSE;
+    }
+  } catch (const std::exception&) {  // a tensor without storage: not the expected address
+    Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+PyMethodDef kMethods[] = {
+    {"plain", plain, METH_O, "Set the types whose .grad is read in C++."},
+    {"spec", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(spec)), METH_FASTCALL,
+     "Record the metadata (and identity) of a list of tensors (or None)."},
+    {"match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(match)), METH_FASTCALL,
+     "Whether a list's items (or their .grad) still match a spec."},
+    {"grads", grads, METH_O, "[o.grad for o in objects]."},
+    {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs_equal)),
+     METH_FASTCALL, "Whether tensors[i].data_ptr() == ptrs[i] for every i in indices."},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define OPT_STR2(x) #x
+#define OPT_STR(x) OPT_STR2(x)
+#define OPT_CAT2(a, b) a##b
+#define OPT_CAT(a, b) OPT_CAT2(a, b)
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, OPT_STR(TORCH_EXTENSION_NAME), nullptr, -1,
+                       kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC OPT_CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&kModule); }

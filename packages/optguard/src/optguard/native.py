@@ -1,0 +1,108 @@
+"""The C++ checks of ``_native.cpp``, built on first use (in the background) and cached.
+
+A hit of the fast tier (fast.py) still tests, per call, the metadata of every parameter and
+gradient it guards, the fast gather (gather.py) reads every ``param.grad``, and a backend
+that baked addresses in (optkernels) compares every input's ``data_ptr()``: ~100 ns per
+tensor through dynamo's guard tree, torch or Python, tens of µs for 200 parameters.
+``_native.cpp`` does each list in one C++ loop (a few ns per tensor). It is compiled
+against the installed torch with ``torch.utils.cpp_extension.load`` (a C++ compiler and
+ninja are needed; ~15 s, once per torch and Python version: the build is cached under
+``TORCH_EXTENSIONS_DIR``), in a daemon thread started by the first fast tier, so no call
+waits for it. Until it is loaded, or when it cannot be built, the same checks run as
+before (the guard tree, ``attrgetter``, torch's compare): results never depend on it,
+only speed.
+
+``OPTCOMPILE_NATIVE``: ``0`` never builds it; ``sync`` builds it in the calling thread (tests,
+benchmarks); unset: in the background.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("_native.cpp")
+# Name of the built module: one build per torch and Python version (ABI), and source.
+_NAME = "optguard_native_" + re.sub(
+    r"\W", "_", f"{torch.__version__}_py{sys.version_info[0]}{sys.version_info[1]}"
+)
+
+_lock = threading.Lock()
+_module: Any = None
+_status = "not built yet"
+_thread: threading.Thread | None = None
+_callbacks: list[Callable[[Any], None]] = []
+
+
+def module() -> Any:
+    """The loaded C++ module, or None (not built yet, building, off or failed)."""
+    return _module
+
+
+def status() -> str:
+    """``"loaded"``, ``"building"``, ``"not built yet"``, ``"off (...)"`` or ``"failed: ..."``."""
+    return _status
+
+
+def when_loaded(callback: Callable[[Any], None]) -> None:
+    """Call ``callback(module)`` once the module is loaded (now, if it is): how a layer that
+    does not depend on optguard (optkernels' address checks) is handed its functions."""
+    with _lock:
+        if _module is None:
+            _callbacks.append(callback)
+            return
+    callback(_module)
+
+
+def start(wait: bool | None = None) -> Any:
+    """Build and load the module unless that was done or tried; return it (or None).
+
+    ``wait``: block until it is loaded (default: only when ``OPTCOMPILE_NATIVE=sync``)."""
+    global _thread, _status
+    mode = os.environ.get("OPTCOMPILE_NATIVE", "")
+    if mode == "0":
+        _status = "off (OPTCOMPILE_NATIVE=0)"
+        return None
+    if wait is None:
+        wait = mode == "sync"
+    with _lock:
+        if _thread is None and _module is None and not _status.startswith("failed"):
+            _status = "building"
+            _thread = threading.Thread(target=_build, name="optguard-native-build", daemon=True)
+            _thread.start()
+        thread = _thread
+    if wait and thread is not None:
+        thread.join()
+    return _module
+
+
+def _build() -> None:
+    global _module, _status
+    try:
+        from torch.utils import cpp_extension
+
+        built = cpp_extension.load(
+            name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False
+        )
+        # Types whose ``grad`` is TensorBase's own getter (a subclass may override it).
+        grad = torch._C.TensorBase.grad
+        built.plain(tuple(t for t in (torch.Tensor, torch.nn.Parameter) if t.grad is grad))
+        for name in ("spec", "match", "grads", "ptrs_equal"):
+            getattr(built, name)
+    except Exception as exc:  # no compiler, no ninja, a header change: stay on Python
+        _status = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
+        return
+    with _lock:
+        _module = built
+        _status = "loaded"
+        callbacks = _callbacks.copy()
+        _callbacks.clear()
+    for callback in callbacks:
+        callback(built)
