@@ -372,8 +372,9 @@ def test_uniform_host_arithmetic_agrees_with_per_lane_and_refuses_what_python_ca
     group = part.groups[0]
     scalars = eval_scalars(part.program, inputs, part.index)
     lanes = len(group.lanes)
-    per_lane = part._host_fn(group.small_views, scalars, lanes)
-    one = {k: float(v[0]) for k, v in group.small_views.items()}
+    views = {k: b.cpu().numpy() for k, b in group.small_buffers.items()}  # CPU or CUDA steps
+    per_lane = part._host_fn(views, scalars, lanes)
+    one = {k: float(v[0]) for k, v in views.items()}
     uniform = part._host_fn_uniform(one, scalars, 1)
     for var in part.host_order:  # float32's 1 - 0.999 ** step loses ~1e-5 to cancellation
         np.testing.assert_allclose(per_lane[var], np.full(lanes, uniform[var]), rtol=5e-5)
@@ -382,5 +383,5 @@ def test_uniform_host_arithmetic_agrees_with_per_lane_and_refuses_what_python_ca
     with pytest.raises(ZeroDivisionError):
         part._host_fn_uniform(one, scalars, 1)
     with np.errstate(all="ignore"):
-        per_lane = part._host_fn(group.small_views, scalars, lanes)
+        per_lane = part._host_fn(views, scalars, lanes)
     assert any(np.isinf(per_lane[var]).all() for var in part.host_order)
