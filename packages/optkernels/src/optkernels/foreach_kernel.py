@@ -453,7 +453,7 @@ def host_function(
         lines.append(f"    v{var} = {value}")
     lines.append("    return {" + ", ".join(f"{v}: v{v}" for v in order) + "}")
     scope: dict[str, Any] = {"c": constants, "np": np}
-    exec("\n".join(lines), scope)
+    exec(compile("\n".join(lines), "<optkernels host_function>", "exec"), scope)
     fn: HostFunction = scope["host"]
     return fn
 

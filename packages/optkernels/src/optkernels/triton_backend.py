@@ -276,27 +276,24 @@ class _Part:
 
         The lanes' 0-dim CPU tensors (step counts: state the optimizer owns) are made to
         alias one buffer per column, slot ``j`` for lane ``j`` (``set_``: same tensor objects,
-        values, dtype and shape). All lanes are then read and written as that buffer (through
-        a numpy view: host_function), one op each, instead of stacking and copying 200 tensors per
-        call. Their addresses are
-        checked each call in one batch; a tensor re-pointed since (``set_``, ``.data =``) is
-        aliased again."""
+        values, dtype and shape). All lanes are then read and written as that buffer, through
+        a numpy view (host_function), instead of stacking and copying 200 tensors per call.
+        Their addresses are checked each call in one batch; a tensor re-pointed since
+        (``set_``, ``.data =``) is aliased again."""
         if not group.small_buffers or not data_ptrs_equal(
             inputs, group.small_expected, group.small_all
         ):
             self._alias_small(group, inputs)
         buffers = group.small_buffers
-        on_cpu = all(b.device.type == "cpu" for b in buffers.values())
         # On the CPU, numpy views of the buffers (written in place); forced host mode with
         # device tensors (tests): copies, written back with copy_.
+        on_cpu = len(group.small_views) == len(buffers)
         views = group.small_views if on_cpu else {k: b.cpu().numpy() for k, b in buffers.items()}
-        if on_cpu:
-            uniform = self._host_values_uniform(program, group, views, scalar_values)
-            if uniform is not None:
-                return uniform
-        assert self._host_fn is not None
-        with np.errstate(all="ignore"):
-            values = self._host_fn(views, scalar_values, len(group.lanes))
+        values = self._uniform_host_values(views, scalar_values) if on_cpu else None
+        if values is None:
+            assert self._host_fn is not None
+            with np.errstate(all="ignore"):
+                values = self._host_fn(views, scalar_values, len(group.lanes))
         for var, k in program.writes:
             if not program.input_small[k]:
                 continue
@@ -310,17 +307,13 @@ class _Part:
             out[:, j] = values[var]
         return out
 
-    def _host_values_uniform(
-        self,
-        program: LaneProgram,
-        group: _Group,
-        views: dict[int, np.ndarray],
-        scalar_values: list[float],
-    ) -> np.ndarray | None:
-        """``_host_values`` when every lane holds the same values (the lanes' step counts
-        advance together unless a param joined later or a state was loaded): computed once,
-        with Python floats (host_function). None when the lanes differ or that arithmetic
-        raised; the caller then computes every lane."""
+    def _uniform_host_values(
+        self, views: dict[int, np.ndarray], scalar_values: list[float]
+    ) -> dict[int, Any] | None:
+        """The host vars as one Python number each, when every lane holds the same values
+        (the lanes' step counts advance together unless a param joined later or a state was
+        loaded), computed once with Python floats (host_function). None when the lanes
+        differ or that arithmetic raised; the caller then computes every lane."""
         first: dict[int, Any] = {}
         for k, view in views.items():
             head = view[:1]
@@ -329,16 +322,9 @@ class _Part:
             first[k] = head.item()
         assert self._host_fn_uniform is not None
         try:
-            values = self._host_fn_uniform(first, scalar_values, 1)
+            return self._host_fn_uniform(first, scalar_values, 1)
         except (ArithmeticError, ValueError):
             return None
-        for var, k in program.writes:
-            if program.input_small[k]:
-                views[k].fill(values[var])
-        out = np.zeros((len(group.lanes), max(len(self.host_order), 1)), dtype=np.float32)
-        if self.host_order:
-            out[:] = [float(values[var]) for var in self.host_order]
-        return out
 
     @staticmethod
     def _alias_small(group: _Group, inputs: Sequence[Any]) -> None:
