@@ -18,6 +18,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
+#include <exception>
 #include <vector>
 
 namespace {
@@ -100,8 +101,8 @@ PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto* out = new Spec();
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); ++i) {
     PyObject* v = PyList_GET_ITEM(values, i);
-    Meta m{i, ids ? v : nullptr, v == Py_None, nullptr, c10::ScalarType::Undefined, c10::Device(c10::kCPU),
-           c10::kStrided, false, {}, {}};
+    Meta m{i, ids ? v : nullptr, v == Py_None, nullptr, c10::ScalarType::Undefined,
+           c10::kCPU, c10::kStrided, false, {}, {}};
     if (!m.none) {
       if (!THPVariable_Check(v)) {
         delete out;
@@ -114,14 +115,20 @@ PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         PyErr_Format(PyExc_ValueError, "spec: item %zd is not a strided tensor", i);
         return nullptr;
       }
+      try {
+        m.sizes = t.sizes().vec();
+        m.strides = t.strides().vec();
+      } catch (const std::exception& e) {  // a nested tensor: no plain sizes
+        delete out;
+        PyErr_Format(PyExc_ValueError, "spec: item %zd: %s", i, e.what());
+        return nullptr;
+      }
       m.type = Py_TYPE(v);
       Py_INCREF(reinterpret_cast<PyObject*>(m.type));
       m.dtype = t.scalar_type();
       m.device = t.device();
       m.layout = t.layout();
       m.requires_grad = t.requires_grad();
-      m.sizes = t.sizes().vec();
-      m.strides = t.strides().vec();
     }
     out->metas.push_back(std::move(m));
   }
@@ -139,20 +146,30 @@ PyObject* match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* container = args[2];
   if (!PyList_Check(container)) Py_RETURN_FALSE;
   if (PyList_GET_SIZE(container) != static_cast<Py_ssize_t>(s->metas.size())) Py_RETURN_FALSE;
-  for (const Meta& m : s->metas) {
-    PyObject* item = PyList_GET_ITEM(container, m.index);
-    if (!grad) {
-      if (!matches(m, item)) Py_RETURN_FALSE;
-      continue;
+  try {
+    for (const Meta& m : s->metas) {
+      PyObject* item = PyList_GET_ITEM(container, m.index);
+      if (!grad) {
+        if (!matches(m, item)) Py_RETURN_FALSE;
+        continue;
+      }
+      PyObject* g = grad_of(item);
+      if (g == nullptr) {
+        PyErr_Clear();  // any error fetching is a miss, as in the generated check
+        Py_RETURN_FALSE;
+      }
+      bool ok;
+      try {
+        ok = matches(m, g);
+      } catch (...) {
+        Py_DECREF(g);
+        throw;
+      }
+      Py_DECREF(g);
+      if (!ok) Py_RETURN_FALSE;
     }
-    PyObject* g = grad_of(item);
-    if (g == nullptr) {
-      PyErr_Clear();  // any error fetching is a miss, as in the generated check
-      Py_RETURN_FALSE;
-    }
-    bool ok = matches(m, g);
-    Py_DECREF(g);
-    if (!ok) Py_RETURN_FALSE;
+  } catch (const std::exception&) {  // metadata torch cannot give (a nested tensor's sizes)
+    Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;
 }

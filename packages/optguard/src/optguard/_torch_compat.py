@@ -128,3 +128,10 @@ class GuardTree:
             type(t),
             torch._C._dispatch_keys(t),
         )
+
+
+def plain_grad_types() -> tuple[type, ...]:
+    """Tensor types whose ``.grad`` is TensorBase's own getter, which the native checks may
+    read in C++ (a subclass may override ``grad``)."""
+    grad = torch._C.TensorBase.grad
+    return tuple(t for t in (torch.Tensor, torch.nn.Parameter) if t.grad is grad)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from optguard import _torch_compat as compat
+
 SOURCE = Path(__file__).with_name("_native.cpp")
 # Name of the built module: one build per torch and Python version (ABI), and source.
 _NAME = "optguard_native_" + re.sub(
@@ -91,9 +93,7 @@ def _build() -> None:
         built = cpp_extension.load(
             name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False
         )
-        # Types whose ``grad`` is TensorBase's own getter (a subclass may override it).
-        grad = torch._C.TensorBase.grad
-        built.plain(tuple(t for t in (torch.Tensor, torch.nn.Parameter) if t.grad is grad))
+        built.plain(compat.plain_grad_types())
         for name in ("spec", "match", "grads", "ptrs_equal"):
             getattr(built, name)
     except Exception as exc:  # no compiler, no ninja, a header change: stay on Python

@@ -1,0 +1,65 @@
+"""The native per-tensor checks, called directly (the fast tier and gather use them)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from optguard import native
+
+
+@pytest.fixture(scope="module")
+def module():
+    built = native.start(wait=True)
+    if built is None:
+        if os.environ.get("OPTCOMPILE_NATIVE") == "0":
+            pytest.skip("OPTCOMPILE_NATIVE=0")
+        pytest.fail(f"the native checks did not build: {native.status()}")
+    return built
+
+
+def _nested() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors warn that they are a prototype
+        return torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+
+
+def test_match_checks_every_items_metadata_and_identity(module):
+    params = [torch.nn.Parameter(torch.randn(4, 2)) for _ in range(3)]
+    spec = module.spec(params, True)
+    assert module.match(spec, False, params)
+    assert not module.match(spec, False, params[:2])  # another length
+    assert not module.match(spec, False, (*params,))  # not a list
+    same = [params[0], torch.nn.Parameter(params[1].detach().clone()), params[2]]
+    assert not module.match(spec, False, same)  # equal metadata, another object
+    assert module.match(module.spec(params, False), False, same)  # without identity
+    params[2].data = params[2].data.t()  # same object, other stride
+    assert not module.match(spec, False, params)
+
+
+def test_match_reads_grads_and_a_tensor_torch_cannot_size_is_a_miss_not_a_crash(module):
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    params[0].grad = torch.randn(3)
+    spec = module.spec([p.grad for p in params], False)  # [tensor, None]
+    assert module.match(spec, True, params)
+    params[1].grad = torch.randn(3)
+    assert not module.match(spec, True, params)  # was None
+    values = module.spec([torch.randn(3), torch.randn(2)], False)
+    assert not module.match(values, False, [_nested(), torch.randn(2)])
+    with pytest.raises(ValueError, match="item 0"):
+        module.spec([_nested()], False)
+
+
+def test_grads_and_ptrs_equal_agree_with_python(module):
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
+    params[1].grad = torch.randn(3)
+    assert all(g is p.grad for g, p in zip(module.grads(params), params, strict=True))
+    tensors = [torch.randn(2), 1.0, torch.randn(2)]
+    ptrs = [tensors[0].data_ptr(), 0, tensors[2].data_ptr()]
+    assert module.ptrs_equal(tensors, ptrs, [0, 2])
+    assert not module.ptrs_equal(tensors, ptrs, [1])  # not a tensor
+    assert not module.ptrs_equal(tensors, ptrs, [3])  # out of range
+    ptrs[2] += 4
+    assert not module.ptrs_equal(tensors, ptrs, [0, 2])
