@@ -77,7 +77,9 @@ def test_a_graphed_step_matches_eager_over_ten_steps_with_one_recording(name):
     assert report.cudagraphs.startswith("graph #") and "1 recording(s)" in report.cudagraphs
 
 
-def test_a_moved_parameter_updates_the_address_table_without_re_recording():
+def test_a_moved_parameter_is_caught_by_its_data_pointer_guard_and_recorded_anew():
+    """Params and state are static inputs: each hit checks their addresses (one C++ loop),
+    and a moved one sends the call to a new trace and recording, never to a stale table."""
     model, reference, opt, eager, schedules = _pair(CASES["AdamW"])
     for step in range(3):
         _step((model, reference), (opt, eager), schedules, step)
@@ -89,7 +91,8 @@ def test_a_moved_parameter_updates_the_address_table_without_re_recording():
         _step((model, reference), (opt, eager), schedules, step)
     _assert_same(model, reference, opt, eager)
     report = optcompile.explain(opt)
-    assert report.cudagraph_recordings == 1 and report.traces == 1
+    assert report.traces == 2 and "data pointer" in report.retrace_reasons[0]
+    assert report.cudagraph_recordings == 2
 
 
 def test_a_step_with_an_op_the_kernels_cannot_take_runs_without_a_graph_and_says_why():

@@ -185,11 +185,16 @@ def test_new_grad_tensors_each_step_update_the_address_table_only():
 
 
 def test_a_param_moved_to_new_storage_is_seen_by_the_kernel():
-    """``p.data = ...`` keeps the object (the fast guard tier passes) but moves its address:
-    the plan's batch check of static addresses catches it and rebuilds the table."""
+    """``p.data = ...`` keeps the object but moves its address: the entry's data-pointer
+    guards (tested on every hit, by either tier) reject the call, so the kernel never reads
+    through the old address table; the new trace bakes the new addresses in."""
     params, opt, reference, eager = _run(FUSED["AdamW weight decay"], steps=2)
-    plan = _unwrap(_OPTIMIZERS[opt].cache.entries[0].value.plan)
-    uploads = plan.groups[0].table_uploads
+    entry = _OPTIMIZERS[opt].cache.entries[0].value
+    first, inputs = _unwrap(entry.plan), entry.gather({"opt": opt})
+    # The plan compares only the static addresses no guard tests: 0-dim CPU step counts.
+    checked = first.groups[0].static_checked
+    assert checked and all(inputs[i].dim() == 0 and not inputs[i].is_cuda for i in checked)
+    assert len(checked) < sum(i >= 0 for i in first.groups[0].static_slots)
     for p, q in zip(params, reference, strict=True):
         p.data = p.data.clone()
         opt.state[p]["exp_avg"].data = opt.state[p]["exp_avg"].data.clone()
@@ -198,7 +203,9 @@ def test_a_param_moved_to_new_storage_is_seen_by_the_kernel():
     opt.step()
     eager.step()
     _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
-    assert plan.groups[0].table_uploads >= uploads + 2
+    report = optcompile.explain(opt)
+    assert report.traces == 2 and "data pointer" in report.retrace_reasons[0]
+    assert _unwrap(_OPTIMIZERS[opt].cache.entries[0].value.plan) is not first
 
 
 LOOP_FUSED = {

@@ -74,7 +74,8 @@ def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it(checks):
     assert check.fast(L) and check(L)
     assert "C++ guard tree" in check.describe()
     native_lines = [line for line in check.fast.lines if "one native check" in line]
-    assert len(native_lines) == (2 if checks == "native" else 0)  # params, their grads
+    # params, their grads, the state's dict versions, the pinned tensors' data pointers
+    assert len(native_lines) == (4 if checks == "native" else 0)
 
 
 @needs_fast
@@ -90,6 +91,10 @@ def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it(checks):
         "param replaced",
         "param list shorter",
         "state cleared",
+        "state entry gains a key",
+        "param re-pointed",
+        "state tensor re-pointed",
+        "state storage freed",
         "lr is int",
     ],
 )
@@ -119,6 +124,15 @@ def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change, checks)
         opt.param_groups[0]["params"].pop()
     elif change == "state cleared":
         opt.state.clear()
+    elif change == "state entry gains a key":
+        opt.state[p]["extra"] = 1.0
+    elif change == "param re-pointed":
+        p.data = p.data.clone()  # same metadata, another address
+    elif change == "state tensor re-pointed":
+        buf = opt.state[p]["momentum_buffer"]
+        buf.set_(buf.clone())  # the same object in the same entry: no version changes
+    elif change == "state storage freed":
+        opt.state[p]["momentum_buffer"].untyped_storage().resize_(0)
     elif change == "lr is int":
         opt.param_groups[0]["lr"] = 1
     assert not check.fast(L)
@@ -220,6 +234,6 @@ def test_a_tier_built_while_the_native_checks_build_is_rebuilt_once_they_load(ch
     first = check.fast
     assert check(L) and not check.fast_hit  # rebuilt on this call, the full check passing
     assert check.fast is not first and not check.fast.pending
-    assert sum("one native check" in line for line in check.fast.lines) == 2
+    assert sum("one native check" in line for line in check.fast.lines) == 4
     assert check(L) and check.fast_hit
     assert check.rebuilds == 1  # the upgrade is not counted against the tier

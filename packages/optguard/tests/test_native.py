@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from optguard import native
+from optguard import DataPtrGuard, LocalSource, native
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +63,56 @@ def test_grads_and_ptrs_equal_agree_with_python(module):
     assert not module.ptrs_equal(tensors, ptrs, [3])  # out of range
     ptrs[2] += 4
     assert not module.ptrs_equal(tensors, ptrs, [0, 2])
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_held_pointers_see_every_way_a_tensor_moves(module, kind, monkeypatch):
+    if kind == "python":
+        monkeypatch.setattr(native, "_module", None)
+    tensors = [torch.randn(4), torch.randn(2, 2), torch.zeros(())]
+
+    def check():
+        ptrs = [t.data_ptr() for t in tensors]
+        guards = [DataPtrGuard(LocalSource(f"t{i}"), p) for i, p in enumerate(ptrs)]
+        return native.held_ptrs(tensors, guards)
+
+    held = check()
+    assert held(None)
+    tensors[0].data = tensors[0].data.clone()  # .data: a new storage
+    assert not held(None)
+    held = check()
+    tensors[1].set_(torch.randn(2, 2))
+    assert not held(None)
+    held = check()
+    tensors[2].untyped_storage().resize_(0)  # the storage itself gives its memory back
+    assert not held(None)
+
+
+def test_held_refuses_what_is_not_a_tensor_with_a_pointer(module):
+    with pytest.raises(TypeError):
+        module.held([torch.randn(2), 3], [0, 0])
+    with pytest.raises(TypeError):
+        module.held([torch.randn(2)], [])  # lengths differ
+
+
+def test_versions_change_with_any_entry_of_the_dict_or_of_its_values(module):
+    if not hasattr(module, "versions"):
+        pytest.skip("this CPython has no dict version tags")
+    keys = [torch.randn(2) for _ in range(3)]
+    state = {k: {"step": 1, "buf": torch.zeros(2)} for k in keys}
+    spec = module.versions(state)
+    assert module.versions_match(spec, state)
+    assert not module.versions_match(spec, dict(state))  # an equal copy is another dict
+    state[keys[1]]["buf"] = torch.zeros(2)
+    assert not module.versions_match(spec, state)
+    spec = module.versions(state)
+    state[keys[2]]["extra"] = 0
+    assert not module.versions_match(spec, state)
+    spec = module.versions(state)
+    state[keys[0]] = {"step": 1, "buf": torch.zeros(2)}  # an entry replaced
+    assert not module.versions_match(spec, state)
+    spec = module.versions(state)
+    del state[keys[0]]
+    assert not module.versions_match(spec, state)
+    with pytest.raises(TypeError):
+        module.versions({keys[0]: 1})  # values must be dicts

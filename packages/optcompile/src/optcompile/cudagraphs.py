@@ -12,7 +12,7 @@ graph is re-recorded, with the reason, up to optcudagraph's limit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +59,9 @@ class GraphedPlan:
         plan.prepare(inputs)
         graphed(plan.buffers())
         return ()
+
+    def guarded_addresses(self, indices: Collection[int]) -> None:
+        self.plan.guarded_addresses(indices)
 
     def _decide(self) -> None:
         self._decided = True

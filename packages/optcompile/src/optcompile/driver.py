@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from optguard import (
     CompiledCheck,
+    DataPtrGuard,
     FastCheck,
     FastGather,
     GuardedCache,
@@ -178,11 +179,15 @@ class Compiled:
 def lower(traced: TracedStep, backend: Backend, pin_inputs: bool = False) -> CompiledEntry:
     """Turn a TracedStep into a runnable entry on ``backend`` (see CompiledEntry)."""
     gather, gather_code = compile_fetch(traced.input_sources)
+    plan = backend.compile(traced.graph_module)
+    # Every hit of the entry's check (either tier) has tested these inputs' data pointers.
+    guarded = {g.source for g in traced.guards.guards if isinstance(g, DataPtrGuard)}
+    plan.guarded_addresses([i for i, s in enumerate(traced.input_sources) if s in guarded])
     return CompiledEntry(
         traced=traced,
         gather=gather,
         gather_code=gather_code,
-        plan=backend.compile(traced.graph_module),
+        plan=plan,
         replay=generate_replay(traced.effects),
         pin_inputs=pin_inputs,
     )

@@ -9,6 +9,12 @@
 //   match(spec, grad, container) -> bool    container[i] (or container[i].grad) still matches
 //   grads(objects) -> list                  [o.grad for o in objects]
 //   ptrs_equal(tensors, ptrs, indices)      tensors[i].data_ptr() == ptrs[i] for i in indices
+//   held(tensors, ptrs) -> capsule          hold tensors (strong references) and their
+//                                           expected data pointers
+//   held_match(held, _) -> bool             each held tensor still has its data pointer
+//   versions(d) -> capsule                  d's dict version tag and each of its values'
+//                                           (dicts); only where CPython has the tags (<3.14)
+//   versions_match(spec, d) -> bool         d and each of its values keep their tags
 //
 // "Matches" is TensorMatchGuard's test (guards.py): same Python type, dtype, device,
 // layout, shape, stride and requires_grad; an entry recorded as None must still be None.
@@ -20,6 +26,14 @@
 #include <cstdint>
 #include <exception>
 #include <vector>
+
+// ma_version_tag (PEP 509): deprecated in 3.12, gone in 3.14. A dict's tag changes whenever
+// one of its entries is set, added or removed, and is unique across dicts (a global
+// counter), as dynamo's DICT_VERSION guard relies on too.
+#if PY_VERSION_HEX < 0x030E0000
+#define OPT_DICT_VERSIONS 1
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
 
 namespace {
 
@@ -225,6 +239,117 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// -- held tensors: their data pointers, with no fetching and no Python ints per call -----
+
+struct Held {
+  std::vector<PyObject*> tensors;  // owned
+  std::vector<const void*> ptrs;
+  ~Held() {
+    for (PyObject* t : tensors) Py_DECREF(t);
+  }
+};
+
+const char* kHeld = "optguard.native.Held";
+
+void drop_held(PyObject* capsule) { delete static_cast<Held*>(PyCapsule_GetPointer(capsule, kHeld)); }
+
+PyObject* held(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+      PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "held(tensors: list, ptrs: list of the same length)");
+    return nullptr;
+  }
+  auto* out = new Held();
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[0]); ++i) {
+    PyObject* t = PyList_GET_ITEM(args[0], i);
+    void* ptr = PyLong_AsVoidPtr(PyList_GET_ITEM(args[1], i));
+    if (!THPVariable_Check(t) || (ptr == nullptr && PyErr_Occurred())) {
+      delete out;
+      PyErr_Clear();
+      PyErr_Format(PyExc_TypeError, "held: item %zd is not a tensor with an int pointer", i);
+      return nullptr;
+    }
+    Py_INCREF(t);
+    out->tensors.push_back(t);
+    out->ptrs.push_back(ptr);
+  }
+  return PyCapsule_New(out, kHeld, drop_held);
+}
+
+PyObject* held_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "held_match(held, *ignored)");
+    return nullptr;
+  }
+  auto* h = static_cast<Held*>(PyCapsule_GetPointer(args[0], kHeld));
+  if (h == nullptr) return nullptr;
+  try {
+    for (size_t i = 0; i < h->tensors.size(); ++i)
+      if (THPVariable_Unpack(h->tensors[i]).const_data_ptr() != h->ptrs[i]) Py_RETURN_FALSE;
+  } catch (const std::exception&) {  // a tensor without storage: not the expected address
+    Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+#ifdef OPT_DICT_VERSIONS
+// -- dict versions: a dict and each of its values (dicts), in one loop -------------------
+
+struct Versions {
+  uint64_t outer;
+  std::vector<uint64_t> entries;  // by position
+};
+
+const char* kVersions = "optguard.native.Versions";
+
+void drop_versions(PyObject* capsule) {
+  delete static_cast<Versions*>(PyCapsule_GetPointer(capsule, kVersions));
+}
+
+uint64_t tag(PyObject* d) { return reinterpret_cast<PyDictObject*>(d)->ma_version_tag; }
+
+PyObject* versions(PyObject*, PyObject* d) {
+  if (!PyDict_Check(d)) {
+    PyErr_SetString(PyExc_TypeError, "versions(d: dict of dicts)");
+    return nullptr;
+  }
+  auto* out = new Versions{tag(d), {}};
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(d, &pos, &key, &value)) {
+    if (!PyDict_Check(value)) {
+      delete out;
+      PyErr_SetString(PyExc_TypeError, "versions: a value is not a dict");
+      return nullptr;
+    }
+    out->entries.push_back(tag(value));
+  }
+  return PyCapsule_New(out, kVersions, drop_versions);
+}
+
+PyObject* versions_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "versions_match(spec, d)");
+    return nullptr;
+  }
+  auto* v = static_cast<Versions*>(PyCapsule_GetPointer(args[0], kVersions));
+  if (v == nullptr) return nullptr;
+  PyObject* d = args[1];
+  // The same outer tag: the same dict, with the same value objects in the same order.
+  if (!PyDict_Check(d) || tag(d) != v->outer) Py_RETURN_FALSE;
+  Py_ssize_t pos = 0;
+  size_t i = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(d, &pos, &key, &value)) {
+    if (i >= v->entries.size() || !PyDict_Check(value) || tag(value) != v->entries[i])
+      Py_RETURN_FALSE;
+    ++i;
+  }
+  if (i != v->entries.size()) Py_RETURN_FALSE;
+  Py_RETURN_TRUE;
+}
+#endif
+
 PyMethodDef kMethods[] = {
     {"plain", plain, METH_O, "Set the types whose .grad is read in C++."},
     {"spec", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(spec)), METH_FASTCALL,
@@ -234,6 +359,16 @@ PyMethodDef kMethods[] = {
     {"grads", grads, METH_O, "[o.grad for o in objects]."},
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs_equal)),
      METH_FASTCALL, "Whether tensors[i].data_ptr() == ptrs[i] for every i in indices."},
+    {"held", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(held)), METH_FASTCALL,
+     "Hold tensors and the data pointers they must keep."},
+    {"held_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(held_match)),
+     METH_FASTCALL, "Whether every held tensor keeps its data pointer."},
+#ifdef OPT_DICT_VERSIONS
+    {"versions", versions, METH_O, "The version tags of a dict and of its values (dicts)."},
+    {"versions_match",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(versions_match)), METH_FASTCALL,
+     "Whether a dict and each of its values keep their version tags."},
+#endif
     {nullptr, nullptr, 0, nullptr}};
 
 #define OPT_STR2(x) #x

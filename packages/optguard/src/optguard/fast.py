@@ -8,24 +8,29 @@ for much less:
   (the optimizer, its param groups, the params and their grads) become one tree of dynamo's
   C++ guard managers, built from the live values the first time the full check passes;
 - everything inside an optimizer's state (reached through a tensor-keyed dict) is covered by
-  the version tags of the state dict and of each of its entries (checked in the same tree,
-  by position), plus the identity of the parameters keying it: unchanged versions mean the
-  same entry dicts holding the same tensors the full check accepted;
+  the version tags of the state dict and of each of its entries (one native loop, native.py,
+  once that module is loaded; else one tree node per entry), plus the identity of the
+  parameters keying it: unchanged versions mean the same entry dicts holding the same
+  tensors the full check accepted;
 - the tensor-metadata guards on every item of a list (the params of a group) and on every
   item's ``.grad`` are tested by one C++ loop per list (native.py) once that module is
   loaded, instead of one tree node per tensor;
-- the rest (predicates on hyperparameters, key tuples, other sources) runs as generated
-  Python.
+- the data-pointer guards on pinned tensors (see below: params, state tensors) by one loop
+  over the pinned tensors themselves (native ``held``; in Python until it is loaded), with
+  no fetching: a backend that baked their addresses in (CUDA graphs, address tables) need
+  not compare them again (``guarded_addresses`` of its plan);
+- the rest (predicates on hyperparameters, key tuples, other sources, data pointers of
+  unpinned tensors) runs as generated Python.
 
 A hit also pins values: a source the tree checks by identity (a parameter keying the state),
 an entry of a versioned state dict keyed by a pinned source, and a str-keyed item of such an
 entry (a state tensor) hold the very objects they held when the tier was armed. ``pinned``
 lists them; ``FastGather`` (gather.py) reuses them instead of fetching them again.
 
-What a hit does not re-check: data pointers (a backend that bakes addresses in checks its own,
-cheaply, per call), and metadata changed in place on the same state tensor object
-(``t.data = ...``). A replaced state tensor changes its entry's version: the full check then
-runs, data pointers included, and the tier is built anew (check.py limits how often).
+What a hit does not re-check: metadata changed in place on the same state tensor object
+(``t.data = ...`` to a tensor of another shape at the same address). A replaced state tensor
+changes its entry's version: the full check then runs, and the tier is built anew (check.py
+limits how often).
 """
 
 from __future__ import annotations
@@ -107,10 +112,12 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
     ]
     states = {keyed.base: None for keyed in keyed_sources}
     keys = {keyed.key: None for keyed in keyed_sources}
-    builder = _TreeBuilder(L, set(states))
-    residual: list[Guard] = []
-    matched = {g.source for g in guards if isinstance(g, TensorMatchGuard)}
     module = native.start()
+    versions = getattr(module, "versions", None)  # absent where CPython has no tags (3.14)
+    builder = _TreeBuilder(L, set() if versions is not None else set(states))
+    residual: list[Guard] = []
+    addresses: list[DataPtrGuard] = []
+    matched = {g.source for g in guards if isinstance(g, TensorMatchGuard)}
     listed, identical = (
         _list_families(module, guards, L, builder, set(keys))
         if module is not None
@@ -118,7 +125,8 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
     )
     for guard in guards:
         if isinstance(guard, DataPtrGuard):
-            continue  # checked by the full check only (see the module docstring)
+            addresses.append(guard)  # once the pinned sources are known (below)
+            continue
         if isinstance(guard, NoneGuard) and not guard.is_none and guard.source in matched:
             continue  # a tensor match fails on None
         if guard.source in listed or _keyed_ancestor(guard.source) is not None:
@@ -144,12 +152,23 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
             return None
         if not all(type(entry) is dict for entry in value.values()):
             return None
-        compat.GuardTree.versions(node, value, state.name())
-        builder.lines.append(
-            f"{state.name()} and its {len(value)} entries are unchanged (dict versions)"
-        )
-    check = compile_check(GuardSet(tuple(residual)), fast=False)
+        text = f"{state.name()} and its {len(value)} entries are unchanged (dict versions)"
+        if versions is not None:
+            unchanged = functools.partial(module.versions_match, versions(value))
+            compat.GuardTree.predicate(node, unchanged, text)
+            text += ", one native check"
+        else:
+            compat.GuardTree.versions(node, value, state.name())
+        builder.lines.append(text)
     pinned = _pinned_sources(guards, identical, set(states))
+    held = [g for g in addresses if g.source in pinned]
+    residual.extend(g for g in addresses if g.source not in pinned)
+    if held:
+        text = f"{len(held)} pinned tensors keep their data pointers"
+        tensors = [g.source.fetch(L) for g in held]
+        compat.GuardTree.predicate(builder.tree.root, native.held_ptrs(tensors, held), text)
+        builder.lines.append(text + (", one native check" if module is not None else ""))
+    check = compile_check(GuardSet(tuple(residual)), fast=False)
     pending = module is None and native.status() == "building"
     return FastCheck(builder.tree, check, builder.lines, pinned, pending)
 

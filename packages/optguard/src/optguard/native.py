@@ -18,17 +18,19 @@ benchmarks); unset: in the background.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from optguard import _torch_compat as compat
+from optguard.guards import DataPtrGuard
 
 SOURCE = Path(__file__).with_name("_native.cpp")
 # Name of the built module: one build per torch and Python version (ABI), and source.
@@ -85,6 +87,21 @@ def start(wait: bool | None = None) -> Any:
     return _module
 
 
+def held_ptrs(tensors: list[Any], guards: Sequence[DataPtrGuard]) -> Callable[[Any], bool]:
+    """A check (of any one argument, ignored) that ``tensors[i]`` still has the data pointer
+    ``guards[i]`` expects: one C++ loop over the tensors themselves (held by the check) once
+    the module is loaded, else a Python one."""
+    ptrs = [g.ptr for g in guards]
+    if _module is not None:
+        return functools.partial(_module.held_match, _module.held(tensors, ptrs))
+    pairs = list(zip(tensors, ptrs, strict=True))
+
+    def held_match(_: Any) -> bool:
+        return all(t.data_ptr() == ptr for t, ptr in pairs)
+
+    return held_match
+
+
 def _build() -> None:
     global _module, _status
     try:
@@ -94,7 +111,7 @@ def _build() -> None:
             name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False
         )
         built.plain(compat.plain_grad_types())
-        for name in ("spec", "match", "grads", "ptrs_equal"):
+        for name in ("spec", "match", "grads", "ptrs_equal", "held", "held_match"):
             getattr(built, name)
     except Exception as exc:  # no compiler, no ninja, a header change: stay on Python
         _status = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"

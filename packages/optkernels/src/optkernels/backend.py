@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import torch
@@ -20,6 +20,12 @@ class Plan(Protocol):
         ...
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
+
+    def guarded_addresses(self, indices: Collection[int]) -> None:
+        """The caller promises that, on every call, the inputs at ``indices`` have the
+        addresses they had on the first (it checks them itself): a plan that baked those
+        addresses in need not compare them again."""
+        ...
 
     def describe(self) -> str:
         """What runs on each call (the generated code), for explain()."""

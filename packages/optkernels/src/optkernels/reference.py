@@ -10,7 +10,7 @@ inputs.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +71,9 @@ class TorchPlan:
         self.kernel_launches_per_step = sum(
             1 for _, target, _, _ in self._steps if isinstance(target, torch._ops.OpOverload)
         )
+
+    def guarded_addresses(self, indices: Collection[int]) -> None:
+        """Nothing to skip: torch ops take the tensors themselves, not their addresses."""
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if len(inputs) != self.num_inputs:

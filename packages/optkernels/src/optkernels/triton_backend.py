@@ -9,7 +9,7 @@ inside the same plan. ``describe()`` says which.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,9 +52,10 @@ class _Group:
     """The lanes sharing one dtype signature: one kernel, its address tables and buffers.
 
     Addresses the entry's guards fix (params, state: ``meta["static_address"]``) live in a
-    static table, checked each call in one batch and rebuilt only if one moved; the others
-    (grads, new tensors every step) live in a small dynamic table, re-read each call and
-    re-uploaded when they change."""
+    static table, rebuilt only if one moved: checked each call in one batch, except those
+    whose caller's guards check them on every call (``TritonPlan.guarded_addresses``); the
+    others (grads, new tensors every step) live in a small dynamic table, re-read each call
+    and re-uploaded when they change."""
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class _Group:
         index: dict[Any, int],
         dynamic: list[bool],
         host: dict[int, int] | None = None,
+        guarded: frozenset[int] = frozenset(),
     ):
         self.lanes = lanes
         self.dtypes = dtypes
@@ -88,7 +90,8 @@ class _Group:
         # host mode, 0-dim inputs are read from ``host_vals``): written as 0, not checked.
         unread = {k for k, small in enumerate(program.input_small) if small and host}
         self.static_slots = slots([k for k, d in enumerate(dynamic) if not d], unread)
-        self.static_checked = [i for i in self.static_slots if i >= 0]
+        self.static_checked: list[int] = []
+        self.guard(guarded)
         self.dynamic_slots = slots([k for k, d in enumerate(dynamic) if d])
         self.small_slots = {k: slots([k]) for k, small in enumerate(program.input_small) if small}
         big = [k for k, small in enumerate(program.input_small) if not small]
@@ -108,6 +111,10 @@ class _Group:
         self.small_expected: list[int] = []
         self.small_all = [i for slots in self.small_slots.values() for i in slots]
 
+    def guard(self, guarded: frozenset[int]) -> None:
+        """Stop comparing the addresses of the inputs at ``guarded`` (their caller does)."""
+        self.static_checked = [i for i in self.static_slots if i >= 0 and i not in guarded]
+
     def refresh(self, inputs: Sequence[Any], device: torch.device, staging: Staging) -> None:
         """Bring both address tables up to date with this call's tensors (in place: the
         tables keep their own addresses, which a recorded CUDA graph reads)."""
@@ -115,7 +122,8 @@ class _Group:
         if len(expected) != len(inputs):
             expected = self.expected = [0] * len(inputs)
             self.ptrs = self.dptrs = None
-        if self.ptrs is None or not data_ptrs_equal(inputs, expected, self.static_checked):
+        static = self.static_checked
+        if self.ptrs is None or (static and not data_ptrs_equal(inputs, expected, static)):
             self.ptrs = self._write(inputs, self.static_slots, self.ptrs, device, staging)
         if self.dptrs is None or not data_ptrs_equal(inputs, expected, self.dynamic_slots):
             self.dptrs = self._write(inputs, self.dynamic_slots, self.dptrs, device, staging)
@@ -146,6 +154,7 @@ class _Part:
         self.program = program
         self.index = index
         self.host_small = host_small
+        self.guarded: frozenset[int] = frozenset()  # see TritonPlan.guarded_addresses
         self.groups: list[_Group] = []
         self.staging = Staging()
         self.launches = 0
@@ -170,7 +179,7 @@ class _Part:
             for column in program.inputs
         ]
         self.groups = [
-            _Group(program, lanes, d, self.index, dynamic, self.host_cols)
+            _Group(program, lanes, d, self.index, dynamic, self.host_cols, self.guarded)
             for d, lanes in by_dtypes.items()
         ]
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
@@ -479,6 +488,16 @@ class TritonPlan:
         """Host side of a call of a capturable plan: fill the buffers ``launch`` reads."""
         for part in self.parts:
             part.prepare(inputs)
+
+    def guarded_addresses(self, indices: Collection[int]) -> None:
+        """The caller checks, before every call, that the inputs at ``indices`` keep the
+        addresses they had on the first (optcompile: their entry's data-pointer guards): the
+        static address tables stop comparing them (the rest still are)."""
+        guarded = frozenset(indices)
+        for part in self.parts:
+            part.guarded = guarded  # for groups built later (check_devices)
+            for group in part.groups:
+                group.guard(guarded)
 
     def launch(self) -> None:
         """Device side of a call of a capturable plan: the kernels (what a graph records)."""
