@@ -36,7 +36,7 @@ def _setup(n: int, interleaved: bool = True):
     assert check(L) and check.fast is not None
     sources = _sources(n, interleaved)
     full, _ = compile_fetch(sources)
-    return opt, L, check, full, FastGather(sources, check.fast.pinned)
+    return opt, L, check, full, FastGather(sources, check.fast.pinned, check.fast.grad_lists)
 
 
 @needs_fast
@@ -48,6 +48,8 @@ def test_fast_gather_returns_what_the_full_gather_does_fetching_only_grads_and_s
     assert fast.fetched == 5  # 4 grads and lr
     assert ("out[" in fast.code and ":3] = " in fast.code) == interleaved
     assert ("grads(bases[0])" in fast.code) == (checks == "native")
+    # ...and, natively, first the grads the tier's check has just read and matched
+    assert ("take(" in fast.code) == (checks == "native")
     assert not fast.armed
     fast.arm(L, full(L))
     for step in range(3):
@@ -55,9 +57,27 @@ def test_fast_gather_returns_what_the_full_gather_does_fetching_only_grads_and_s
             p.grad = torch.randn_like(p)  # new tensors, as after zero_grad(set_to_none=True)
         opt.param_groups[0]["lr"] = 0.1 / (step + 1)
         assert check(L) and check.fast_hit
-        got, want = fast(L), full(L)
+        got, want = list(fast(L)), full(L)
+        again = list(fast(L))  # no check in between: nothing to take, the grads are read
+        fast.release()
         assert len(got) == len(want)
         assert all(a is b for a, b in zip(got, want, strict=True))
+        assert all(a is b for a, b in zip(again, want, strict=True))
+
+
+@needs_fast
+def test_released_fast_gather_keeps_no_grad_of_the_call(checks):
+    opt, L, check, full, fast = _setup(3)
+    fast.arm(L, full(L))
+    assert check(L) and check.fast_hit
+    grad = weakref.ref(opt.param_groups[0]["params"][1].grad)
+    inputs = fast(L)
+    assert any(x is grad() for x in inputs)
+    fast.release()
+    del inputs
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert grad() is None
 
 
 @needs_fast
@@ -83,3 +103,22 @@ def test_arming_holds_the_pinned_values_only():
     opt.zero_grad(set_to_none=True)
     gc.collect()
     assert grad() is None  # the template did not keep the old gradient
+
+
+@needs_fast
+def test_grads_a_hit_read_are_not_kept_when_no_gather_takes_them(checks):
+    opt, L, check, full, fast = _setup(2)
+    assert check(L) and check.fast_hit  # the native check read the grads: not taken
+    grad = weakref.ref(opt.param_groups[0]["params"][0].grad)
+    check.fast.forget()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert grad() is None
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    opt.param_groups[0]["lr"] = 1  # the tree's grad check passes, the residual fails
+    grad = weakref.ref(opt.param_groups[0]["params"][0].grad)
+    assert not check.fast(L)
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert grad() is None

@@ -66,11 +66,17 @@ class CompiledEntry:
         if tier is not None and check is not None and check.fast_hit and self.fast is not None:
             built_for, fast_gather = self.fast
             if built_for is tier:
-                return self.replay(L, self.plan(fast_gather(L)))
+                try:
+                    outputs = self.plan(fast_gather(L))
+                finally:
+                    fast_gather.release()  # its one list must not keep this step's grads
+                return self.replay(L, outputs)
         inputs = self.gather(L)
         if tier is not None:
+            tier.forget()  # the full gather read the grads itself
             if self.fast is None or self.fast[0] is not tier:
-                self.fast = (tier, FastGather(self.traced.input_sources, tier.pinned))
+                gather = FastGather(self.traced.input_sources, tier.pinned, tier.grad_lists)
+                self.fast = (tier, gather)
             self.fast[1].arm(L, inputs)
         return self.replay(L, self.plan(inputs))
 

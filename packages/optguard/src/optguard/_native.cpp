@@ -8,6 +8,8 @@
 //                                           and with ids=True its identity
 //   match(spec, grad, container) -> bool    container[i] (or container[i].grad) still matches
 //   grads(objects) -> list                  [o.grad for o in objects]
+//   take(spec) -> list | None               the grads the last passing match(spec, True,
+//                                           ...) read, once (None if taken or it failed)
 //   ptrs_equal(tensors, ptrs, indices)      tensors[i].data_ptr() == ptrs[i] for i in indices
 //   held(tensors, ptrs) -> capsule          hold tensors (strong references) and their
 //                                           expected data pointers
@@ -52,8 +54,12 @@ struct Meta {
 
 struct Spec {
   std::vector<Meta> metas;
+  // After a passing match of the items' .grad: the grads it read, in item order (owned), for
+  // the caller's gather to take instead of reading them again (see take()).
+  PyObject* stash = nullptr;
   ~Spec() {
     for (Meta& m : metas) Py_XDECREF(reinterpret_cast<PyObject*>(m.type));
+    Py_XDECREF(stash);
   }
 };
 
@@ -158,8 +164,12 @@ PyObject* match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (s == nullptr) return nullptr;
   bool grad = args[1] == Py_True;
   PyObject* container = args[2];
+  Py_CLEAR(s->stash);
   if (!PyList_Check(container)) Py_RETURN_FALSE;
-  if (PyList_GET_SIZE(container) != static_cast<Py_ssize_t>(s->metas.size())) Py_RETURN_FALSE;
+  Py_ssize_t n = PyList_GET_SIZE(container);
+  if (n != static_cast<Py_ssize_t>(s->metas.size())) Py_RETURN_FALSE;
+  PyObject* read = nullptr;  // the grads, in item order
+  if (grad && (read = PyList_New(n)) == nullptr) return nullptr;
   try {
     for (const Meta& m : s->metas) {
       PyObject* item = PyList_GET_ITEM(container, m.index);
@@ -170,22 +180,30 @@ PyObject* match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       PyObject* g = grad_of(item);
       if (g == nullptr) {
         PyErr_Clear();  // any error fetching is a miss, as in the generated check
+        Py_DECREF(read);
         Py_RETURN_FALSE;
       }
-      bool ok;
-      try {
-        ok = matches(m, g);
-      } catch (...) {
-        Py_DECREF(g);
-        throw;
+      PyList_SET_ITEM(read, m.index, g);  // the list owns it from here
+      if (!matches(m, g)) {
+        Py_DECREF(read);
+        Py_RETURN_FALSE;
       }
-      Py_DECREF(g);
-      if (!ok) Py_RETURN_FALSE;
     }
   } catch (const std::exception&) {  // metadata torch cannot give (a nested tensor's sizes)
+    Py_XDECREF(read);
     Py_RETURN_FALSE;
   }
+  s->stash = read;
   Py_RETURN_TRUE;
+}
+
+PyObject* take(PyObject*, PyObject* capsule) {
+  auto* s = static_cast<Spec*>(PyCapsule_GetPointer(capsule, kCapsule));
+  if (s == nullptr) return nullptr;
+  if (s->stash == nullptr) Py_RETURN_NONE;
+  PyObject* out = s->stash;  // the caller's reference now
+  s->stash = nullptr;
+  return out;
 }
 
 PyObject* grads(PyObject*, PyObject* objects) {
@@ -357,6 +375,7 @@ PyMethodDef kMethods[] = {
     {"match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(match)), METH_FASTCALL,
      "Whether a list's items (or their .grad) still match a spec."},
     {"grads", grads, METH_O, "[o.grad for o in objects]."},
+    {"take", take, METH_O, "The grads the last passing match of a spec read (once), or None."},
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs_equal)),
      METH_FASTCALL, "Whether tensors[i].data_ptr() == ptrs[i] for every i in indices."},
     {"held", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(held)), METH_FASTCALL,

@@ -75,17 +75,33 @@ class FastCheck:
         lines: list[str],
         pinned: frozenset[Source] = frozenset(),
         pending: bool = False,
+        grad_lists: dict[Source, tuple[Any, int]] | None = None,
     ) -> None:
         self.tree = tree
         self.residual = residual
         self.lines = lines
         self.pinned = pinned
+        # Lists whose items' grads one native check reads (and matches) on every hit: the
+        # list's source -> (its spec, length). After a hit, ``native.module().take(spec)``
+        # gives the grads that check read (gather.py uses them instead of reading again).
+        self.grad_lists = grad_lists or {}
         # Built while the native module was still building: worth building again once it
         # is loaded (CompiledCheck does).
         self.pending = pending
 
     def __call__(self, L: Locals) -> bool:
-        return self.tree.check(L) and bool(self.residual(L))
+        if self.tree.check(L) and self.residual(L):
+            return True
+        self.forget()  # a grad check may have passed before another failed
+        return False
+
+    def forget(self) -> None:
+        """Drop the grads the last hit's native checks read, where no gather took them (the
+        check must not keep a step's gradients alive)."""
+        module = native.module()
+        if module is not None:
+            for spec, _ in self.grad_lists.values():
+                module.take(spec)
 
     def describe(self) -> str:
         return "\n".join(
@@ -118,8 +134,9 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
     residual: list[Guard] = []
     addresses: list[DataPtrGuard] = []
     matched = {g.source for g in guards if isinstance(g, TensorMatchGuard)}
+    grad_lists: dict[Source, tuple[Any, int]] = {}
     listed, identical = (
-        _list_families(module, guards, L, builder, set(keys))
+        _list_families(module, guards, L, builder, set(keys), grad_lists)
         if module is not None
         else (set(), set())
     )
@@ -170,17 +187,22 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         builder.lines.append(text + (", one native check" if module is not None else ""))
     check = compile_check(GuardSet(tuple(residual)), fast=False)
     pending = module is None and native.status() == "building"
-    return FastCheck(builder.tree, check, builder.lines, pinned, pending)
+    return FastCheck(builder.tree, check, builder.lines, pinned, pending, grad_lists)
 
 
 def _list_families(
-    module: Any, guards: Sequence[Guard], L: Locals, builder: _TreeBuilder, keys: set[Source]
+    module: Any,
+    guards: Sequence[Guard],
+    L: Locals,
+    builder: _TreeBuilder,
+    keys: set[Source],
+    grad_lists: dict[Source, tuple[Any, int]],
 ) -> tuple[set[Source], set[Source]]:
     """Put the metadata guards on the items of a list (``params[i]``) or on their grads
     (``params[i].grad``) into one native check per list and kind, where they cover every
     item (with the identity of items that key the state, when all of them do). Return the
     sources they guard (the caller adds no other guard for them) and those whose identity
-    they check."""
+    they check; record the grad checks in ``grad_lists`` (see FastCheck)."""
     families: dict[tuple[Source, bool], dict[int, list[Guard]]] = {}
     for g in guards:
         if not isinstance(g, TensorMatchGuard) and not (isinstance(g, NoneGuard) and g.is_none):
@@ -215,6 +237,8 @@ def _list_families(
         text = f"{container_source.name()}: {what} type, dtype, device, shape, stride"
         compat.GuardTree.predicate(node, functools.partial(module.match, spec, grad), text)
         builder.lines.append(f"{text} ({len(values)} tensors, one native check)")
+        if grad:
+            grad_lists[container_source] = (spec, len(values))
         listed.update(sources)
         if ids:
             identified.update(sources)

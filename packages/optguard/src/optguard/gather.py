@@ -9,24 +9,27 @@ run while the fast tier held, and fetches the rest anew on each call:
 
 - an attribute of a pinned object (``param.grad``) is read for every such input at once,
   ``map(attrgetter(attr), <the pinned objects>)`` (``.grad``: one C++ loop, native.py, once
-  that module is loaded), written into its slots by one slice assignment when they are
-  evenly spaced;
+  that module is loaded; or no loop at all when they are the items of a list whose grads the
+  tier's native check has just read and matched: ``take`` hands that list over), written
+  into its slots by one slice assignment when they are evenly spaced;
 - any other input (a hyperparameter in a param group) by straight-line code from ``L``.
 
-The template holds the pinned objects (only those: not the grads of the call that armed it)
-until the next full gather re-arms it; whoever owns the FastGather must own them anyway (a
-compiled optimizer's entries: its params and state).
+The template holds the pinned objects until the next full gather re-arms it; whoever owns
+the FastGather must own them anyway (a compiled optimizer's entries: its params and state).
+Each call fills the one output list in place (no copy of a thousand slots); ``release()``
+after the caller is done with it drops what was fetched (the grads), so nothing of a call
+outlives it.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from optguard import native
 from optguard.codegen import SourceCode, build_function
-from optguard.sources import AttrSource, Locals, Source
+from optguard.sources import AttrSource, ItemSource, Locals, Source
 
 
 class FastGather:
@@ -34,7 +37,13 @@ class FastGather:
     module docstring. ``arm(L, inputs)`` after each full gather; until then ``armed`` is
     False and the caller runs the full gather."""
 
-    def __init__(self, sources: Sequence[Source], pinned: Collection[Source]) -> None:
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        pinned: Collection[Source],
+        grad_lists: Mapping[Source, tuple[Any, int]] | None = None,
+    ) -> None:
+        """``grad_lists``: the fast tier's (``FastCheck.grad_lists``)."""
         self.sources = list(sources)
         position = {s: i for i, s in enumerate(self.sources)}
         families: dict[str, list[tuple[int, Source]]] = {}
@@ -54,28 +63,41 @@ class FastGather:
             for attr, items in families.items()
         ]
         body = SourceCode()
+        clear = SourceCode()
         module = native.module()
-        for k, (attr, slots, _) in enumerate(self._families):
+        for k, (attr, slots, bases) in enumerate(self._families):
             if attr == "grad" and module is not None:
                 values = f"{body.constant(module.grads, 'grads')}(bases[{k}])"
+                spec = _grad_list(grad_lists or {}, [b for _, b in bases])
+                if spec is not None:  # the tier's check read them on this call
+                    take = body.constant(module.take, "take")
+                    values = f"({take}({body.constant(spec, 'spec')}) or {values})"
             else:
                 getter = body.constant(operator.attrgetter(attr), f"get_{attr}")
                 values = f"list(map({getter}, bases[{k}]))"
             step = slots[1] - slots[0] if len(slots) > 1 else 1
             if step > 0 and slots == list(range(slots[0], slots[-1] + 1, step)):
                 body.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {values}")
+                nones = clear.constant([None] * len(slots), "nones")
+                clear.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {nones}")
             else:
                 where = body.constant(slots, f"slots_{attr}")
                 body.emit(f"for i, v in zip({where}, {values}):")
                 body.emit("    out[i] = v")
+                clear.emit(f"for i in {clear.constant(slots, f'slots_{attr}')}:")
+                clear.emit("    out[i] = None")
         for i, s in rest:
             body.emit(f"out[{i}] = {body.var(s)}")
+            clear.emit(f"out[{i}] = None")
         body.emit("return out")
+        clear.emit("return None")
         self._fill: Callable[[Locals, list[Any], list[list[Any]]], list[Any]]
         self._fill, self.code = build_function(
             "fast_gather", "L, out, bases", body.lines, body.constants
         )
-        self._template: list[Any] | None = None
+        self._clear: Callable[[list[Any]], None]
+        self._clear, _ = build_function("fast_gather_release", "out", clear.lines, clear.constants)
+        self._template: list[Any] | None = None  # the output list: pinned values, the rest None
         self._bases: list[list[Any]] = []
 
     @property
@@ -94,10 +116,28 @@ class FastGather:
         ]
 
     def __call__(self, L: Locals) -> list[Any]:
+        """The inputs, in one list reused from call to call: ``release()`` it when done."""
         assert self._template is not None, "FastGather used before arm()"
-        return self._fill(L, self._template.copy(), self._bases)
+        return self._fill(L, self._template, self._bases)
+
+    def release(self) -> None:
+        """Drop what the last call fetched (its grads must not outlive the step)."""
+        if self._template is not None:
+            self._clear(self._template)
 
     @property
     def fetched(self) -> int:
         """Inputs fetched anew on each call."""
         return len(self.sources) - len(self.pinned_slots)
+
+
+def _grad_list(grad_lists: Mapping[Source, tuple[Any, int]], bases: list[Source]) -> Any:
+    """The native spec whose check reads the grads of exactly ``bases`` (the items of one
+    list, in order), or None."""
+    for container, (spec, n) in grad_lists.items():
+        if n == len(bases) and all(
+            isinstance(b, ItemSource) and b.base == container and b.key == i
+            for i, b in enumerate(bases)
+        ):
+            return spec
+    return None
