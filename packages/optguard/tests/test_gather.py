@@ -107,7 +107,7 @@ def test_arming_holds_the_pinned_values_only():
 
 @needs_fast
 def test_grads_a_hit_read_are_not_kept_when_no_gather_takes_them(checks):
-    opt, L, check, full, fast = _setup(2)
+    opt, L, check, _, _ = _setup(2)
     assert check(L) and check.fast_hit  # the native check read the grads: not taken
     grad = weakref.ref(opt.param_groups[0]["params"][0].grad)
     check.fast.forget()
