@@ -74,7 +74,8 @@ def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it(checks):
     assert check.fast(L) and check(L)
     assert "C++ guard tree" in check.describe()
     native_lines = [line for line in check.fast.lines if "one native check" in line]
-    # params, their grads, the state's dict versions, the pinned tensors' data pointers
+    # params (and their data pointers), their grads, the state's dict versions, the
+    # pinned state tensors' data pointers
     assert len(native_lines) == (4 if checks == "native" else 0)
 
 

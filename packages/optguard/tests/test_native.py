@@ -116,3 +116,12 @@ def test_versions_change_with_any_entry_of_the_dict_or_of_its_values(module):
     assert not module.versions_match(spec, state)
     with pytest.raises(TypeError):
         module.versions({keys[0]: 1})  # values must be dicts
+
+
+def test_match_with_pointers_sees_a_moved_item(module):
+    params = [torch.nn.Parameter(torch.randn(4, 2)) for _ in range(2)]
+    spec = module.spec(params, True, True)
+    assert module.match(spec, False, params)
+    params[1].data = params[1].data.clone()  # same object and metadata, another address
+    assert not module.match(spec, False, params)
+    assert module.match(module.spec(params, True), False, params)  # without pointers

@@ -157,6 +157,8 @@ class _Node:
 
     def hand_out(self, why: str) -> Any:
         """Fresh aliases of the outputs; the ones handed out before are invalidated."""
+        if self.outputs is None:  # a function run for its effects: nothing to alias
+            return None
         self.invalidate(why)
         handed: list[torch.Tensor] = []
 

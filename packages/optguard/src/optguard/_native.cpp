@@ -4,8 +4,9 @@
 // dynamo's guard tree or Python; here a whole list costs a few ns per tensor:
 //
 //   plain(types)                            types whose .grad is TensorBase's own (set once)
-//   spec(values, ids) -> capsule            record each value's metadata (None or a tensor),
-//                                           and with ids=True its identity
+//   spec(values, ids[, ptrs]) -> capsule    record each value's metadata (None or a tensor),
+//                                           with ids=True its identity, with ptrs=True its
+//                                           data pointer (checked in the same visit)
 //   match(spec, grad, container) -> bool    container[i] (or container[i].grad) still matches
 //   grads(objects) -> list                  [o.grad for o in objects]
 //   take(spec) -> list | None               the grads the last passing match(spec, True,
@@ -48,6 +49,8 @@ struct Meta {
   c10::Device device{c10::kCPU};
   c10::Layout layout;
   bool requires_grad;
+  bool check_ptr;   // the data pointer must stay ``ptr``
+  const void* ptr;
   std::vector<int64_t> sizes;
   std::vector<int64_t> strides;
 };
@@ -103,8 +106,10 @@ PyObject* plain(PyObject*, PyObject* types) {
 bool matches(const Meta& m, PyObject* value) {
   if (m.id != nullptr && value != m.id) return false;
   if (m.none) return value == Py_None;
-  if (Py_TYPE(value) != m.type || !THPVariable_Check(value)) return false;
+  // m.type is a tensor type (spec checked it): the same type means a THPVariable.
+  if (Py_TYPE(value) != m.type) return false;
   const at::Tensor& t = THPVariable_Unpack(value);
+  if (m.check_ptr && t.const_data_ptr() != m.ptr) return false;
   if (t.scalar_type() != m.dtype || t.device() != m.device || t.layout() != m.layout ||
       t.requires_grad() != m.requires_grad)
     return false;
@@ -112,17 +117,18 @@ bool matches(const Meta& m, PyObject* value) {
 }
 
 PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2 || !PyList_Check(args[0])) {
-    PyErr_SetString(PyExc_TypeError, "spec(values: list, ids: bool)");
+  if (nargs < 2 || nargs > 3 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "spec(values: list, ids: bool, ptrs: bool = False)");
     return nullptr;
   }
   PyObject* values = args[0];
   bool ids = args[1] == Py_True;
+  bool ptrs = nargs == 3 && args[2] == Py_True;
   auto* out = new Spec();
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); ++i) {
     PyObject* v = PyList_GET_ITEM(values, i);
     Meta m{i, ids ? v : nullptr, v == Py_None, nullptr, c10::ScalarType::Undefined,
-           c10::kCPU, c10::kStrided, false, {}, {}};
+           c10::kCPU, c10::kStrided, false, false, nullptr, {}, {}};
     if (!m.none) {
       if (!THPVariable_Check(v)) {
         delete out;
@@ -138,6 +144,10 @@ PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       try {
         m.sizes = t.sizes().vec();
         m.strides = t.strides().vec();
+        if (ptrs) {
+          m.check_ptr = true;
+          m.ptr = t.const_data_ptr();
+        }
       } catch (const std::exception& e) {  // a nested tensor: no plain sizes
         delete out;
         PyErr_Format(PyExc_ValueError, "spec: item %zd: %s", i, e.what());

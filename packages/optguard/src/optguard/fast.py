@@ -135,14 +135,16 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
     addresses: list[DataPtrGuard] = []
     matched = {g.source for g in guards if isinstance(g, TensorMatchGuard)}
     grad_lists: dict[Source, tuple[Any, int]] = {}
-    listed, identical = (
-        _list_families(module, guards, L, builder, set(keys), grad_lists)
+    ptr_of = {g.source: g.ptr for g in guards if isinstance(g, DataPtrGuard)}
+    listed, identical, addressed = (
+        _list_families(module, guards, L, builder, set(keys), grad_lists, ptr_of)
         if module is not None
-        else (set(), set())
+        else (set(), set(), set())
     )
     for guard in guards:
         if isinstance(guard, DataPtrGuard):
-            addresses.append(guard)  # once the pinned sources are known (below)
+            if guard.source not in addressed:  # else in its list's native check
+                addresses.append(guard)  # once the pinned sources are known (below)
             continue
         if isinstance(guard, NoneGuard) and not guard.is_none and guard.source in matched:
             continue  # a tensor match fails on None
@@ -197,12 +199,14 @@ def _list_families(
     builder: _TreeBuilder,
     keys: set[Source],
     grad_lists: dict[Source, tuple[Any, int]],
-) -> tuple[set[Source], set[Source]]:
+    ptr_of: dict[Source, int],
+) -> tuple[set[Source], set[Source], set[Source]]:
     """Put the metadata guards on the items of a list (``params[i]``) or on their grads
     (``params[i].grad``) into one native check per list and kind, where they cover every
     item (with the identity of items that key the state, when all of them do). Return the
     sources they guard (the caller adds no other guard for them) and those whose identity
-    they check; record the grad checks in ``grad_lists`` (see FastCheck)."""
+    they check, and those whose data pointers (``ptr_of``: their DataPtrGuards) they check
+    too; record the grad checks in ``grad_lists`` (see FastCheck)."""
     families: dict[tuple[Source, bool], dict[int, list[Guard]]] = {}
     for g in guards:
         if not isinstance(g, TensorMatchGuard) and not (isinstance(g, NoneGuard) and g.is_none):
@@ -214,6 +218,7 @@ def _list_families(
             families.setdefault((source.base, grad), {}).setdefault(source.key, []).append(g)
     listed: set[Source] = set()
     identified: set[Source] = set()
+    addressed: set[Source] = set()
     for (container_source, grad), items in families.items():
         container = container_source.fetch(L)
         if (
@@ -228,13 +233,19 @@ def _list_families(
             continue
         sources = [items[i][0].source for i in range(len(container))]
         ids = not grad and all(s in keys for s in sources)
-        spec = module.spec(values, ids)
+        # The same visit checks the addresses too when each item has one guarded.
+        ptrs = not grad and all(
+            v is not None and ptr_of.get(s) == v.data_ptr()
+            for s, v in zip(sources, values, strict=True)
+        )
+        spec = module.spec(values, ids, ptrs)
         what = (
             "their grads keep"
             if grad
             else ("its items are the same objects with" if ids else "its items keep")
         )
         text = f"{container_source.name()}: {what} type, dtype, device, shape, stride"
+        text += ", data pointer" if ptrs else ""
         compat.GuardTree.predicate(node, functools.partial(module.match, spec, grad), text)
         builder.lines.append(f"{text} ({len(values)} tensors, one native check)")
         if grad:
@@ -242,7 +253,9 @@ def _list_families(
         listed.update(sources)
         if ids:
             identified.update(sources)
-    return listed, identified
+        if ptrs:
+            addressed.update(sources)
+    return listed, identified, addressed
 
 
 def _strided(value: Any) -> bool:
