@@ -192,7 +192,7 @@ def test_a_param_moved_to_new_storage_is_seen_by_the_kernel():
     entry = _OPTIMIZERS[opt].cache.entries[0].value
     first, inputs = _unwrap(entry.plan), entry.gather({"opt": opt})
     # The plan compares only the static addresses no guard tests: 0-dim CPU step counts.
-    checked = first.groups[0].static_checked
+    checked = first.groups[0].static.compared
     assert all(inputs[i].dim() == 0 and not inputs[i].is_cuda for i in checked)
     assert len(checked) < sum(i >= 0 for i in first.groups[0].static_slots)
     for p, q in zip(params, reference, strict=True):
@@ -398,3 +398,34 @@ def test_uniform_host_arithmetic_agrees_with_per_lane_and_refuses_what_python_ca
     with np.errstate(all="ignore"):
         per_lane = part._host_fn(views, scalars, lanes)
     assert any(np.isinf(per_lane[var]).all() for var in part.host_order)
+
+
+@pytest.mark.parametrize("kind", ["native", "torch"])
+def test_address_checks_see_a_moved_input_through_either_kind(kind, monkeypatch):
+    """An address table's check (optkernels.addresses) with optguard's C++ loops handed in
+    and with torch's compare: the same answers."""
+    from optguard import native
+    from optkernels import addresses
+
+    module = native.start(wait=True) if kind == "native" else None
+    if kind == "native" and module is None:
+        pytest.skip(f"native checks: {native.status()}")
+    monkeypatch.setattr(addresses, "_native", module)
+    inputs = [torch.randn(3), 2.0, torch.randn(4), torch.randn(5)]
+    check = addresses.AddressCheck([0, -1, 2, 3], checked={0, 2})
+    assert check.compared == [0, 2]
+    assert not check.equal(inputs)  # nothing recorded
+    ptrs = check.record(inputs)
+    assert ptrs == [inputs[0].data_ptr(), 0, inputs[2].data_ptr(), inputs[3].data_ptr()]
+    assert check.equal(inputs) and check.equal(tuple(inputs))
+    assert check.equal([*inputs[:3], torch.randn(5)])  # position 3 is not compared
+    inputs[2].set_(torch.randn(4))  # the same object at a new address
+    assert not check.equal(inputs)
+    check.record(inputs)
+    assert check.equal(inputs)
+    other = "torch" if kind == "native" else "native"
+    monkeypatch.setattr(addresses, "_native", module if other == "native" else None)
+    if module is not None:  # recorded by the other kind: not trusted until recorded again
+        assert not check.equal(inputs)
+        check.record(inputs)
+        assert check.equal(inputs)

@@ -52,17 +52,31 @@ def test_match_reads_grads_and_a_tensor_torch_cannot_size_is_a_miss_not_a_crash(
         module.spec([_nested()], False)
 
 
-def test_grads_and_ptrs_equal_agree_with_python(module):
+def test_grads_agree_with_python(module):
     params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
     params[1].grad = torch.randn(3)
     assert all(g is p.grad for g, p in zip(module.grads(params), params, strict=True))
-    tensors = [torch.randn(2), 1.0, torch.randn(2)]
-    ptrs = [tensors[0].data_ptr(), 0, tensors[2].data_ptr()]
-    assert module.ptrs_equal(tensors, ptrs, [0, 2])
-    assert not module.ptrs_equal(tensors, ptrs, [1])  # not a tensor
-    assert not module.ptrs_equal(tensors, ptrs, [3])  # out of range
-    ptrs[2] += 4
-    assert not module.ptrs_equal(tensors, ptrs, [0, 2])
+
+
+def test_addresses_record_positions_and_compare_the_checked_ones(module):
+    tensors = [torch.randn(2), 1.0, torch.randn(2), torch.randn(3)]
+    spec = module.addresses([0, -1, 2, 3], [True, True, True, False])
+    assert not module.addresses_equal(spec, tensors)  # nothing recorded yet
+    ptrs = module.addresses_record(spec, tensors)
+    assert ptrs == [tensors[0].data_ptr(), 0, tensors[2].data_ptr(), tensors[3].data_ptr()]
+    assert module.addresses_equal(spec, tensors)
+    assert module.addresses_equal(spec, [*tensors[:3], torch.randn(3)])  # 3 is not checked
+    assert not module.addresses_equal(spec, [tensors[0], 1.0, torch.randn(2), tensors[3]])
+    assert not module.addresses_equal(spec, tensors[:2])  # position 2 is out of range
+    assert not module.addresses_equal(spec, [1.0, 1.0, tensors[2], tensors[3]])  # no tensor
+    assert not module.addresses_equal(spec, (*tensors,))  # not a list
+    tensors[2].set_(torch.randn(5))  # the same object, moved
+    assert not module.addresses_equal(spec, tensors)
+    with pytest.raises(TypeError, match="input 0 is not a tensor"):
+        module.addresses_record(spec, [1.0, *tensors[1:]])
+    with pytest.raises(TypeError, match="input 2 is not a tensor"):
+        module.addresses_record(spec, tensors[:2])
+    assert module.addresses_equal(spec, [*tensors[:2], tensors[2], tensors[3]]) is False
 
 
 @pytest.mark.parametrize("kind", ["native", "python"])

@@ -28,14 +28,14 @@ from optguard import (
     compile_fetch,
     native,
 )
-from optkernels import Backend, Plan, use_address_check
+from optkernels import Backend, Plan, use_native_addresses
 from optsidefx import Replay, generate_replay
 from opttrace import TracedStep, TraceError, clear_cache
 
 from optcompile.errors import FallbackWarning
 
-# The backends' per-call address checks use optguard's C++ loop once it is built.
-native.when_loaded(lambda module: use_address_check(module.ptrs_equal))
+# The backends' per-call address checks use optguard's C++ loops once they are built.
+native.when_loaded(use_native_addresses)
 
 Tracer = Callable[[Locals], TracedStep]
 Eager = Callable[[Locals], Any]

@@ -11,7 +11,11 @@
 //   grads(objects) -> list                  [o.grad for o in objects]
 //   take(spec) -> list | None               the grads the last passing match(spec, True,
 //                                           ...) read, once (None if taken or it failed)
-//   ptrs_equal(tensors, ptrs, indices)      tensors[i].data_ptr() == ptrs[i] for i in indices
+//   addresses(indices, checked) -> capsule  positions in an input list (-1: none) whose
+//                                           data pointers are recorded, some compared
+//   addresses_record(addresses, tensors)    record tensors[i].data_ptr() for each position
+//                                           (0 for -1) and return them as a list
+//   addresses_equal(addresses, tensors)     the checked positions keep what was recorded
 //   held(tensors, ptrs) -> capsule          hold tensors (strong references) and their
 //                                           expected data pointers
 //   held_match(held, _) -> bool             each held tensor still has its data pointer
@@ -235,36 +239,106 @@ PyObject* grads(PyObject*, PyObject* objects) {
   return out;
 }
 
-PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "ptrs_equal(tensors: list, ptrs: list, indices: list)");
+// -- addresses of inputs at fixed positions: recorded once, compared each call ----------
+
+struct Addresses {
+  std::vector<Py_ssize_t> indices;  // positions in the inputs; -1: a slot with no input (0)
+  std::vector<bool> checked;         // compared by addresses_equal
+  std::vector<const void*> ptrs;     // recorded by addresses_record
+  bool recorded = false;
+};
+
+const char* kAddresses = "optguard.native.Addresses";
+
+void drop_addresses(PyObject* capsule) {
+  delete static_cast<Addresses*>(PyCapsule_GetPointer(capsule, kAddresses));
+}
+
+bool is_tensor(PyObject* obj) { return is_plain(obj) || THPVariable_Check(obj); }
+
+PyObject* addresses(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+      PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "addresses(indices: list[int], checked: list[bool] of the same length)");
     return nullptr;
   }
-  PyObject* tensors = args[0];
-  PyObject* ptrs = args[1];
-  PyObject* indices = args[2];
-  Py_ssize_t n = PyList_GET_SIZE(tensors);
-  if (PyList_GET_SIZE(ptrs) != n) Py_RETURN_FALSE;
-  try {
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(indices); ++k) {
-      Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(indices, k));
-      if (i < 0 || i >= n) {
-        PyErr_Clear();
-        Py_RETURN_FALSE;
-      }
-      PyObject* t = PyList_GET_ITEM(tensors, i);
-      if (!THPVariable_Check(t)) Py_RETURN_FALSE;
-      void* expected = PyLong_AsVoidPtr(PyList_GET_ITEM(ptrs, i));
-      if (expected == nullptr && PyErr_Occurred()) {
-        PyErr_Clear();
-        Py_RETURN_FALSE;
-      }
-      if (THPVariable_Unpack(t).data_ptr() != expected) Py_RETURN_FALSE;
+  auto* out = new Addresses();
+  for (Py_ssize_t k = 0; k < PyList_GET_SIZE(args[0]); ++k) {
+    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(args[0], k));
+    if (i == -1 && PyErr_Occurred()) {
+      delete out;
+      return nullptr;
     }
-  } catch (const std::exception&) {  // a tensor without storage: not the expected address
+    out->indices.push_back(i < 0 ? -1 : i);
+    out->checked.push_back(i >= 0 && PyList_GET_ITEM(args[1], k) == Py_True);
+  }
+  out->ptrs.assign(out->indices.size(), nullptr);
+  return PyCapsule_New(out, kAddresses, drop_addresses);
+}
+
+PyObject* addresses_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "addresses_equal(addresses, tensors: list)");
+    return nullptr;
+  }
+  auto* a = static_cast<Addresses*>(PyCapsule_GetPointer(args[0], kAddresses));
+  if (a == nullptr) return nullptr;
+  PyObject* tensors = args[1];
+  if (!a->recorded || !PyList_Check(tensors)) Py_RETURN_FALSE;
+  Py_ssize_t n = PyList_GET_SIZE(tensors);
+  try {
+    for (size_t k = 0; k < a->indices.size(); ++k) {
+      if (!a->checked[k]) continue;
+      Py_ssize_t i = a->indices[k];
+      if (i >= n) Py_RETURN_FALSE;
+      PyObject* t = PyList_GET_ITEM(tensors, i);
+      if (!is_tensor(t) || THPVariable_Unpack(t).const_data_ptr() != a->ptrs[k]) Py_RETURN_FALSE;
+    }
+  } catch (const std::exception&) {  // a tensor without storage: not the recorded address
     Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;
+}
+
+PyObject* addresses_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "addresses_record(addresses, tensors: list)");
+    return nullptr;
+  }
+  auto* a = static_cast<Addresses*>(PyCapsule_GetPointer(args[0], kAddresses));
+  if (a == nullptr) return nullptr;
+  PyObject* tensors = args[1];
+  Py_ssize_t n = PyList_GET_SIZE(tensors);
+  std::vector<const void*> ptrs(a->indices.size(), nullptr);
+  for (size_t k = 0; k < a->indices.size(); ++k) {
+    Py_ssize_t i = a->indices[k];
+    if (i < 0) continue;
+    PyObject* t = i < n ? PyList_GET_ITEM(tensors, i) : nullptr;
+    if (t == nullptr || !is_tensor(t)) {
+      PyErr_Format(PyExc_TypeError, "addresses_record: input %zd is not a tensor", i);
+      return nullptr;
+    }
+    try {
+      ptrs[k] = THPVariable_Unpack(t).const_data_ptr();
+    } catch (const std::exception& e) {
+      PyErr_Format(PyExc_RuntimeError, "addresses_record: input %zd: %s", i, e.what());
+      return nullptr;
+    }
+  }
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(ptrs.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t k = 0; k < ptrs.size(); ++k) {
+    PyObject* ptr = PyLong_FromVoidPtr(const_cast<void*>(ptrs[k]));
+    if (ptr == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(k), ptr);
+  }
+  a->ptrs = std::move(ptrs);
+  a->recorded = true;
+  return out;
 }
 
 // -- held tensors: their data pointers, with no fetching and no Python ints per call -----
@@ -386,8 +460,14 @@ PyMethodDef kMethods[] = {
      "Whether a list's items (or their .grad) still match a spec."},
     {"grads", grads, METH_O, "[o.grad for o in objects]."},
     {"take", take, METH_O, "The grads the last passing match of a spec read (once), or None."},
-    {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs_equal)),
-     METH_FASTCALL, "Whether tensors[i].data_ptr() == ptrs[i] for every i in indices."},
+    {"addresses", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(addresses)),
+     METH_FASTCALL, "Positions of inputs whose data pointers are recorded and compared."},
+    {"addresses_equal",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(addresses_equal)), METH_FASTCALL,
+     "Whether the checked inputs keep the data pointers last recorded."},
+    {"addresses_record",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(addresses_record)),
+     METH_FASTCALL, "Record (and return) the inputs' data pointers, 0 for a -1 position."},
     {"held", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(held)), METH_FASTCALL,
      "Hold tensors and the data pointers they must keep."},
     {"held_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(held_match)),

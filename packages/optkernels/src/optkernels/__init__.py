@@ -6,7 +6,7 @@ backend runs the ops eagerly and is the ground truth; Triton foreach kernels bui
 contract. This layer knows nothing of tracing or guards.
 """
 
-from optkernels._torch_compat import use_address_check
+from optkernels.addresses import use_native_addresses
 from optkernels.backend import Backend, Plan
 from optkernels.errors import BackendError
 from optkernels.reference import TorchBackend, TorchPlan
@@ -20,5 +20,5 @@ __all__ = [
     "TorchBackend",
     "TorchPlan",
     "get_backend",
-    "use_address_check",
+    "use_native_addresses",
 ]

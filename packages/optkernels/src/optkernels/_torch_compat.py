@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-PtrsEqual = Callable[[list[Any], list[int], list[int]], bool]
-
 # C++ batch compare of data pointers (what torch's CUDA graph trees use to check static
 # inputs); present in CUDA builds of torch. ~100 ns per tensor (pybind casts).
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-# A faster one with the same contract, when one is handed in (use_address_check).
-_fast_ptrs_equal: PtrsEqual | None = None
-
-
-def use_address_check(fn: PtrsEqual | None) -> None:
-    """Compare addresses with ``fn(tensors, ptrs, indices)`` (lists; True when
-    ``tensors[i].data_ptr() == ptrs[i]`` for every i in ``indices``), or with torch's again
-    (None). optcompile hands in optguard's native one once it is built."""
-    global _fast_ptrs_equal
-    _fast_ptrs_equal = fn
 
 
 def data_ptrs_equal(tensors: Sequence[Any], ptrs: list[int], indices: list[int]) -> bool:
     """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every i in ``indices`` (``tensors``
     may hold other values at other positions)."""
-    fast = _fast_ptrs_equal
-    if fast is not None and type(tensors) is list:
-        return fast(tensors, ptrs, indices)
     if _ptrs_equal is not None:
         return bool(_ptrs_equal(tensors, ptrs, indices))
     return all(tensors[i].data_ptr() == ptrs[i] for i in indices)

@@ -69,15 +69,31 @@ def host_vars(program: LaneProgram) -> list[int]:
     return [op.out for op in program.ops if op.out in small]
 
 
+# Where the rows of ``host_vals`` start (after the row stride, 16 bytes in).
+HOST_ROWS = 4
+
+
+def host_reads(program: LaneProgram, host: Sequence[int]) -> list[int]:
+    """The vars of ``host`` (host_vars) the kernel reads: operands of the ops it computes
+    and values it stores into full-size inputs. Only these are sent to the device, in
+    ``host_vals``: a row stride (as a float: 0 when every lane has the same values, else
+    the row's length), 3 unused values, then one row per lane (or one for all)."""
+    on_host = set(host)
+    read = {v for op in program.ops if op.out not in on_host for v in op.lane_vars}
+    read.update(v for v, k in program.writes if not program.input_small[k])
+    return [v for v in host if v in read]
+
+
 def kernel_source(
     program: LaneProgram,
     dtypes: Sequence[torch.dtype],
     name: str,
-    host: dict[int, int] | None = None,
+    host: dict[int, int | None] | None = None,
     dynamic: Sequence[bool] | None = None,
 ) -> str:
     """Triton source of the kernel for ``program`` whose inputs have ``dtypes``. ``host``
-    maps vars computed on the host to their column in the ``host_vals`` buffer. Input
+    maps vars computed on the host to their column in the ``host_vals`` buffer, or to None
+    where the kernel does not read them (host_reads). Input
     ``k``'s addresses come from the static table ``ptrs`` (addresses the guards fix: params,
     state) or, where ``dynamic[k]``, from ``dptrs`` (grads: new tensors every step)."""
     host = host or {}
@@ -96,6 +112,10 @@ def kernel_source(
         "    mask = offs < numel",
         "    first = start == 0",
     ]
+    if any(column is not None for column in host.values()):
+        # host_vals: [row stride, 3 unused, one row of values per lane]; a stride of 0
+        # when every lane has the same values (one row is written: see host_reads).
+        lines.append("    row = lane * tl.load(host_vals).to(tl.int64)")
     for k, dtype in enumerate(dtypes):
         if dtype not in _TL_DTYPES:
             raise KernelError(f"dtype {dtype} of a lane input")
@@ -109,10 +129,10 @@ def kernel_source(
     small = {op.out: op.small for op in program.ops}
     for op in program.ops:
         if op.out in host:
-            var_dtype[op.out] = torch.float32
-            lines.append(
-                f"    v{op.out} = tl.load(host_vals + lane * {len(host)} + {host[op.out]})"
-            )
+            column = host[op.out]
+            if column is not None:
+                var_dtype[op.out] = torch.float32
+                lines.append(f"    v{op.out} = tl.load(host_vals + {HOST_ROWS} + row + {column})")
             continue
         if op.op == "input":
             dtype = dtypes[op.args[0]]

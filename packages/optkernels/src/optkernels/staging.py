@@ -4,16 +4,20 @@ tables) without stalling the host.
 A copy from pageable memory makes the host wait; from pinned memory it is queued on the
 stream like a kernel, and the host goes on at once. The catch: the pinned source must not be
 rewritten until the device has read it. Each buffer therefore has a ring of ``SLOTS`` pinned
-sources; a round (one ``prepare`` of a plan) writes slot ``k`` of every buffer it refreshes
-and records one event after its copies, and the round that comes back to slot ``k`` waits
-for that event first (normally long past). Device buffers keep their addresses from call to
-call: a recorded CUDA graph reads them.
+sources; a round (one ``prepare`` of a plan) writes slot ``round % SLOTS`` of every buffer it
+refreshes. Rather than one event per round (recording one and waiting on it cost the host
+about as much as the copy), a round records an event after its copies only when the oldest
+copy no event covers yet is ``EVERY - 1`` rounds old (or the stream changed); a round that
+comes back to a slot waits for the first event recorded at or after the slot's last copy
+(normally long past: the host may run up to ``SLOTS - EVERY`` rounds ahead of the device).
+Device buffers keep their addresses from call to call: a recorded CUDA graph reads them.
 
-On a CPU device (the Triton interpreter) the values are copied directly.
+On a CPU device (the Triton interpreter) the values are written into the buffer directly.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -21,60 +25,98 @@ import torch
 
 from optkernels._torch_compat import current_stream
 
-SLOTS = 4
+SLOTS = 16
+EVERY = 4  # at most SLOTS: the event covering a slot's copy is recorded before its reuse
 
 
 class Staging:
     """The pinned staging rings of one plan; ``begin()`` / ``end()`` bracket a round."""
 
     def __init__(self) -> None:
+        self.round = 0
         self.slot = 0
-        self.events: list[Any] = [None] * SLOTS
-        self._rings: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[Any]]] = {}
-        self._copied = False
+        self.events_recorded = 0
+        # The round whose copies last read each slot, until a later round waited for them.
+        self._written: list[int | None] = [None] * SLOTS
+        # (round, event): the event was recorded after the copies of every round up to it.
+        self._covers: deque[tuple[int, Any]] = deque()
+        self._spare: list[Any] = []  # events no slot waits for any more
+        self._uncovered: int | None = None  # the first round with copies no event covers
+        self._last_copy = 0  # the last round with a copy
+        self._stream: Any = None  # where the uncovered copies were queued
+        self._rings: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[np.ndarray]]] = {}
 
     def begin(self) -> None:
-        self.slot = (self.slot + 1) % SLOTS
-        event = self.events[self.slot]
-        if event is not None:
-            event.synchronize()
-        self._copied = False
+        self.round += 1
+        self.slot = self.round % SLOTS
+        written = self._written[self.slot]
+        if written is not None:
+            self._wait_for(written)
+            self._written[self.slot] = None
 
-    def end(self, device: torch.device) -> None:
-        if self._copied:
-            event = self.events[self.slot]
-            if event is None:
-                event = self.events[self.slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(current_stream(device))
+    def end(self) -> None:
+        """Record an event if the oldest uncovered copy is due one (see the module)."""
+        if self._uncovered is not None and self.round - self._uncovered >= EVERY - 1:
+            self._cover()
 
-    def upload(
-        self, buffer: torch.Tensor | None, values: Any, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """``values`` (a list of numbers, a numpy array or a CPU tensor) in a device buffer:
-        ``buffer`` when it has their shape (its address stays), else a new one."""
-        array = values if isinstance(values, np.ndarray) else None
-        host = values if isinstance(values, torch.Tensor) else None
-        if array is not None:
-            shape: tuple[int, ...] = array.shape
-        else:
-            shape = tuple(host.shape) if host is not None else (max(len(values), 1),)
+    def stage(
+        self,
+        buffer: torch.Tensor | None,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """``buffer`` (a new device buffer when it has another shape or dtype) and the host
+        array to write its new values into this round; ``send(buffer)`` copies them over.
+        The array holds stale values: write all of it."""
         if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype:
             buffer = torch.zeros(shape, dtype=dtype, device=device)
         if device.type != "cuda":
-            if array is not None:
-                host = torch.from_numpy(array)
-            source = host if host is not None else torch.tensor(values or [0], dtype=dtype)
-            buffer.copy_(source)
-            return buffer
+            return buffer, buffer.numpy()
         ring = self._rings.get(id(buffer))
         if ring is None or ring[0] is not buffer:
             pinned = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(SLOTS)]
             ring = self._rings[id(buffer)] = (buffer, pinned, [p.numpy() for p in pinned])
-        pinned_slot = ring[1][self.slot]
-        if host is not None:
-            pinned_slot.copy_(host)
-        elif array is not None or values:
-            ring[2][self.slot][:] = values
-        buffer.copy_(pinned_slot, non_blocking=True)
-        self._copied = True
+        return buffer, ring[2][self.slot]
+
+    def send(self, buffer: torch.Tensor) -> None:
+        """Queue the copy of this round's host array (``stage``) into ``buffer``."""
+        if buffer.device.type != "cuda":
+            return  # written in place
+        stream = current_stream(buffer.device)
+        if self._uncovered is not None and stream is not self._stream:
+            self._cover()  # the earlier copies went to another stream: cover them there
+        buffer.copy_(self._rings[id(buffer)][1][self.slot], non_blocking=True)
+        self._written[self.slot] = self._last_copy = self.round
+        if self._uncovered is None:
+            self._uncovered, self._stream = self.round, stream
+
+    def upload(
+        self,
+        buffer: torch.Tensor | None,
+        values: list[int] | list[float],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """``values`` in a device buffer: ``buffer`` when it has their length (its address
+        stays), else a new one (one value, 0, for none)."""
+        buffer, host = self.stage(buffer, (max(len(values), 1),), dtype, device)
+        host[...] = values if values else 0
+        self.send(buffer)
         return buffer
+
+    def _cover(self) -> None:
+        event = self._spare.pop() if self._spare else torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        self._covers.append((self._last_copy, event))
+        self.events_recorded += 1
+        self._uncovered = self._stream = None
+
+    def _wait_for(self, written: int) -> None:
+        """Wait until the device has done the copies of round ``written``."""
+        covers = self._covers
+        while covers and covers[0][0] < written:  # older: no slot waits for them any more
+            self._spare.append(covers.popleft()[1])
+        if not covers:  # the round was never closed (an error between begin and end)
+            self._cover()
+        covers[0][1].synchronize()

@@ -16,13 +16,15 @@ import numpy as np
 import torch
 from torch import fx
 
-from optkernels._torch_compat import data_ptrs_equal
+from optkernels.addresses import AddressCheck
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import (
     BLOCK,
+    HOST_ROWS,
     KernelError,
     eval_scalars,
     host_function,
+    host_reads,
     host_vars,
     kernel_source,
     load_kernel,
@@ -48,6 +50,11 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _aligned(count: int) -> int:
+    """``count`` float32 values rounded up to 16 bytes (what Triton assumes of pointers)."""
+    return -(-count // 4) * 4
+
+
 class _Group:
     """The lanes sharing one dtype signature: one kernel, its address tables and buffers.
 
@@ -64,7 +71,7 @@ class _Group:
         dtypes: tuple[torch.dtype, ...],
         index: dict[Any, int],
         dynamic: list[bool],
-        host: dict[int, int] | None = None,
+        host: dict[int, int | None] | None = None,
         guarded: frozenset[int] = frozenset(),
     ):
         self.lanes = lanes
@@ -90,15 +97,12 @@ class _Group:
         # host mode, 0-dim inputs are read from ``host_vals``): written as 0, not checked.
         unread = {k for k, small in enumerate(program.input_small) if small and host}
         self.static_slots = slots([k for k, d in enumerate(dynamic) if not d], unread)
-        self.static_checked: list[int] = []
         self.guard(guarded)
         self.dynamic_slots = slots([k for k, d in enumerate(dynamic) if d])
+        self.dynamic = AddressCheck(self.dynamic_slots)
         self.small_slots = {k: slots([k]) for k, small in enumerate(program.input_small) if small}
         big = [k for k, small in enumerate(program.input_small) if not small]
         self.numel_slots = slots(big[:1])  # one full-size input per lane gives its size
-        # The address each input slot had when a table was last written (by input index,
-        # for one batch compare over the whole input list).
-        self.expected: list[int] = []
         self.ptrs: torch.Tensor | None = None
         self.dptrs: torch.Tensor | None = None
         self.small_out: torch.Tensor | None = None
@@ -108,40 +112,32 @@ class _Group:
         # _Part._host_values), and the addresses that aliasing gives them.
         self.small_buffers: dict[int, torch.Tensor] = {}
         self.small_views: dict[int, np.ndarray] = {}  # numpy views of small_buffers
-        self.small_expected: list[int] = []
-        self.small_all = [i for slots in self.small_slots.values() for i in slots]
+        self.small = AddressCheck([i for slots in self.small_slots.values() for i in slots])
 
     def guard(self, guarded: frozenset[int]) -> None:
         """Stop comparing the addresses of the inputs at ``guarded`` (their caller does)."""
-        self.static_checked = [i for i in self.static_slots if i >= 0 and i not in guarded]
+        checked = {i for i in self.static_slots if i >= 0 and i not in guarded}
+        self.static = AddressCheck(self.static_slots, checked)  # unrecorded: rewrites once
 
     def refresh(self, inputs: Sequence[Any], device: torch.device, staging: Staging) -> None:
         """Bring both address tables up to date with this call's tensors (in place: the
         tables keep their own addresses, which a recorded CUDA graph reads)."""
-        expected = self.expected
-        if len(expected) != len(inputs):
-            expected = self.expected = [0] * len(inputs)
-            self.ptrs = self.dptrs = None
-        static = self.static_checked
-        if self.ptrs is None or (static and not data_ptrs_equal(inputs, expected, static)):
-            self.ptrs = self._write(inputs, self.static_slots, self.ptrs, device, staging)
-        if self.dptrs is None or not data_ptrs_equal(inputs, expected, self.dynamic_slots):
-            self.dptrs = self._write(inputs, self.dynamic_slots, self.dptrs, device, staging)
+        static = self.static
+        if self.ptrs is None or (static.compared and not static.equal(inputs)):
+            self.ptrs = self._write(static, inputs, self.ptrs, device, staging)
+        if self.dptrs is None or not self.dynamic.equal(inputs):
+            self.dptrs = self._write(self.dynamic, inputs, self.dptrs, device, staging)
 
     def _write(
         self,
+        check: AddressCheck,
         inputs: Sequence[Any],
-        slots: list[int],
         table: torch.Tensor | None,
         device: torch.device,
         staging: Staging,
     ) -> torch.Tensor:
-        ptrs = [inputs[i].data_ptr() if i >= 0 else 0 for i in slots]
-        for i, ptr in zip(slots, ptrs, strict=True):
-            if i >= 0:
-                self.expected[i] = ptr
         self.table_uploads += 1
-        return staging.upload(table, ptrs, torch.int64, device)
+        return staging.upload(table, check.record(inputs), torch.int64, device)
 
 
 class _Part:
@@ -160,8 +156,8 @@ class _Part:
         self.launches = 0
         self.device = torch.device("cpu")  # where the kernels run; set by check_devices
         self.host = False
-        self.host_order: list[int] = []
-        self.host_cols: dict[int, int] = {}
+        self.host_order: list[int] = []  # the vars computed on the host (host mode)
+        self.host_read: list[int] = []  # those the kernels read: the host_vals columns
         self._build(program)
 
     def _build(self, program: LaneProgram, host: bool = False) -> None:
@@ -170,7 +166,9 @@ class _Part:
             dtypes = tuple(nodes[lane].meta["val"].dtype for nodes in program.inputs)
             by_dtypes.setdefault(dtypes, []).append(lane)
         self.host_order = host_vars(program) if host else []
-        self.host_cols = {v: j for j, v in enumerate(self.host_order)}
+        self.host_read = host_reads(program, self.host_order)
+        columns = {v: j for j, v in enumerate(self.host_read)}
+        host_cols = {v: columns.get(v) for v in self.host_order}
         self._host_fn = host_function(program, self.host_order) if host else None
         self._host_fn_uniform = host_function(program, self.host_order, True) if host else None
         # An input column is static when the guards fix every lane's address (params, state).
@@ -179,14 +177,17 @@ class _Part:
             for column in program.inputs
         ]
         self.groups = [
-            _Group(program, lanes, d, self.index, dynamic, self.host_cols, self.guarded)
+            _Group(program, lanes, d, self.index, dynamic, host_cols, self.guarded)
             for d, lanes in by_dtypes.items()
         ]
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
         self.launches = len(self.groups) + (1 if small_writes and not host else 0)
         self._tables: dict[int, tuple[torch.Tensor, ...]] = {}
         self._small_writes = [(v, k) for v, k in program.writes if program.input_small[k]]
-        self.scalars: torch.Tensor | None = None  # the scalar inputs and host arithmetic
+        # One device buffer for the scalar inputs and, in host mode, each group's host vals
+        # (one copy per call); ``scalars`` and the groups' ``host_vals`` are views of it.
+        self.values: torch.Tensor | None = None
+        self.scalars: torch.Tensor | None = None
         self._scalar_values: list[float] = []
 
     def check_devices(self, inputs: Sequence[Any]) -> str | None:
@@ -224,13 +225,10 @@ class _Part:
         staging = self.staging
         staging.begin()
         scalar_values = eval_scalars(program, inputs, self.index)
-        if self.scalars is None or scalar_values != self._scalar_values:
+        if self.host or self.values is None or scalar_values != self._scalar_values:
             self._scalar_values = scalar_values
-            self.scalars = staging.upload(self.scalars, scalar_values, torch.float32, device)
+            self._stage_values(inputs, scalar_values)
         for g, group in enumerate(self.groups):
-            if self.host:
-                values = self._host_values(program, group, inputs, scalar_values)
-                group.host_vals = staging.upload(group.host_vals, values, torch.float32, device)
             self._group_tables(g, group, inputs, device)
             group.refresh(inputs, device, staging)
             if group.small_out is None:  # its shape is fixed: one buffer for every call
@@ -239,7 +237,30 @@ class _Part:
                     dtype=torch.float32,
                     device=device,
                 )
-        staging.end(device)
+        staging.end()
+
+    def _stage_values(self, inputs: Sequence[Any], scalar_values: list[float]) -> None:
+        """Write the scalars and (host mode) the groups' host vals into this round's staging
+        array of ``values`` and send it: one copy. Each block starts 16-byte aligned."""
+        width = len(self.host_read)
+        size = _aligned(max(len(scalar_values), 1))
+        starts: list[tuple[_Group, int, int]] = []
+        if self.host:
+            for group in self.groups:
+                length = HOST_ROWS + len(group.lanes) * width
+                starts.append((group, size, length))
+                size += _aligned(length)
+        values, host = self.staging.stage(self.values, (size,), torch.float32, self.device)
+        if values is not self.values:  # new: views of it for the kernels
+            self.values = values
+            self.scalars = values[: max(len(scalar_values), 1)]
+            for group, start, length in starts:
+                group.host_vals = values[start : start + length]
+        host[: len(scalar_values)] = scalar_values
+        for group, start, length in starts:
+            block = host[start : start + length]
+            self._host_values(self.program, group, inputs, scalar_values, block)
+        self.staging.send(values)
 
     def launch(self) -> None:
         """The device side of a call: the kernels, reading only the prepared buffers."""
@@ -265,10 +286,10 @@ class _Part:
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the kernels read or write directly (the rest they reach through
         the address tables)."""
-        out = [] if self.scalars is None else [self.scalars]
+        out = [] if self.values is None else [self.values]
         for g, group in enumerate(self.groups):
             out.extend(self._tables[g])
-            for t in (group.ptrs, group.dptrs, group.small_out, group.host_vals):
+            for t in (group.ptrs, group.dptrs, group.small_out):
                 if t is not None:
                     out.append(t)
         return out
@@ -279,9 +300,11 @@ class _Part:
         group: _Group,
         inputs: Sequence[Any],
         scalar_values: list[float],
-    ) -> np.ndarray:
+        block: np.ndarray,
+    ) -> None:
         """Compute the host vars for the group's lanes on the CPU, write the 0-dim results
-        back there, and return the values the kernel reads (lanes x vars, float32).
+        back there, and put the values the kernel reads into ``block`` (its ``host_vals``:
+        see foreach_kernel.host_reads).
 
         The lanes' 0-dim CPU tensors (step counts: state the optimizer owns) are made to
         alias one buffer per column, slot ``j`` for lane ``j`` (``set_``: same tensor objects,
@@ -289,9 +312,7 @@ class _Part:
         a numpy view (host_function), instead of stacking and copying 200 tensors per call.
         Their addresses are checked each call in one batch; a tensor re-pointed since
         (``set_``, ``.data =``) is aliased again."""
-        if not group.small_buffers or not data_ptrs_equal(
-            inputs, group.small_expected, group.small_all
-        ):
+        if not group.small_buffers or not group.small.equal(inputs):
             self._alias_small(group, inputs)
         buffers = group.small_buffers
         # On the CPU, numpy views of the buffers (written in place); forced host mode with
@@ -299,10 +320,18 @@ class _Part:
         on_cpu = len(group.small_views) == len(buffers)
         views = group.small_views if on_cpu else {k: b.cpu().numpy() for k, b in buffers.items()}
         values = self._uniform_host_values(views, scalar_values) if on_cpu else None
-        if values is None:
-            assert self._host_fn is not None
-            with np.errstate(all="ignore"):
-                values = self._host_fn(views, scalar_values, len(group.lanes))
+        if values is not None:  # one number per var: every lane's row is the same
+            for var, k in program.writes:
+                if program.input_small[k]:
+                    views[k].fill(values[var])
+            block[0] = 0  # one row for every lane
+            block[HOST_ROWS : HOST_ROWS + len(self.host_read)] = [
+                values[var] for var in self.host_read
+            ]
+            return
+        assert self._host_fn is not None
+        with np.errstate(all="ignore"):
+            values = self._host_fn(views, scalar_values, len(group.lanes))
         for var, k in program.writes:
             if not program.input_small[k]:
                 continue
@@ -311,10 +340,11 @@ class _Part:
             else:
                 new = np.array(np.broadcast_to(values[var], views[k].shape), views[k].dtype)
                 buffers[k].copy_(torch.from_numpy(new))
-        out = np.zeros((len(group.lanes), max(len(self.host_order), 1)), dtype=np.float32)
-        for j, var in enumerate(self.host_order):
-            out[:, j] = values[var]
-        return out
+        width = len(self.host_read)
+        block[0] = width
+        rows = block[HOST_ROWS:].reshape(len(group.lanes), width)
+        for j, var in enumerate(self.host_read):
+            rows[:, j] = values[var]
 
     def _uniform_host_values(
         self, views: dict[int, np.ndarray], scalar_values: list[float]
@@ -337,18 +367,17 @@ class _Part:
 
     @staticmethod
     def _alias_small(group: _Group, inputs: Sequence[Any]) -> None:
-        expected = [0] * len(inputs)
         buffers: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for k, slots in group.small_slots.items():
                 tensors = [inputs[i] for i in slots]
                 buffer = buffers[k] = torch.stack(tensors).contiguous()
                 storage = buffer.untyped_storage()
-                for j, (i, t) in enumerate(zip(slots, tensors, strict=True)):
+                for j, t in enumerate(tensors):
                     t.set_(storage, j, (), ())
-                    expected[i] = t.data_ptr()
-        group.small_buffers, group.small_expected = buffers, expected
+        group.small_buffers = buffers
         group.small_views = {k: b.numpy() for k, b in buffers.items() if b.device.type == "cpu"}
+        group.small.record(inputs)
 
     def _group_tables(
         self, g: int, group: _Group, inputs: Sequence[Any], device: torch.device
