@@ -18,7 +18,7 @@ import pytest
 import torch
 from optcompile.api import _OPTIMIZERS
 from optkernels import TorchPlan
-from optkernels.foreach_kernel import eval_scalars
+from optkernels.foreach_kernel import scalar_function
 from optkernels.triton_backend import TritonPlan
 from step_optimizers import DecayMatricesOnly, ForeachLamb, TrustRatioSGD
 
@@ -377,7 +377,7 @@ def test_uniform_host_arithmetic_agrees_with_per_lane_and_refuses_what_python_ca
     plan(inputs)
     part = plan.parts[0]
     group = part.groups[0]
-    scalars = eval_scalars(part.program, inputs, part.index)
+    scalars = scalar_function(part.program, part.index)(inputs)
     lanes = len(group.lanes)
     views = {k: b.cpu().numpy() for k, b in group.small_buffers.items()}  # CPU or CUDA steps
     per_lane = part._host_fn(views, scalars, lanes)
@@ -391,7 +391,7 @@ def test_uniform_host_arithmetic_agrees_with_per_lane_and_refuses_what_python_ca
         v[1] += 1
     assert part._uniform_host_values(uneven, scalars) is None  # lanes differ: per lane
     opt.param_groups[0]["betas"] = (1.0, 0.999)
-    scalars = eval_scalars(part.program, entry.gather({"opt": opt}), part.index)
+    scalars = scalar_function(part.program, part.index)(entry.gather({"opt": opt}))
     with pytest.raises(ZeroDivisionError):
         part._host_fn_uniform(one, scalars, 1)
     assert part._uniform_host_values(views, scalars) is None

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import fx
 
 from optkernels._triton_compat import Kernel
 from optkernels.lanes import LaneOp, LaneProgram
@@ -408,18 +409,35 @@ def load_kernel(source: str, name: str) -> Kernel:
     return Kernel(getattr(module, name), os.path.join(directory, f"k_{digest}.{name}.json"))
 
 
-def eval_scalars(program: LaneProgram, inputs: Sequence[Any], index: dict[Any, int]) -> list[float]:
-    """Values of the scalar inputs and of the host-side scalar arithmetic, for this call."""
-    values: dict[Any, Any] = {}
-    out = []
+ScalarFunction = Callable[[Sequence[Any]], list[float]]
+
+
+def scalar_function(program: LaneProgram, index: dict[Any, int]) -> ScalarFunction:
+    """``f(inputs)``: the values of the scalar inputs (at ``index[node]`` in the plan's
+    inputs) and of the host-side scalar arithmetic, in the scalar buffer's order (see
+    ``scalar_slot``), for one call: straight-line Python generated once."""
+    constants: list[Any] = []
+    names: dict[fx.Node, str] = {}
+    lines = ["def scalars(inputs):"]
     for node in program.scalar_inputs:
-        values[node] = inputs[index[node]]
-        out.append(float(values[node]))
+        names[node] = f"s{len(names)}"
+        lines.append(f"    {names[node]} = inputs[{index[node]}]")
     for node in program.scalar_nodes:
-        args = [values.get(a, a) for a in node.args]
-        values[node] = node.target(*args)  # type: ignore[operator]
-        out.append(float(values[node]))
-    return out
+        args = []
+        for a in node.args:
+            if isinstance(a, fx.Node):
+                args.append(names[a])
+            else:
+                constants.append(a)
+                args.append(f"c[{len(constants) - 1}]")
+        constants.append(node.target)
+        names[node] = f"s{len(names)}"
+        lines.append(f"    {names[node]} = c[{len(constants) - 1}]({', '.join(args)})")
+    lines.append("    return [" + "".join(f"float({name}), " for name in names.values()) + "]")
+    scope: dict[str, Any] = {"c": constants}
+    exec(compile("\n".join(lines), "<optkernels scalar_function>", "exec"), scope)
+    fn: ScalarFunction = scope["scalars"]
+    return fn
 
 
 HostFunction = Callable[[dict[int, Any], Sequence[float], int], dict[int, Any]]

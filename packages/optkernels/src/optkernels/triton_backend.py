@@ -22,12 +22,12 @@ from optkernels.foreach_kernel import (
     BLOCK,
     HOST_ROWS,
     KernelError,
-    eval_scalars,
     host_function,
     host_reads,
     host_vars,
     kernel_source,
     load_kernel,
+    scalar_function,
 )
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.reference import TorchPlan
@@ -149,6 +149,7 @@ class _Part:
     ) -> None:
         self.program = program
         self.index = index
+        self._scalars = scalar_function(program, index)
         self.host_small = host_small
         self.guarded: frozenset[int] = frozenset()  # see TritonPlan.guarded_addresses
         self.groups: list[_Group] = []
@@ -220,11 +221,10 @@ class _Part:
     def prepare(self, inputs: Sequence[Any]) -> None:
         """The host side of a call: scalars, host-computed values and address tables go
         into device buffers that keep their addresses from call to call."""
-        program = self.program
         device = self.device
         staging = self.staging
         staging.begin()
-        scalar_values = eval_scalars(program, inputs, self.index)
+        scalar_values = self._scalars(inputs)
         if self.host or self.values is None or scalar_values != self._scalar_values:
             self._scalar_values = scalar_values
             self._stage_values(inputs, scalar_values)
