@@ -89,8 +89,8 @@ def _row(step: Callable[[], Any], calls: int) -> list[float]:
     cached = compiled.cache.find(L)
     assert cached is not None and cached.check.fast_hit
     entry = cached.value
-    assert entry.fast is not None
-    fast_gather = entry.fast[1]
+    assert cached.check.fast is not None and cached.check.fast.gather is not None
+    fast_gather = cached.check.fast.gather
     inputs = list(fast_gather(L))  # its list is reused and released by each step
     plan, graphed = entry.plan.plan, entry.plan.graphed
     return [

@@ -3,6 +3,7 @@ changing nothing never retraces; results always match eager."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from collections.abc import Callable
@@ -123,6 +124,25 @@ def test_a_grad_becoming_none_and_back_reuses_the_first_entry():
     assert report.traces == 2  # one for the None pattern; back to the first entry after
     assert "grad: became None" in report.retrace_reasons[-1]
     assert report.entries == 2 and len(report.entry_guards) == 2
+
+
+def test_a_checkpoint_load_that_retraces_lets_the_old_state_go():
+    """load_state_dict with another weight decay: new state tensors, a new entry. The old
+    entry stays cached (its hyperparameters may come back) but must not keep the old state
+    tensors alive: memory the size of the optimizer state."""
+    make = lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    model, opt, reference, eager = run_pair(make, steps=3)
+    old = [weakref.ref(t) for s in opt.state.values() for t in s.values()]
+    checkpoint = copy.deepcopy(eager.state_dict())
+    checkpoint["param_groups"][0]["weight_decay"] = 0.0
+    opt.load_state_dict(checkpoint)
+    eager.load_state_dict(copy.deepcopy(checkpoint))
+    step_both(model, opt, reference, eager, range(3, 5))
+    assert_same(model, opt, reference, eager)
+    report = optcompile.explain(opt)
+    assert report.traces == 2 and report.entries == 2
+    gc.collect()
+    assert all(ref() is None for ref in old)
 
 
 def test_freeing_the_optimizer_takes_its_entries_with_it():

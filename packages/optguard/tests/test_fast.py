@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from optguard import (
@@ -167,6 +170,34 @@ def test_a_change_the_full_check_accepts_rearms_the_fast_tier():
     assert check(L)  # the full check passes and builds the tier anew
     assert check.fast is not None and check.fast(L)
     assert check.rebuilds == 2
+
+
+@needs_fast
+def test_a_miss_drops_a_tier_whose_state_was_replaced_and_keeps_one_whose_state_stands(checks):
+    """A tier pins state tensors. When its entry stops matching while the state stands (a
+    hyperparameter another entry serves), it stays for the next match; when the state was
+    replaced (a checkpoint load), it goes, and the old tensors with it."""
+    opt = _optimizer()
+    check = _check(opt)
+    L = {"opt": opt}
+    assert check(L) and check.fast is not None
+    tier = check.fast
+    opt.param_groups[0]["lr"] = 1  # not this entry's
+    assert not check(L) and check.fast is tier
+    opt.param_groups[0]["lr"] = 0.1
+    assert check(L) and check.fast_hit and check.fast is tier
+    params = opt.param_groups[0]["params"]
+    old = [weakref.ref(opt.state[p]["momentum_buffer"]) for p in params]
+    for p in params:  # what load_state_dict does: new entries, new tensors
+        opt.state[p] = {"momentum_buffer": opt.state[p]["momentum_buffer"].clone()}
+    opt.param_groups[0]["lr"] = 1
+    assert not check(L) and check.fast is None
+    del tier
+    gc.collect()
+    assert all(ref() is None for ref in old)
+    opt.param_groups[0]["lr"] = 0.1
+    assert not check(L)  # the new tensors' addresses are not the traced ones
+    assert check.fast is None
 
 
 @needs_fast

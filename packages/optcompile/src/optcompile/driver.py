@@ -20,7 +20,6 @@ import torch
 from optguard import (
     CompiledCheck,
     DataPtrGuard,
-    FastCheck,
     FastGather,
     GuardedCache,
     Locals,
@@ -48,8 +47,9 @@ class CompiledEntry:
     With ``pin_inputs`` (a compiled optimizer: it owns what its steps read), after a hit of
     the check's fast tier the inputs come from a FastGather (the pinned ones from the last
     full gather, the rest fetched); after a full check they are gathered in full, and the
-    FastGather of the current fast tier is armed from them. A compiled function's entries
-    hold none of its arguments, so they always gather in full."""
+    FastGather of the current fast tier (kept on the tier: it goes with it) is armed from
+    them. A compiled function's entries hold none of its arguments, so they always gather
+    in full."""
 
     traced: TracedStep
     gather: Callable[[Locals], list[torch.Tensor]]
@@ -57,15 +57,12 @@ class CompiledEntry:
     plan: Plan
     replay: Replay
     pin_inputs: bool = False
-    # The FastGather of the check's current fast tier, with that tier (a rebuilt tier pins
-    # other sources: its FastGather is built anew).
-    fast: tuple[FastCheck, FastGather] | None = None
 
     def run(self, L: Locals, check: CompiledCheck | None = None) -> Any:
         tier = check.fast if check is not None and self.pin_inputs else None
-        if tier is not None and check is not None and check.fast_hit and self.fast is not None:
-            built_for, fast_gather = self.fast
-            if built_for is tier:
+        if tier is not None and check is not None and check.fast_hit:
+            fast_gather = tier.gather  # built for this tier (a rebuilt tier pins others)
+            if fast_gather is not None:
                 try:
                     outputs = self.plan(fast_gather(L))
                 finally:
@@ -74,10 +71,9 @@ class CompiledEntry:
         inputs = self.gather(L)
         if tier is not None:
             tier.forget()  # the full gather read the grads itself
-            if self.fast is None or self.fast[0] is not tier:
-                gather = FastGather(self.traced.input_sources, tier.pinned, tier.grad_lists)
-                self.fast = (tier, gather)
-            self.fast[1].arm(L, inputs)
+            if tier.gather is None:
+                tier.gather = FastGather(self.traced.input_sources, tier.pinned, tier.grad_lists)
+            tier.gather.arm(L, inputs)
         return self.replay(L, self.plan(inputs))
 
 

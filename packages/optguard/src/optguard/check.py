@@ -88,6 +88,10 @@ class CompiledCheck:
             return True
         self.fast_hit = False
         if not self.fn(L):
+            if fast is not None and fast.stale(L):
+                # The state it pinned was replaced: its old tensors must not stay alive
+                # through it (re-armed if this entry matches again).
+                self.fast = None
             return False
         if self.fast_note is None:
             self._arm(L)

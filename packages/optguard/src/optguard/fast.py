@@ -36,7 +36,7 @@ limits how often).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +88,12 @@ class FastCheck:
         # Built while the native module was still building: worth building again once it
         # is loaded (CompiledCheck does).
         self.pending = pending
+        # Whether each optimizer state this tier pinned is still the one it found (see
+        # ``stale``).
+        self.states_unchanged: list[Callable[[Locals], bool]] = []
+        # What its user built on the pinned values (optcompile: the entry's FastGather): it
+        # goes with the tier.
+        self.gather: Any = None
 
     def __call__(self, L: Locals) -> bool:
         if self.tree.check(L) and self.residual(L):
@@ -102,6 +108,15 @@ class FastCheck:
         if module is not None:
             for spec, _ in self.grad_lists.values():
                 module.take(spec)
+
+    def stale(self, L: Locals) -> bool:
+        """Whether an optimizer state this tier pinned has changed since (entries replaced:
+        a ``load_state_dict``): its pinned values then hold old state tensors alive, and the
+        tier is worth dropping once its entry no longer matches."""
+        try:
+            return not all(unchanged(L) for unchanged in self.states_unchanged)
+        except Exception:
+            return True
 
     def describe(self) -> str:
         return "\n".join(
@@ -164,6 +179,7 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         compat.GuardTree.id_is(node, value, f"{key.name()} is the same object")
         builder.lines.append(f"{key.name()} is the same object (keys the state)")
         identical.add(key)
+    states_unchanged: list[Callable[[Locals], bool]] = []
     for state in states:
         node = builder.node(state)
         value = state.fetch(L)
@@ -172,12 +188,15 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         if not all(type(entry) is dict for entry in value.values()):
             return None
         text = f"{state.name()} and its {len(value)} entries are unchanged (dict versions)"
+        unchanged: Callable[[Any], bool]
         if versions is not None:
             unchanged = functools.partial(module.versions_match, versions(value))
             compat.GuardTree.predicate(node, unchanged, text)
             text += ", one native check"
         else:
             compat.GuardTree.versions(node, value, state.name())
+            unchanged = _same_entries(value)
+        states_unchanged.append(_fetching(state, unchanged))
         builder.lines.append(text)
     pinned = _pinned_sources(guards, identical, set(states))
     held = [g for g in addresses if g.source in pinned]
@@ -189,7 +208,28 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         builder.lines.append(text + (", one native check" if module is not None else ""))
     check = compile_check(GuardSet(tuple(residual)), fast=False)
     pending = module is None and native.status() == "building"
-    return FastCheck(builder.tree, check, builder.lines, pinned, pending, grad_lists)
+    fast = FastCheck(builder.tree, check, builder.lines, pinned, pending, grad_lists)
+    fast.states_unchanged = states_unchanged
+    return fast
+
+
+def _fetching(source: Source, test: Callable[[Any], bool]) -> Callable[[Locals], bool]:
+    return lambda L: bool(test(source.fetch(L)))
+
+
+def _same_entries(state: dict[Any, Any]) -> Callable[[Any], bool]:
+    """Whether a dict holds the same entry objects with the same items as ``state`` now
+    (without CPython's dict versions: by identity; held by id, not by reference)."""
+    snapshot = [(id(k), id(v), [id(x) for x in v.values()]) for k, v in state.items()]
+
+    def unchanged(d: Any) -> bool:
+        items = list(d.items())
+        return len(items) == len(snapshot) and all(
+            id(k) == ik and id(v) == iv and [id(x) for x in v.values()] == ix
+            for (k, v), (ik, iv, ix) in zip(items, snapshot, strict=True)
+        )
+
+    return unchanged
 
 
 def _list_families(
