@@ -39,6 +39,21 @@ def test_match_checks_every_items_metadata_and_identity(module):
     assert not module.match(spec, False, params)
 
 
+@pytest.mark.parametrize("shape", [(), (5,), (2, 1, 3, 1), (2, 1, 3, 1, 2, 2)])
+def test_match_compares_every_size_and_stride_at_any_rank(module, shape):
+    tensors = [torch.randn(shape)]
+    spec = module.spec(tensors, False)
+    assert module.match(spec, False, [torch.randn(shape)])
+    if shape:
+        last = (*shape[:-1], shape[-1] + 1)
+        assert not module.match(spec, False, [torch.randn(last)])  # one size differs
+        assert not module.match(spec, False, [torch.randn(shape).unsqueeze(0)])  # rank
+        strided = torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]  # last stride 2
+        assert not module.match(spec, False, [strided])
+    else:
+        assert not module.match(spec, False, [torch.randn(1)])
+
+
 def test_match_reads_grads_and_a_tensor_torch_cannot_size_is_a_miss_not_a_crash(module):
     params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
     params[0].grad = torch.randn(3)

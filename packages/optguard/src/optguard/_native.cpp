@@ -30,6 +30,7 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <vector>
@@ -44,6 +45,8 @@
 
 namespace {
 
+constexpr int64_t kInline = 4;
+
 struct Meta {
   Py_ssize_t index;  // position in the container
   PyObject* id;      // the very object expected (not owned; compared by address), or null
@@ -55,8 +58,31 @@ struct Meta {
   bool requires_grad;
   bool check_ptr;   // the data pointer must stay ``ptr``
   const void* ptr;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
+  // Sizes then strides: inline up to kInline dimensions (no pointer to chase per tensor).
+  int64_t dim = 0;
+  int64_t inline_dims[2 * kInline] = {};
+  std::vector<int64_t> dims;  // more than kInline dimensions
+
+  void set_dims(c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+    dim = static_cast<int64_t>(sizes.size());
+    int64_t* out = inline_dims;
+    if (dim > kInline) {
+      dims.resize(2 * dim);
+      out = dims.data();
+    }
+    std::copy(sizes.begin(), sizes.end(), out);
+    std::copy(strides.begin(), strides.end(), out + dim);
+  }
+
+  bool same_dims(const at::Tensor& t) const {
+    if (t.dim() != dim) return false;
+    const int64_t* expected = dim > kInline ? dims.data() : inline_dims;
+    c10::IntArrayRef sizes = t.sizes();
+    c10::IntArrayRef strides = t.strides();
+    for (int64_t d = 0; d < dim; ++d)
+      if (sizes[d] != expected[d] || strides[d] != expected[dim + d]) return false;
+    return true;
+  }
 };
 
 struct Spec {
@@ -117,7 +143,7 @@ bool matches(const Meta& m, PyObject* value) {
   if (t.scalar_type() != m.dtype || t.device() != m.device || t.layout() != m.layout ||
       t.requires_grad() != m.requires_grad)
     return false;
-  return t.sizes().equals(m.sizes) && t.strides().equals(m.strides);
+  return m.same_dims(t);
 }
 
 PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -131,8 +157,16 @@ PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto* out = new Spec();
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); ++i) {
     PyObject* v = PyList_GET_ITEM(values, i);
-    Meta m{i, ids ? v : nullptr, v == Py_None, nullptr, c10::ScalarType::Undefined,
-           c10::kCPU, c10::kStrided, false, false, nullptr, {}, {}};
+    Meta m;
+    m.index = i;
+    m.id = ids ? v : nullptr;
+    m.none = v == Py_None;
+    m.type = nullptr;
+    m.dtype = c10::ScalarType::Undefined;
+    m.layout = c10::kStrided;
+    m.requires_grad = false;
+    m.check_ptr = false;
+    m.ptr = nullptr;
     if (!m.none) {
       if (!THPVariable_Check(v)) {
         delete out;
@@ -146,8 +180,7 @@ PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         return nullptr;
       }
       try {
-        m.sizes = t.sizes().vec();
-        m.strides = t.strides().vec();
+        m.set_dims(t.sizes(), t.strides());
         if (ptrs) {
           m.check_ptr = true;
           m.ptr = t.const_data_ptr();
