@@ -26,3 +26,13 @@ def step_post_hooks(opt: torch.optim.Optimizer) -> Iterable[Hook]:
         opt._optimizer_step_post_hooks.values(),
         _optimizer_module._global_optimizer_post_hooks.values(),
     )
+
+
+def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether any step pre- or post-hook (global or ``opt``'s) is registered."""
+    return bool(
+        _optimizer_module._global_optimizer_pre_hooks
+        or opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+        or _optimizer_module._global_optimizer_post_hooks
+    )

@@ -15,7 +15,7 @@ from optguard import DEFAULT_RECOMPILE_LIMIT, Locals, native
 from optkernels import Backend, BackendError, get_backend
 from opttrace import eager_step, trace, trace_step
 
-from optcompile._torch_compat import step_post_hooks, step_pre_hooks
+from optcompile._torch_compat import has_step_hooks, step_post_hooks, step_pre_hooks
 from optcompile.cudagraphs import GraphedBackend, GraphedPlan
 from optcompile.driver import Compiled, newest, reset_all
 from optcompile.errors import CompileError
@@ -129,6 +129,10 @@ def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_li
 
 def _compiled_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     """The compiled ``step``: hooks and the closure run eagerly, the update is compiled."""
+    if closure is None and not has_step_hooks(self):  # the usual call: nothing else to run
+        _OPTIMIZERS[self]({"opt": self})
+        self._opt_called = True  # type: ignore[attr-defined]  # see below
+        return None
     args: tuple[Any, ...] = (self,)
     kwargs: dict[str, Any] = {} if closure is None else {"closure": closure}
     for hook in step_pre_hooks(self):

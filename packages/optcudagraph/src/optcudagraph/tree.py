@@ -155,11 +155,12 @@ class _Node:
                 )
         return None  # pragma: no cover - the batch compare and the loop agree
 
-    def hand_out(self, why: str) -> Any:
-        """Fresh aliases of the outputs; the ones handed out before are invalidated."""
+    def hand_out(self) -> Any:
+        """Fresh aliases of the outputs; the ones handed out before are invalidated (by
+        this replay)."""
         if self.outputs is None:  # a function run for its effects: nothing to alias
             return None
-        self.invalidate(why)
+        self.invalidate(f"replay {self.replays} of the graph rewrote it")
         handed: list[torch.Tensor] = []
 
         def fresh(value: Any) -> Any:
@@ -236,7 +237,7 @@ class Graphed:
         node.replays += 1
         self.replays += 1
         self.manager.replays += 1
-        return node.hand_out(f"replay {node.replays} of the graph rewrote it")
+        return node.hand_out()
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
@@ -266,4 +267,4 @@ class Graphed:
         node.replays += 1
         self.replays += 1
         manager.replays += 1
-        return node.hand_out(f"replay {node.replays} of the graph rewrote it")
+        return node.hand_out()
