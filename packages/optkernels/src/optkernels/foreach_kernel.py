@@ -485,12 +485,17 @@ def host_function(
             number = f"float({ref(op.args[0])})"
             value = number if uniform else f"np.full(lanes, {number}, dtype=np.float32)"
         else:
-            args = "".join(f"{ref(x)}, " for x in op.args)
-            kw = ", ".join(f"{k!r}: {ref(v)}" for k, v in op.kwargs if v[0] != "ignore")
-            value = f"{const(table[op.op])}(({args}), {{{kw}}})"
+            kwargs = [(k, v) for k, v in op.kwargs if v[0] != "ignore"]
+            inline = _INLINE.get(op.op) if uniform and not kwargs else None
+            if inline is not None and inline[1] == len(op.args):
+                value = inline[0].format(*map(ref, op.args))  # a Python expression
+            else:
+                args = "".join(f"{ref(x)}, " for x in op.args)
+                kw = ", ".join(f"{k!r}: {ref(v)}" for k, v in kwargs)
+                value = f"{const(table[op.op])}(({args}), {{{kw}}})"
         lines.append(f"    v{var} = {value}")
     lines.append("    return {" + ", ".join(f"{v}: v{v}" for v in order) + "}")
-    scope: dict[str, Any] = {"c": constants, "np": np}
+    scope: dict[str, Any] = {"c": constants, "np": np, "sqrt": math.sqrt}
     exec(compile("\n".join(lines), "<optkernels host_function>", "exec"), scope)
     fn: HostFunction = scope["host"]
     return fn
@@ -594,6 +599,21 @@ def _scalar_pow(x: float, y: float) -> float:
 def _scalar_lerp(start: float, end: float, weight: float) -> float:
     diff = end - start
     return start + weight * diff if abs(weight) < 0.5 else end - diff * (1 - weight)
+
+
+# Ops on Python numbers written as expressions (uniform lanes, no keyword arguments): the
+# same results and errors as _HOST_SCALAR's, without a call per op. (template, operands)
+_INLINE: dict[str, tuple[str, int]] = {
+    "add": ("({0} + {1})", 2),
+    "sub": ("({0} - {1})", 2),
+    "rsub": ("({1} - {0})", 2),
+    "mul": ("({0} * {1})", 2),
+    "div": ("({0} / {1})", 2),
+    "neg": ("(-{0})", 1),
+    "reciprocal": ("(1.0 / {0})", 1),
+    "sqrt": ("sqrt({0})", 1),
+    "rsqrt": ("(1.0 / sqrt({0}))", 1),
+}
 
 
 # The same ops on Python numbers (uniform lanes); errors propagate (see host_function).

@@ -44,7 +44,7 @@ class Staging:
         self._uncovered: int | None = None  # the first round with copies no event covers
         self._last_copy = 0  # the last round with a copy
         self._stream: Any = None  # where the uncovered copies were queued
-        self._rings: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[np.ndarray]]] = {}
+        self._rings: dict[int, _Ring] = {}
 
     def begin(self) -> None:
         self.round += 1
@@ -69,15 +69,18 @@ class Staging:
         """``buffer`` (a new device buffer when it has another shape or dtype) and the host
         array to write its new values into this round; ``send(buffer)`` copies them over.
         The array holds stale values: write all of it."""
+        if buffer is not None:
+            ring = self._rings.get(id(buffer))
+            if ring is not None and ring.buffer is buffer and ring.fits(shape, dtype):
+                return buffer, ring.arrays[self.slot]  # the usual call
         if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype:
+            if buffer is not None:
+                self._rings.pop(id(buffer), None)  # replaced: its ring goes with it
             buffer = torch.zeros(shape, dtype=dtype, device=device)
         if device.type != "cuda":
             return buffer, buffer.numpy()
-        ring = self._rings.get(id(buffer))
-        if ring is None or ring[0] is not buffer:
-            pinned = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(SLOTS)]
-            ring = self._rings[id(buffer)] = (buffer, pinned, [p.numpy() for p in pinned])
-        return buffer, ring[2][self.slot]
+        ring = self._rings[id(buffer)] = _Ring(buffer, shape, dtype)
+        return buffer, ring.arrays[self.slot]
 
     def send(self, buffer: torch.Tensor) -> None:
         """Queue the copy of this round's host array (``stage``) into ``buffer``."""
@@ -86,7 +89,7 @@ class Staging:
         stream = current_stream(buffer.device)
         if self._uncovered is not None and stream is not self._stream:
             self._cover()  # the earlier copies went to another stream: cover them there
-        buffer.copy_(self._rings[id(buffer)][1][self.slot], non_blocking=True)
+        buffer.copy_(self._rings[id(buffer)].pinned[self.slot], non_blocking=True)
         self._written[self.slot] = self._last_copy = self.round
         if self._uncovered is None:
             self._uncovered, self._stream = self.round, stream
@@ -120,3 +123,17 @@ class Staging:
         if not covers:  # the round was never closed (an error between begin and end)
             self._cover()
         covers[0][1].synchronize()
+
+
+class _Ring:
+    """The pinned sources of one device buffer, one per slot, with numpy views of them."""
+
+    def __init__(self, buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.buffer = buffer
+        self.shape = shape
+        self.dtype = dtype
+        self.pinned = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(SLOTS)]
+        self.arrays = [p.numpy() for p in self.pinned]
+
+    def fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        return shape == self.shape and dtype == self.dtype
