@@ -266,6 +266,13 @@ def test_step_counts_computed_on_the_host_give_the_same_results(name):
         # ...and one re-pointed in between (same value, new storage) is aliased again.
         steps[1].set_(steps[1].clone())
     assert plan.host and plan.kernel_launches_per_step == 1
+    # Only what the kernel reads goes to the device: one row (stride 0) while the lanes agree.
+    (part,) = plan.parts
+    assert set(part.host_read) <= set(part.host_order)
+    for group in part.groups:
+        assert group.host_vals is not None and group.host_vals.device == part.device
+        assert group.host_vals.numel() == 4 + len(group.lanes) * len(part.host_read)
+        assert float(group.host_vals[0]) in (0.0, float(len(part.host_read)))
     _assert_close(params, opt, others, other, rtol=1e-5, atol=1e-6)
     # The aliased step counts save and load as separate values.
     buffer = io.BytesIO()
@@ -358,6 +365,9 @@ def test_host_step_counts_that_differ_between_lanes_match_eager():
         eager.step()
     steps = [float(other.state[q]["step"]) for q in copies[0]]
     assert steps[1] == 12.0 and steps[0] == 4.0
+    (part,) = plan.parts
+    for group in part.groups:  # one row per lane now: the row stride is the row's length
+        assert float(group.host_vals[0]) == len(part.host_read) > 0
     _assert_close(copies[0], other, copies[1], eager, rtol=1e-5, atol=1e-6)
 
 
