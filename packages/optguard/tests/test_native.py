@@ -39,6 +39,23 @@ def test_match_checks_every_items_metadata_and_identity(module):
     assert not module.match(spec, False, params)
 
 
+def test_match_both_checks_items_and_their_grads_in_one_visit(module):
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(3)
+    grads = module.spec([p.grad for p in params], False)
+    items = module.spec(params, True, True)
+    assert module.match_both(grads, items, params)
+    assert [g is p.grad for g, p in zip(module.take(grads), params, strict=True)] == [True] * 3
+    params[1].grad = torch.randn(6)[::2]  # a grad with another stride
+    assert not module.match_both(grads, items, params) and module.take(grads) is None
+    params[1].grad = torch.randn(3)
+    params[2].data = params[2].data.clone()  # an item moved
+    assert not module.match_both(grads, items, params) and module.take(grads) is None
+    with pytest.raises(ValueError, match="different lengths"):
+        module.match_both(grads, module.spec(params[:2], True), params)
+
+
 @pytest.mark.parametrize("shape", [(), (5,), (2, 1, 3, 1), (2, 1, 3, 1, 2, 2)])
 def test_match_compares_every_size_and_stride_at_any_rank(module, shape):
     tensors = [torch.randn(shape)]

@@ -8,6 +8,8 @@
 //                                           with ids=True its identity, with ptrs=True its
 //                                           data pointer (checked in the same visit)
 //   match(spec, grad, container) -> bool    container[i] (or container[i].grad) still matches
+//   match_both(grads, items, container)     match(grads, True, ...) and match(items, False,
+//                                           ...) in one visit of each item
 //   grads(objects) -> list                  [o.grad for o in objects]
 //   take(spec) -> list | None               the grads the last passing match(spec, True,
 //                                           ...) read, once (None if taken or it failed)
@@ -202,15 +204,10 @@ PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyCapsule_New(out, kCapsule, drop_spec);
 }
 
-PyObject* match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "match(spec, grad: bool, container: list)");
-    return nullptr;
-  }
-  auto* s = static_cast<Spec*>(PyCapsule_GetPointer(args[0], kCapsule));
-  if (s == nullptr) return nullptr;
-  bool grad = args[1] == Py_True;
-  PyObject* container = args[2];
+// container[i] (or its .grad, with grad) matches s's entry i for every i; with items, each
+// container[i] itself also matches items' entry i, in the same visit. A passing grad match
+// stashes the grads it read (see take()).
+PyObject* match_list(Spec* s, bool grad, const Spec* items, PyObject* container) {
   Py_CLEAR(s->stash);
   if (!PyList_Check(container)) Py_RETURN_FALSE;
   Py_ssize_t n = PyList_GET_SIZE(container);
@@ -223,6 +220,10 @@ PyObject* match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (!grad) {
         if (!matches(m, item)) Py_RETURN_FALSE;
         continue;
+      }
+      if (items != nullptr && !matches(items->metas[m.index], item)) {
+        Py_DECREF(read);
+        Py_RETURN_FALSE;
       }
       PyObject* g = grad_of(item);
       if (g == nullptr) {
@@ -242,6 +243,32 @@ PyObject* match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   s->stash = read;
   Py_RETURN_TRUE;
+}
+
+PyObject* match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "match(spec, grad: bool, container: list)");
+    return nullptr;
+  }
+  auto* s = static_cast<Spec*>(PyCapsule_GetPointer(args[0], kCapsule));
+  if (s == nullptr) return nullptr;
+  return match_list(s, args[1] == Py_True, nullptr, args[2]);
+}
+
+PyObject* match_both(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "match_both(grads_spec, items_spec, container: list)");
+    return nullptr;
+  }
+  auto* s = static_cast<Spec*>(PyCapsule_GetPointer(args[0], kCapsule));
+  if (s == nullptr) return nullptr;
+  auto* items = static_cast<Spec*>(PyCapsule_GetPointer(args[1], kCapsule));
+  if (items == nullptr) return nullptr;
+  if (items->metas.size() != s->metas.size()) {
+    PyErr_SetString(PyExc_ValueError, "match_both: specs of different lengths");
+    return nullptr;
+  }
+  return match_list(s, true, items, args[2]);
 }
 
 PyObject* take(PyObject*, PyObject* capsule) {
@@ -491,6 +518,8 @@ PyMethodDef kMethods[] = {
      "Record the metadata (and identity) of a list of tensors (or None)."},
     {"match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(match)), METH_FASTCALL,
      "Whether a list's items (or their .grad) still match a spec."},
+    {"match_both", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(match_both)),
+     METH_FASTCALL, "match(grads, True, c) and match(items, False, c) in one visit."},
     {"grads", grads, METH_O, "[o.grad for o in objects]."},
     {"take", take, METH_O, "The grads the last passing match of a spec read (once), or None."},
     {"addresses", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(addresses)),

@@ -259,6 +259,7 @@ def _list_families(
     listed: set[Source] = set()
     identified: set[Source] = set()
     addressed: set[Source] = set()
+    checks: dict[tuple[Source, bool], tuple[Any, str, int]] = {}  # spec, text, length
     for (container_source, grad), items in families.items():
         container = container_source.fetch(L)
         if (
@@ -278,7 +279,6 @@ def _list_families(
             v is not None and ptr_of.get(s) == v.data_ptr()
             for s, v in zip(sources, values, strict=True)
         )
-        spec = module.spec(values, ids, ptrs)
         what = (
             "their grads keep"
             if grad
@@ -286,15 +286,28 @@ def _list_families(
         )
         text = f"{container_source.name()}: {what} type, dtype, device, shape, stride"
         text += ", data pointer" if ptrs else ""
-        compat.GuardTree.predicate(node, functools.partial(module.match, spec, grad), text)
-        builder.lines.append(f"{text} ({len(values)} tensors, one native check)")
-        if grad:
-            grad_lists[container_source] = (spec, len(values))
+        checks[container_source, grad] = (module.spec(values, ids, ptrs), text, len(values))
         listed.update(sources)
         if ids:
             identified.update(sources)
         if ptrs:
             addressed.update(sources)
+    for (container_source, grad), (spec, text, n) in checks.items():
+        node = builder.node(container_source)
+        if grad:
+            grad_lists[container_source] = (spec, n)
+            items_check = checks.get((container_source, False))
+            if items_check is not None:  # both kinds in one visit of each item
+                test = functools.partial(module.match_both, spec, items_check[0])
+                text = f"{items_check[1]}; {text.split(': ', 1)[1]}"
+            else:
+                test = functools.partial(module.match, spec, True)
+        elif (container_source, True) in checks:
+            continue  # with its grads' check
+        else:
+            test = functools.partial(module.match, spec, False)
+        compat.GuardTree.predicate(node, test, text)
+        builder.lines.append(f"{text} ({n} tensors, one native check)")
     return listed, identified, addressed
 
 

@@ -111,8 +111,8 @@ def _build() -> None:
             name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False
         )
         built.plain(compat.plain_grad_types())
-        names = ("spec", "match", "take", "grads", "held", "held_match", "addresses")
-        for name in (*names, "addresses_equal", "addresses_record"):
+        names = ("spec", "match", "match_both", "take", "grads", "held", "held_match")
+        for name in (*names, "addresses", "addresses_equal", "addresses_record"):
             getattr(built, name)
     except Exception as exc:  # no compiler, no ninja, a header change: stay on Python
         _status = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
