@@ -83,7 +83,8 @@ class Staging:
         return buffer, ring.arrays[self.slot]
 
     def send(self, buffer: torch.Tensor) -> None:
-        """Queue the copy of this round's host array (``stage``) into ``buffer``."""
+        """Queue the copy of this round's host array (``stage``) into ``buffer``, on the
+        current stream (one stream per round: a plan's ``prepare`` runs no user code)."""
         if buffer.device.type != "cuda":
             return  # written in place
         stream = current_stream(buffer.device)
