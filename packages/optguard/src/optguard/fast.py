@@ -76,6 +76,7 @@ class FastCheck:
         pinned: frozenset[Source] = frozenset(),
         pending: bool = False,
         grad_lists: dict[Source, tuple[Any, int]] | None = None,
+        states_unchanged: Sequence[Callable[[Locals], bool]] = (),
     ) -> None:
         self.tree = tree
         self.residual = residual
@@ -90,7 +91,7 @@ class FastCheck:
         self.pending = pending
         # Whether each optimizer state this tier pinned is still the one it found (see
         # ``stale``).
-        self.states_unchanged: list[Callable[[Locals], bool]] = []
+        self.states_unchanged = list(states_unchanged)
         # What its user built on the pinned values (optcompile: the entry's FastGather): it
         # goes with the tier.
         self.gather: Any = None
@@ -208,9 +209,9 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         builder.lines.append(text + (", one native check" if module is not None else ""))
     check = compile_check(GuardSet(tuple(residual)), fast=False)
     pending = module is None and native.status() == "building"
-    fast = FastCheck(builder.tree, check, builder.lines, pinned, pending, grad_lists)
-    fast.states_unchanged = states_unchanged
-    return fast
+    return FastCheck(
+        builder.tree, check, builder.lines, pinned, pending, grad_lists, states_unchanged
+    )
 
 
 def _fetching(source: Source, test: Callable[[Any], bool]) -> Callable[[Locals], bool]:
