@@ -242,9 +242,10 @@ def _list_families(
     grad_lists: dict[Source, tuple[Any, int]],
     ptr_of: dict[Source, int],
 ) -> tuple[set[Source], set[Source], set[Source]]:
-    """Put the metadata guards on the items of a list (``params[i]``) or on their grads
-    (``params[i].grad``) into one native check per list and kind, where they cover every
-    item (with the identity of items that key the state, when all of them do). Return the
+    """Put the metadata guards on the items of a list (``params[i]``) and on their grads
+    (``params[i].grad``) into one native check per list (both kinds in one visit of each
+    item), where they cover every item (with the identity of items that key the state, when
+    all of them do). Return the
     sources they guard (the caller adds no other guard for them) and those whose identity
     they check, and those whose data pointers (``ptr_of``: their DataPtrGuards) they check
     too; record the grad checks in ``grad_lists`` (see FastCheck)."""
@@ -285,8 +286,7 @@ def _list_families(
             if grad
             else ("its items are the same objects with" if ids else "its items keep")
         )
-        text = f"{container_source.name()}: {what} type, dtype, device, shape, stride"
-        text += ", data pointer" if ptrs else ""
+        text = f"{what} type, dtype, device, shape, stride" + (", data pointer" if ptrs else "")
         checks[container_source, grad] = (module.spec(values, ids, ptrs), text, len(values))
         listed.update(sources)
         if ids:
@@ -300,13 +300,14 @@ def _list_families(
             items_check = checks.get((container_source, False))
             if items_check is not None:  # both kinds in one visit of each item
                 test = functools.partial(module.match_both, spec, items_check[0])
-                text = f"{items_check[1]}; {text.split(': ', 1)[1]}"
+                text = f"{items_check[1]}; {text}"
             else:
                 test = functools.partial(module.match, spec, True)
         elif (container_source, True) in checks:
             continue  # with its grads' check
         else:
             test = functools.partial(module.match, spec, False)
+        text = f"{container_source.name()}: {text}"
         compat.GuardTree.predicate(node, test, text)
         builder.lines.append(f"{text} ({n} tensors, one native check)")
     return listed, identified, addressed
