@@ -18,7 +18,7 @@ import pytest
 import torch
 from optcompile.api import _OPTIMIZERS
 from optkernels import TorchPlan
-from optkernels.foreach_kernel import scalar_function
+from optkernels.host import scalar_function
 from optkernels.triton_backend import TritonPlan
 from step_optimizers import DecayMatricesOnly, ForeachLamb, TrustRatioSGD
 

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
-from torch import fx
 
 from optkernels._triton_compat import Kernel
+from optkernels.host import HOST_ROWS, scalar_slot
 from optkernels.lanes import LaneOp, LaneProgram
 
 BLOCK = 1024
@@ -55,36 +53,6 @@ def _store_cast(expr: str, dtype: torch.dtype) -> str:
     return f"{expr}.to({_TL_DTYPES[dtype]})"
 
 
-def host_vars(program: LaneProgram) -> list[int]:
-    """Vars computed from 0-dim inputs and scalars only (step counts and what is derived
-    from them), in program order: when those inputs live on the CPU they are computed there,
-    for all lanes at once, and the kernel reads the ones it needs from a small buffer."""
-    small: set[int] = set()
-    for op in program.ops:
-        if op.op == "input":
-            if program.input_small[op.args[0]]:
-                small.add(op.out)
-            continue
-        if all(v in small for v in op.lane_vars):
-            small.add(op.out)
-    return [op.out for op in program.ops if op.out in small]
-
-
-# Where the rows of ``host_vals`` start (after the row stride, 16 bytes in).
-HOST_ROWS = 4
-
-
-def host_reads(program: LaneProgram, host: Sequence[int]) -> list[int]:
-    """The vars of ``host`` (host_vars) the kernel reads: operands of the ops it computes
-    and values it stores into full-size inputs. Only these are sent to the device, in
-    ``host_vals``: a row stride (as a float: 0 when every lane has the same values, else
-    the row's length), 3 unused values, then one row per lane (or one for all)."""
-    on_host = set(host)
-    read = {v for op in program.ops if op.out not in on_host for v in op.lane_vars}
-    read.update(v for v, k in program.writes if not program.input_small[k])
-    return [v for v in host if v in read]
-
-
 def kernel_source(
     program: LaneProgram,
     dtypes: Sequence[torch.dtype],
@@ -94,7 +62,7 @@ def kernel_source(
 ) -> str:
     """Triton source of the kernel for ``program`` whose inputs have ``dtypes``. ``host``
     maps vars computed on the host to their column in the ``host_vals`` buffer, or to None
-    where the kernel does not read them (host_reads). Input
+    where the kernel does not read them (host.host_reads). Input
     ``k``'s addresses come from the static table ``ptrs`` (addresses the guards fix: params,
     state) or, where ``dynamic[k]``, from ``dptrs`` (grads: new tensors every step)."""
     host = host or {}
@@ -115,7 +83,7 @@ def kernel_source(
     ]
     if any(column is not None for column in host.values()):
         # host_vals: [row stride, 3 unused, one row of values per lane]; a stride of 0
-        # when every lane has the same values (one row is written: see host_reads).
+        # when every lane has the same values (one row is written: see host.host_reads).
         lines.append("    row = lane * tl.load(host_vals).to(tl.int64)")
     for k, dtype in enumerate(dtypes):
         if dtype not in _TL_DTYPES:
@@ -233,11 +201,6 @@ def _ref(arg: Any, program: LaneProgram, rounded: dict[int, str]) -> str:
     if kind == "ignore":
         return "None"
     raise KernelError(f"argument {arg!r}")
-
-
-def scalar_slot(index: int, program: LaneProgram) -> int:
-    """Position in the scalar buffer: inputs first, then host-computed scalar nodes."""
-    return index if index >= 0 else len(program.scalar_inputs) + (-1 - index)
 
 
 def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
@@ -407,246 +370,3 @@ def load_kernel(source: str, name: str) -> Kernel:
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
     return Kernel(getattr(module, name), os.path.join(directory, f"k_{digest}.{name}.json"))
-
-
-ScalarFunction = Callable[[Sequence[Any]], list[float]]
-
-
-def scalar_function(program: LaneProgram, index: dict[Any, int]) -> ScalarFunction:
-    """``f(inputs)``: the values of the scalar inputs (at ``index[node]`` in the plan's
-    inputs) and of the host-side scalar arithmetic, in the scalar buffer's order (see
-    ``scalar_slot``), for one call: straight-line Python generated once."""
-    constants: list[Any] = []
-    names: dict[fx.Node, str] = {}
-    lines = ["def scalars(inputs):"]
-    for node in program.scalar_inputs:
-        names[node] = f"s{len(names)}"
-        lines.append(f"    {names[node]} = inputs[{index[node]}]")
-    for node in program.scalar_nodes:
-        args = []
-        for a in node.args:
-            if isinstance(a, fx.Node):
-                args.append(names[a])
-            else:
-                constants.append(a)
-                args.append(f"c[{len(constants) - 1}]")
-        constants.append(node.target)
-        names[node] = f"s{len(names)}"
-        lines.append(f"    {names[node]} = c[{len(constants) - 1}]({', '.join(args)})")
-    lines.append("    return [" + "".join(f"float({name}), " for name in names.values()) + "]")
-    scope: dict[str, Any] = {"c": constants}
-    exec(compile("\n".join(lines), "<optkernels scalar_function>", "exec"), scope)
-    fn: ScalarFunction = scope["scalars"]
-    return fn
-
-
-HostFunction = Callable[[dict[int, Any], Sequence[float], int], dict[int, Any]]
-
-
-def host_function(
-    program: LaneProgram, order: Sequence[int], uniform: bool = False
-) -> HostFunction:
-    """``f(small_inputs, scalars, lanes)``: the host vars ``order`` for every lane at once,
-    as straight-line Python generated once (an interpreter loop cost ~0.7 µs an op).
-    ``small_inputs`` maps input index to its lanes' values: numpy arrays (views of the CPU
-    buffer they alias), or with ``uniform`` one Python number standing for every lane (all
-    lanes hold the same step count: the usual case).
-
-    numpy, not torch: an op on 200 values costs ~1 µs instead of ~5 µs, and ~15 of them run
-    per call for Adam's bias corrections; types follow torch's for these ops (float32 values
-    with Python scalars stay float32); run it under ``np.errstate(all="ignore")`` so overflow
-    and division by zero give inf/nan as in torch, without warnings. Uniform lanes are
-    computed with Python floats (float64, like eager's capturable=False path; ~50 ns an op,
-    and no float32 denormals, which made ``0.9 ** step`` cost ~7 µs per call on 200 lanes
-    once it underflows). There a Python error (division by zero, overflow, sqrt of a
-    negative) raises ArithmeticError or ValueError: the caller then takes the array path,
-    which gives torch's inf/nan."""
-    ops = {op.out: op for op in program.ops}
-    table = _HOST_SCALAR if uniform else _HOST
-    constants: list[Any] = []
-
-    def const(value: Any) -> str:
-        constants.append(value)
-        return f"c[{len(constants) - 1}]"
-
-    def ref(a: Any) -> str:
-        if a[0] == "lane":
-            return f"v{a[1]}"
-        if a[0] == "scalar":
-            return f"scalars[{scalar_slot(a[1], program)}]"
-        return const(a[1])
-
-    lines = ["def host(small, scalars, lanes):"]
-    for var in order:
-        op = ops[var]
-        if op.op == "input":
-            value = f"small[{op.args[0]}]"
-        elif op.op == "full":  # a constant for every lane (``scalar_tensor(0.0)``)
-            number = f"float({ref(op.args[0])})"
-            value = number if uniform else f"np.full(lanes, {number}, dtype=np.float32)"
-        else:
-            kwargs = [(k, v) for k, v in op.kwargs if v[0] != "ignore"]
-            inline = _INLINE.get(op.op) if uniform and not kwargs else None
-            if inline is not None and inline[1] == len(op.args):
-                value = inline[0].format(*map(ref, op.args))  # a Python expression
-            else:
-                args = "".join(f"{ref(x)}, " for x in op.args)
-                kw = ", ".join(f"{k!r}: {ref(v)}" for k, v in kwargs)
-                value = f"{const(table[op.op])}(({args}), {{{kw}}})"
-        lines.append(f"    v{var} = {value}")
-    lines.append("    return {" + ", ".join(f"{v}: v{v}" for v in order) + "}")
-    scope: dict[str, Any] = {"c": constants, "np": np, "sqrt": math.sqrt}
-    exec(compile("\n".join(lines), "<optkernels host_function>", "exec"), scope)
-    fn: HostFunction = scope["host"]
-    return fn
-
-
-def _alpha(a: Sequence[Any], kw: dict[str, Any], position: int = 2) -> Any:
-    return kw.get("alpha", a[position] if len(a) > position else 1)
-
-
-def _scaled(x: Any, alpha: Any) -> Any:
-    return x if alpha == 1 else alpha * x
-
-
-def _like(x: Any, value: Any) -> Any:
-    return np.full_like(x, value) if np.ndim(value) == 0 else np.asarray(value).astype(x.dtype)
-
-
-def _lerp(start: Any, end: Any, weight: Any) -> Any:
-    # torch's formula: exact at both ends
-    diff = end - start
-    return np.where(np.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))
-
-
-def _clamp(a: Sequence[Any], kw: dict[str, Any]) -> Any:
-    low = kw.get("min", a[1] if len(a) > 1 else None)
-    high = kw.get("max", a[2] if len(a) > 2 else None)
-    x = a[0]
-    if low is not None:
-        x = np.maximum(x, low)
-    if high is not None:
-        x = np.minimum(x, high)
-    return x
-
-
-_HOST: dict[str, Any] = {
-    "add": lambda a, kw: a[0] + _scaled(a[1], _alpha(a, kw)),
-    "sub": lambda a, kw: a[0] - _scaled(a[1], _alpha(a, kw)),
-    "rsub": lambda a, kw: a[1] - _scaled(a[0], _alpha(a, kw)),
-    "mul": lambda a, kw: a[0] * a[1],
-    "div": lambda a, kw: np.true_divide(a[0], a[1]),
-    "pow": lambda a, kw: np.power(a[0], a[1]),
-    "sqrt": lambda a, kw: np.sqrt(a[0]),
-    "rsqrt": lambda a, kw: 1.0 / np.sqrt(a[0]),
-    "reciprocal": lambda a, kw: 1.0 / a[0],
-    "neg": lambda a, kw: np.negative(a[0]),
-    "abs": lambda a, kw: np.abs(a[0]),
-    "sign": lambda a, kw: np.sign(a[0]),
-    "exp": lambda a, kw: np.exp(a[0]),
-    "log": lambda a, kw: np.log(a[0]),
-    "maximum": lambda a, kw: np.maximum(a[0], a[1]),
-    "minimum": lambda a, kw: np.minimum(a[0], a[1]),
-    "identity": lambda a, kw: a[0],
-    "copy": lambda a, kw: _like(a[0], a[1]),
-    "zero": lambda a, kw: np.zeros_like(a[0]),
-    "ones": lambda a, kw: np.ones_like(a[0]),
-    "gt": lambda a, kw: np.greater(a[0], a[1]),
-    "lt": lambda a, kw: np.less(a[0], a[1]),
-    "ge": lambda a, kw: np.greater_equal(a[0], a[1]),
-    "le": lambda a, kw: np.less_equal(a[0], a[1]),
-    "eq": lambda a, kw: np.equal(a[0], a[1]),
-    "ne": lambda a, kw: np.not_equal(a[0], a[1]),
-    "where": lambda a, kw: np.where(a[0], a[1], a[2]),
-    "clamp": _clamp,
-    "lerp": lambda a, kw: _lerp(a[0], a[1], a[2]),
-    "addcmul": lambda a, kw: a[0] + _scaled(a[1] * a[2], kw.get("value", _alpha(a, {}, 3))),
-    "addcdiv": lambda a, kw: (
-        a[0] + _scaled(np.true_divide(a[1], a[2]), kw.get("value", _alpha(a, {}, 3)))
-    ),
-}
-
-
-def _nan_aware(pick: Any) -> Any:
-    # torch.maximum / minimum propagate NaN; Python's max and min do not
-    return lambda a, kw: a[0] if a[0] != a[0] else a[1] if a[1] != a[1] else pick(a[0], a[1])
-
-
-def _scalar_clamp(a: Sequence[Any], kw: dict[str, Any]) -> Any:
-    low = kw.get("min", a[1] if len(a) > 1 else None)
-    high = kw.get("max", a[2] if len(a) > 2 else None)
-    x = a[0]
-    if x != x:
-        return x
-    if low is not None:
-        x = max(x, low)
-    if high is not None:
-        x = min(x, high)
-    return x
-
-
-def _scalar_sign(x: float) -> float:
-    return x if x != x else float((x > 0) - (x < 0))
-
-
-def _scalar_pow(x: float, y: float) -> float:
-    out: Any = float(x) ** y
-    if isinstance(out, complex):  # a negative base, a fractional exponent: torch gives nan
-        raise ValueError("complex power")
-    return float(out)
-
-
-def _scalar_lerp(start: float, end: float, weight: float) -> float:
-    diff = end - start
-    return start + weight * diff if abs(weight) < 0.5 else end - diff * (1 - weight)
-
-
-# Ops on Python numbers written as expressions (uniform lanes, no keyword arguments): the
-# same results and errors as _HOST_SCALAR's, without a call per op. (template, operands)
-_INLINE: dict[str, tuple[str, int]] = {
-    "add": ("({0} + {1})", 2),
-    "sub": ("({0} - {1})", 2),
-    "rsub": ("({1} - {0})", 2),
-    "mul": ("({0} * {1})", 2),
-    "div": ("({0} / {1})", 2),
-    "neg": ("(-{0})", 1),
-    "reciprocal": ("(1.0 / {0})", 1),
-    "sqrt": ("sqrt({0})", 1),
-    "rsqrt": ("(1.0 / sqrt({0}))", 1),
-}
-
-
-# The same ops on Python numbers (uniform lanes); errors propagate (see host_function).
-_HOST_SCALAR: dict[str, Any] = {
-    "add": lambda a, kw: a[0] + _alpha(a, kw) * a[1],
-    "sub": lambda a, kw: a[0] - _alpha(a, kw) * a[1],
-    "rsub": lambda a, kw: a[1] - _alpha(a, kw) * a[0],
-    "mul": lambda a, kw: a[0] * a[1],
-    "div": lambda a, kw: a[0] / a[1],
-    "pow": lambda a, kw: _scalar_pow(a[0], a[1]),
-    "sqrt": lambda a, kw: math.sqrt(a[0]),
-    "rsqrt": lambda a, kw: 1.0 / math.sqrt(a[0]),
-    "reciprocal": lambda a, kw: 1.0 / a[0],
-    "neg": lambda a, kw: -a[0],
-    "abs": lambda a, kw: abs(a[0]),
-    "sign": lambda a, kw: _scalar_sign(a[0]),
-    "exp": lambda a, kw: math.exp(a[0]),
-    "log": lambda a, kw: math.log(a[0]),
-    "maximum": _nan_aware(max),
-    "minimum": _nan_aware(min),
-    "identity": lambda a, kw: a[0],
-    "copy": lambda a, kw: a[1],
-    "zero": lambda a, kw: 0.0,
-    "ones": lambda a, kw: 1.0,
-    "gt": lambda a, kw: a[0] > a[1],
-    "lt": lambda a, kw: a[0] < a[1],
-    "ge": lambda a, kw: a[0] >= a[1],
-    "le": lambda a, kw: a[0] <= a[1],
-    "eq": lambda a, kw: a[0] == a[1],
-    "ne": lambda a, kw: a[0] != a[1],
-    "where": lambda a, kw: a[1] if a[0] else a[2],
-    "clamp": _scalar_clamp,
-    "lerp": lambda a, kw: _scalar_lerp(a[0], a[1], a[2]),
-    "addcmul": lambda a, kw: a[0] + kw.get("value", _alpha(a, {}, 3)) * a[1] * a[2],
-    "addcdiv": lambda a, kw: a[0] + kw.get("value", _alpha(a, {}, 3)) * a[1] / a[2],
-}

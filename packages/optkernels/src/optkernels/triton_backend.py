@@ -18,17 +18,8 @@ from torch import fx
 
 from optkernels.addresses import AddressCheck
 from optkernels.errors import BackendError
-from optkernels.foreach_kernel import (
-    BLOCK,
-    HOST_ROWS,
-    KernelError,
-    host_function,
-    host_reads,
-    host_vars,
-    kernel_source,
-    load_kernel,
-    scalar_function,
-)
+from optkernels.foreach_kernel import BLOCK, KernelError, kernel_source, load_kernel
+from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.reference import TorchPlan
 from optkernels.split import Split, split_unfused
@@ -304,7 +295,7 @@ class _Part:
     ) -> None:
         """Compute the host vars for the group's lanes on the CPU, write the 0-dim results
         back there, and put the values the kernel reads into ``block`` (its ``host_vals``:
-        see foreach_kernel.host_reads).
+        see host.host_reads).
 
         The lanes' 0-dim CPU tensors (step counts: state the optimizer owns) are made to
         alias one buffer per column, slot ``j`` for lane ``j`` (``set_``: same tensor objects,
