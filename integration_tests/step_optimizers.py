@@ -65,3 +65,16 @@ class ForeachLamb(optim.Optimizer):
             )
             torch._foreach_mul_(update, ratio)
             torch._foreach_add_(ps, update, alpha=-group["lr"])
+
+
+class StepScaledTrustSGD(PerParameterSGD):
+    """A trust ratio taken of a tensor scaled by a value read from another tensor (a step
+    count's ``.item()``): the norm, which runs before the kernel, needs that read too."""
+
+    def update(self, p, lr):
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)
+        state["step"] += 1
+        ratio = (p * (1.0 / state["step"].item())).norm()
+        p.add_(p.grad * ratio, alpha=-lr)

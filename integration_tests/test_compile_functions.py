@@ -202,8 +202,9 @@ class BranchOnTensor(torch.optim.Optimizer):
 class CallsItem(torch.optim.Optimizer):
     """SGD with the step scaled by a Python float read from the gradient with ``.item()``.
 
-    The float feeds a Python decision (``max``) in the same statement: whether a tracer
+    The float feeds a Python decision (a comparison) in the same statement: whether a tracer
     reports the ``.item()`` itself or the first decision on its value, it is this line.
+    (``max(norm, 1.0)`` would not do: the graph computes that.)
     """
 
     def __init__(self, params: Any, lr: float = 0.1) -> None:
@@ -213,7 +214,7 @@ class CallsItem(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         for group in self.param_groups:
             for p in group["params"]:
-                norm = max(p.grad.norm().item(), 1.0)  # offending: .item() into max()
+                norm = 1.0 if p.grad.norm().item() < 1.0 else 2.0  # offending: a decision
                 p.add_(p.grad, alpha=-group["lr"] / norm)
 
 

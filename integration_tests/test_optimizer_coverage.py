@@ -1,11 +1,14 @@
-"""Every torch.optim optimizer the compiler targets, default options, foreach on and off."""
+"""Every torch.optim optimizer: those the compiler targets with default options, foreach on
+and off; LBFGS and SparseAdam run eagerly, with a reason."""
 
 from __future__ import annotations
+
+import warnings
 
 import optcompile
 import pytest
 import torch
-from optcompile.testing import assert_same, run_pair
+from optcompile.testing import assert_same, run_pair, small_model
 
 optim = torch.optim
 OPTIMIZERS = {
@@ -20,6 +23,7 @@ OPTIMIZERS = {
     "Rprop": lambda ps, f: optim.Rprop(ps, lr=1e-2, foreach=f),
     "SGD": lambda ps, f: optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=f),
     "ASGD": lambda ps, f: optim.ASGD(ps, lr=1e-2, foreach=f),
+    "Adafactor": lambda ps, f: optim.Adafactor(ps, lr=1e-2, foreach=f),
 }
 
 
@@ -32,3 +36,85 @@ def test_default_options_compile_and_match_eager(name, foreach):
     assert report.fallback_reason is None
     # Only SGD creates state (momentum buffers) inside its first step: one retrace for that.
     assert report.traces == (2 if name == "SGD" else 1), report.retrace_reasons
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"weight_decay": 0.1},
+        {"maximize": True},
+        {"beta2_decay": -0.5, "d": 2.0, "eps": (1e-4, 1e-2)},
+    ],
+)
+def test_adafactor_options_match_eager_and_its_per_tensor_scales_are_computed_in_the_graph(
+    options, foreach
+):
+    # Adafactor's step size is max(eps2, RMS(p)) * min(lr, 1/sqrt(step)): values read from
+    # tensors (.item()) meet Python's min/max, which the graph computes: no decision, no guard.
+    model, opt, reference, eager = run_pair(
+        lambda ps: optim.Adafactor(ps, lr=0.5, foreach=foreach, **options), steps=4
+    )
+    assert_same(model, opt, reference, eager)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and report.traces == 1
+    assert "max(" in report.graph_code and "min(" in report.graph_code
+
+
+def _lbfgs_steps(model, opt, steps=3):
+    x = torch.linspace(-1, 1, 24).reshape(4, 6)
+    losses = []
+    for _ in range(steps):
+
+        def closure():
+            opt.zero_grad()
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            return loss
+
+        losses.append(opt.step(closure))
+    return losses
+
+
+def test_lbfgs_needs_its_closure_inside_the_step_so_it_runs_eagerly_with_one_warning():
+    model, reference = small_model(), small_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = optcompile.compile(optim.LBFGS(model.parameters(), lr=0.5, max_iter=4))
+        losses = _lbfgs_steps(model, opt)
+    fallbacks = [w for w in caught if issubclass(w.category, optcompile.FallbackWarning)]
+    assert len(fallbacks) == 1 and "LBFGS.step(closure) needs its closure" in str(
+        fallbacks[0].message
+    )
+    eager = optim.LBFGS(reference.parameters(), lr=0.5, max_iter=4)
+    expected = _lbfgs_steps(reference, eager)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    assert_same(model, opt, reference, eager)
+    assert "needs its closure" in (optcompile.explain(opt).fallback_reason or "")
+
+
+def test_lbfgs_with_fullgraph_is_refused_when_compiled():
+    with pytest.raises(optcompile.CompileError, match=r"fullgraph=True: LBFGS\.step"):
+        optcompile.compile(optim.LBFGS(small_model().parameters()), fullgraph=True)
+
+
+def test_sparse_adam_runs_eagerly_naming_the_sparse_gradient():
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Embedding(10, 4, sparse=True)
+
+    model, reference = make(), make()
+    opt = optcompile.compile(optim.SparseAdam(model.parameters(), lr=0.1))
+    eager = optim.SparseAdam(reference.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            ids = torch.tensor([step, 3, 7])
+            for m, o in ((model, opt), (reference, eager)):
+                o.zero_grad()
+                m(ids).pow(2).sum().backward()
+                o.step()
+    fallbacks = [w for w in caught if issubclass(w.category, optcompile.FallbackWarning)]
+    assert len(fallbacks) == 1
+    assert ".grad is a sparse_coo tensor; only dense (strided) tensors" in str(fallbacks[0].message)
+    assert_same(model, opt, reference, eager)

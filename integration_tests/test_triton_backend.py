@@ -20,7 +20,7 @@ from optcompile.api import _OPTIMIZERS
 from optkernels import TorchPlan
 from optkernels.host import scalar_function
 from optkernels.triton_backend import TritonPlan
-from step_optimizers import DecayMatricesOnly, ForeachLamb, TrustRatioSGD
+from step_optimizers import DecayMatricesOnly, ForeachLamb, StepScaledTrustSGD, TrustRatioSGD
 
 optim = torch.optim
 pytestmark = pytest.mark.skipif(
@@ -120,6 +120,15 @@ def test_a_graph_that_is_not_one_program_per_tensor_runs_wholly_on_the_torch_bac
     assert code.startswith("# not fused (the per-tensor op sequences differ between parameters)")
     assert "the torch backend runs this graph" in code
     assert _plan(opt).split is None
+
+
+@pytest.mark.parametrize("make", [StepScaledTrustSGD, lambda ps: optim.Adafactor(ps, lr=0.1)])
+def test_a_value_read_from_a_tensor_that_an_unfused_op_needs_runs_with_it(make):
+    # The norm runs before the kernel (or the whole graph on the torch backend): the scalar
+    # math it reads, and the tensor read under that, go with it.
+    params, opt, reference, eager = _run(make)
+    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    assert optcompile.explain(opt).fallback_reason is None
 
 
 def _plan(opt):

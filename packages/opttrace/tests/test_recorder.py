@@ -147,3 +147,18 @@ def test_traced_tensors_report_the_real_device_and_no_storage():
 
     trace(step, {"x": torch.ones(2)})
     assert (seen.device, seen.type) == (torch.device("cpu"), "TracedTensor")
+
+
+@pytest.mark.parametrize("write", [lambda t: t.square_(), lambda t: t.pow_(3), lambda t: t.pow_(t)])
+def test_in_place_powers_record_the_overload_with_the_same_arguments(write):
+    # pow_.Scalar(Tensor self, Scalar exponent) is pow.Tensor_Scalar: pow.Scalar takes a
+    # Scalar base, and running it on a tensor fails (or worse).
+    def step(x):
+        write(x)
+
+    traced = trace(step, {"x": torch.ones(3)})
+    assert aten.pow.Scalar not in _targets(traced)
+    x, expected = torch.tensor([0.5, 2.0, 3.0]), torch.tensor([0.5, 2.0, 3.0])
+    write(expected)
+    _run(traced, x)
+    torch.testing.assert_close(x, expected)

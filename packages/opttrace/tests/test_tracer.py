@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 from optguard import LocalSource
 from optsidefx import Input, Output, Return, TensorWrite
@@ -195,3 +196,53 @@ def test_a_list_passed_in_is_tracked_and_its_append_recorded():
     traced = trace(fn, {"x": torch.ones(2), "out": []})
     calls = [e for e in traced.effects if type(e).__name__ == "Call"]
     assert [(c.method, c.target.source.name()) for c in calls] == [("append", "L['out']")]
+
+
+def test_min_and_max_over_a_value_read_from_a_tensor_are_graph_nodes_not_decisions():
+    # Adafactor: max(eps2, p.norm().item() / ...) and min(lr, 1 / step.item() ** 0.5).
+    def step(x, lr):
+        scale = max(0.5, x.norm().item(), 0.25) * min([lr, 1 / x.sum().item()])
+        x.mul_(scale)
+
+    traced = trace(step, {"x": torch.ones(4), "lr": 0.1})
+    assert max in _call_targets(traced) and min in _call_targets(traced)
+    # No decision taken, so no guard on a value: the graph decides, every call.
+    assert {type(g).__name__ for g in traced.guards.guards} == {"TensorMatchGuard", "TypeGuard"}
+    for values, lr in (([1.0, 1.0, 1.0, 1.0], 0.1), ([0.1, 0.0, 0.0, 0.0], 100.0)):
+        x, expected = torch.tensor(values), torch.tensor(values)
+        expected.mul_(max(0.5, expected.norm().item(), 0.25) * min([lr, 1 / expected.sum().item()]))
+        traced.graph_module(x, lr)
+        torch.testing.assert_close(x, expected)
+
+
+def test_the_builtins_min_and_max_are_themselves_outside_a_trace_and_for_other_values():
+    import builtins
+
+    min_before, max_before = builtins.min, builtins.max
+
+    def step(x, lr):
+        # Plain values, a key=, a decision on a hyperparameter: the builtins as usual.
+        assert min([3, 1, 2]) == 1 and max("ab", "b", key=len) == "ab"
+        x.mul_(min(lr, 0.5))
+
+    traced = trace(step, {"x": torch.ones(2), "lr": 0.1})
+    assert min not in _call_targets(traced)  # lr < 0.5 is a guarded decision
+    assert {type(g).__name__ for g in traced.guards.guards} > {"TensorMatchGuard", "TypeGuard"}
+    assert builtins.min is min_before and builtins.max is max_before
+
+    def failing(x):
+        raise RuntimeError("boom")
+
+    with pytest.raises(TraceError):
+        trace(failing, {"x": torch.ones(2)})
+    assert builtins.min is min_before and builtins.max is max_before
+
+
+def test_a_sparse_tensor_input_is_refused_naming_it_and_its_layout():
+    weight = torch.nn.Parameter(torch.randn(10, 4))
+    weight.grad = torch.sparse_coo_tensor(
+        [[1, 3]], torch.randn(2, 4), (10, 4), check_invariants=True
+    )
+    opt = torch.optim.SparseAdam([weight])
+    with pytest.raises(TraceError, match=r"\['params'\]\[0\]\.grad is a sparse_coo tensor"):
+        trace_step(opt)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, overload
 import torch
 from optguard import DEFAULT_RECOMPILE_LIMIT, Locals, native
 from optkernels import Backend, BackendError, get_backend
-from opttrace import eager_step, trace, trace_step
+from opttrace import closure_reason, eager_step, trace, trace_step
 
 from optcompile._torch_compat import has_step_hooks, step_post_hooks, step_pre_hooks
 from optcompile.cudagraphs import GraphedBackend, GraphedPlan
@@ -110,6 +110,9 @@ def compile(
 def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_limit: int) -> Opt:
     if opt in _OPTIMIZERS:
         return opt
+    reason = closure_reason(type(opt))
+    if reason is not None and fullgraph:
+        raise CompileError(f"fullgraph=True: {reason}")
     compiled = _OPTIMIZERS[opt] = Compiled(
         f"{type(opt).__name__}.step",
         lambda L: trace_step(L["opt"], capturable=backend.wants_capturable),
@@ -119,6 +122,9 @@ def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_li
         recompile_limit,
         pin_inputs=True,
     )
+    if reason is not None:  # LBFGS: its own step (hooks, closure) stays as it is
+        compiled.fall_back(reason)
+        return opt
     # Entries fetch their inputs through Sources and pin only what the optimizer holds anyway
     # (params, state); what they own themselves (plans, graphs) goes with the optimizer: the
     # finalizer releases it even if something still holds `compiled`.

@@ -139,7 +139,7 @@ class Compiled:
             return None
         reason = self.cache.miss_reason(L)
         if self.cache.full:
-            self._fall_back(
+            self.fall_back(
                 f"recompile limit ({self.cache.limit}) reached; the guard that keeps failing: "
                 f"{reason}. Raise recompile_limit= or keep that input stable"
             )
@@ -150,7 +150,7 @@ class Compiled:
             if self.fullgraph:
                 raise
             where = f" at {exc.where}" if exc.where else ""
-            self._fall_back(f"tracing failed{where}: {exc.reason}")
+            self.fall_back(f"tracing failed{where}: {exc.reason}")
             return None
         entry = lower(traced, self.backend, self.pin_inputs)
         self.cache.add(compile_check(traced.guards), entry)
@@ -159,7 +159,8 @@ class Compiled:
             self.stats.retrace_reasons.append(reason)
         return entry
 
-    def _fall_back(self, reason: str) -> None:
+    def fall_back(self, reason: str) -> None:
+        """Run eagerly from now on, saying why once (a FallbackWarning)."""
         self.stats.fallback_reason = reason
         if not self.stats.warned:
             self.stats.warned = True

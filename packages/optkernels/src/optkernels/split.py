@@ -104,15 +104,19 @@ def split_unfused(gm: fx.GraphModule) -> Split | None:
 
 
 def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
-    """``nodes`` and the tensor ops they depend on (placeholders and Python scalar math
-    excluded: every graph keeps its own copy of the latter)."""
+    """``nodes`` and the tensor ops they depend on, also through Python scalar math (a
+    tensor's value read as a number, ``max(eps, p.norm().item())``); placeholders and the
+    scalar math itself excluded: every graph keeps its own copy of the latter."""
     found: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
     todo = list(nodes)
     while todo:
         node = todo.pop()
-        if node in found or node.op == "placeholder" or _is_scalar(node):
+        if node in seen or node.op == "placeholder":
             continue
-        found.add(node)
+        seen.add(node)
+        if not _is_scalar(node):
+            found.add(node)
         todo.extend(node.all_input_nodes)
     return found
 

@@ -9,13 +9,20 @@ an ``fx.GraphModule`` of ATen ops, its input Sources, a GuardSet and the resolve
 
 from opttrace.errors import TraceError
 from opttrace.meta import clear_cache
-from opttrace.optimizer import eager_only_reason, eager_step, init_state, trace_step
+from opttrace.optimizer import (
+    closure_reason,
+    eager_only_reason,
+    eager_step,
+    init_state,
+    trace_step,
+)
 from opttrace.tracer import TracedStep, trace
 
 __all__ = [
     "TraceError",
     "TracedStep",
     "clear_cache",
+    "closure_reason",
     "eager_only_reason",
     "eager_step",
     "init_state",

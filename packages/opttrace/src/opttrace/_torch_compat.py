@@ -115,13 +115,20 @@ def functional_variant(func: Any) -> Any:
     name = schema.name.split("::")[-1]
     written = set(written_args(func))
     if name.endswith("_") and not name.endswith("__") and "self" in written:
+        # The same arguments, ``self`` read instead of written. Overload names do not always
+        # agree: ``pow_.Scalar(Tensor self, Scalar exponent)`` is ``pow.Tensor_Scalar``
+        # (``pow.Scalar`` takes a Scalar base).
         packet = getattr(torch.ops.aten, name[:-1], None)
-        return getattr(packet, func._overloadname, None) if packet is not None else None
-    packet = getattr(torch.ops.aten, name, None)
+        wanted = [(a.name, str(a.type)) for a in schema.arguments]
+        preferred = func._overloadname
+    else:
+        packet = getattr(torch.ops.aten, name, None)
+        wanted = [(a.name, str(a.type)) for a in schema.arguments if a.name not in written]
+        preferred = None
     if packet is None:
         return None
-    wanted = [(a.name, str(a.type)) for a in schema.arguments if a.name not in written]
-    for overload in packet.overloads():
+    overloads = sorted(packet.overloads(), key=lambda overload: overload != preferred)
+    for overload in overloads:
         candidate = getattr(packet, overload)
         args = [(a.name, str(a.type)) for a in candidate._schema.arguments]
         if args == wanted and not written_args(candidate):

@@ -221,6 +221,11 @@ class TraceContext:
         return value
 
     def _fake(self, real: torch.Tensor, source: Source) -> torch.Tensor:
+        if real.layout != torch.strided:
+            layout = str(real.layout).removeprefix("torch.")
+            raise TraceError(
+                f"{source.name()} is a {layout} tensor; only dense (strided) tensors can be traced"
+            )
         i = self._index.get(id(real))
         if i is None:
             raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")

@@ -26,6 +26,23 @@ def eager_only_reason(opt: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def closure_reason(cls: type) -> str | None:
+    """Why ``cls.step`` must run eagerly because it needs its closure inside the step (it
+    evaluates the loss again, as LBFGS's line search does): a compiled step runs the closure
+    once, before the traced update, which is how every other torch.optim optimizer uses it."""
+    try:
+        closure = inspect.signature(raw_step(cls)).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read (a builtin): nothing to say
+        return None
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return None
+    return (
+        f"{cls.__name__}.step(closure) needs its closure during the step (it evaluates the "
+        "loss again, as a line search does); only a step that calls its closure once, before "
+        "the update, can be compiled"
+    )
+
+
 def _init_group_arity(cls: type) -> int | None:
     """How many output lists ``cls._init_group(group, *lists)`` takes, if it has that form."""
     init = getattr(cls, "_init_group", None)

@@ -16,9 +16,10 @@ C++; names and signatures follow ``torch.fx.experimental.sym_node.SymNode``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -286,3 +287,48 @@ def guard_template(expr: tuple[Any, ...]) -> tuple[str, list[Source]]:
         return str(template.format(*(text(o) for o in operands)))
 
     return text(expr), sources
+
+
+# -- min() and max() over values read from tensors -------------------------------------------
+
+_MIN, _MAX = builtins.min, builtins.max
+
+
+def _read_from_tensor(value: Any) -> bool:
+    node = node_of(value)
+    return node is not None and node.hint is None
+
+
+def _extremum(pick: Callable[..., Any], sym: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """``pick`` (the builtin min or max), except over plain numbers where one was read from a
+    tensor (``max(eps, p.norm().item())``): there Python would decide on the tensor's value,
+    so the result becomes a graph node (``sym``) instead."""
+
+    def extremum(*args: Any, **kwargs: Any) -> Any:
+        values = args[0] if len(args) == 1 and type(args[0]) in (list, tuple) else args
+        if (
+            kwargs
+            or len(values) < 2
+            or not any(_read_from_tensor(v) for v in values)
+            or not all(node_of(v) is not None or type(v) in (int, float) for v in values)
+        ):
+            return pick(*args, **kwargs)
+        result = values[0]
+        for value in values[1:]:
+            result = sym(result, value)
+        return result
+
+    return extremum
+
+
+@contextlib.contextmanager
+def extrema_in_graph() -> Iterator[None]:
+    """While tracing: ``min`` and ``max`` over a value read from a tensor record a graph node
+    (``torch.sym_min`` / ``sym_max``) instead of a decision the tracer would have to refuse.
+    Every other call goes to the builtin unchanged."""
+    builtins.min = _extremum(_MIN, torch.sym_min)
+    builtins.max = _extremum(_MAX, torch.sym_max)
+    try:
+        yield
+    finally:
+        builtins.min, builtins.max = _MIN, _MAX

@@ -18,7 +18,7 @@ from optguard import GuardSet, LocalSource, Source
 from optsidefx import Effect, TensorWrite, append_writebacks
 from torch import fx
 
-from opttrace import audit
+from opttrace import audit, symbolic
 from opttrace._torch_compat import compiling, lazy_graph_module
 from opttrace.context import TraceContext
 from opttrace.errors import TraceError
@@ -86,7 +86,11 @@ def _record(
     snap = audit.snapshot(audit.user_functions([fn, *inputs.values()]))
     try:
         try:
-            with recorder, compiling() if capturable else contextlib.nullcontext():
+            with (
+                recorder,
+                symbolic.extrema_in_graph(),
+                compiling() if capturable else contextlib.nullcontext(),
+            ):
                 args = {name: ctx.read(value, LocalSource(name)) for name, value in inputs.items()}
                 result = fn(**args)
         except BaseException:
