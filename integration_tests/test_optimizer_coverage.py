@@ -1,5 +1,5 @@
 """Every torch.optim optimizer: those the compiler targets with default options, foreach on
-and off; LBFGS and SparseAdam run eagerly, with a reason."""
+and off, Muon (2-D parameters only); LBFGS and SparseAdam run eagerly, with a reason."""
 
 from __future__ import annotations
 
@@ -59,6 +59,34 @@ def test_adafactor_options_match_eager_and_its_per_tensor_scales_are_computed_in
     report = optcompile.explain(opt)
     assert report.fallback_reason is None and report.traces == 1
     assert "max(" in report.graph_code and "min(" in report.graph_code
+
+
+def _matrices(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)  # Muon takes 2-D parameters only; a tall and a wide one
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 3, bias=False)
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"nesterov": False, "momentum": 0.5},
+        {"weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"},
+        {"ns_steps": 2, "ns_coefficients": (3.0, -3.2, 1.2)},
+    ],
+)
+def test_muon_matches_eager_through_its_writes_into_a_transposed_view(options):
+    # Muon orthogonalizes each update in bfloat16, transposing tall matrices and dividing in
+    # place through the transposed view: a write the trace turns into the base's new value.
+    model, opt, reference, eager = run_pair(
+        lambda ps: optim.Muon(ps, lr=1e-2, **options), steps=4, model=_matrices()
+    )
+    assert_same(model, opt, reference, eager)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and report.traces == 1
+    assert "aten.permute" in report.graph_code
 
 
 def _lbfgs_steps(model, opt, steps=3):

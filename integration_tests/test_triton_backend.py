@@ -131,6 +131,54 @@ def test_a_value_read_from_a_tensor_that_an_unfused_op_needs_runs_with_it(make):
     assert optcompile.explain(opt).fallback_reason is None
 
 
+def test_a_matrix_result_the_torch_backend_gives_transposed_is_laid_out_like_its_param():
+    # Muon (weight decay, an lr the same for both shapes): the orthogonalized update of the
+    # tall matrix comes back transposed from the matmuls; the kernel reads it element for
+    # element next to its parameter, so the plan lays it out like the parameter first.
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 6), (3, 8)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        return optim.Muon(ps, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+
+    opt, eager = optcompile.compile(make(params), backend="triton"), make(reference)
+    for _ in range(3):
+        for p, q in zip(params, reference, strict=True):
+            p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+            q.grad = p.grad.clone()
+        opt.step()
+        eager.step()
+    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    plan = _plan(opt)
+    assert plan.split is not None and plan.layouts  # partly fused, with results laid out
+    assert "@triton.jit" in optcompile.explain(opt).graph_code
+
+
+def test_a_grad_laid_out_unlike_its_param_runs_on_the_torch_backend_and_matches():
+    # The kernels read a lane's tensors at the same offsets: a transposed grad next to a
+    # row-major param would pair the wrong elements.
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 5, generator=gen).to(DEVICE)) for _ in range(2)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        return optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True)
+
+    opt, eager = optcompile.compile(make(params), backend="triton"), make(reference)
+    for _ in range(2):
+        for p, q in zip(params, reference, strict=True):
+            p.grad = torch.randn(5, 3, generator=gen).to(DEVICE).t()  # strides (1, 3)
+            q.grad = p.grad.clone()
+        opt.step()
+        eager.step()
+    _assert_close(params, opt, reference, eager)
+    code = optcompile.explain(opt).graph_code
+    assert "do not share one dense memory layout" in code
+    assert "the torch backend runs this graph" in code
+
+
 def _plan(opt):
     from optcompile.api import _compiled_of
     from optcompile.driver import newest

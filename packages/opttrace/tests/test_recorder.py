@@ -85,12 +85,71 @@ def test_writes_through_a_full_alias_reach_the_aliased_input():
     torch.testing.assert_close(doubled, torch.full((3,), 4.0))
 
 
-def test_write_through_a_partial_view_is_refused():
-    def step(x):
-        x[:2].add_(1)
+WRITES_THROUGH_VIEWS = {
+    "slice": lambda x: x[:, 1:3].add_(1),
+    "select": lambda x: x[1].mul_(3),
+    "transpose": lambda x: x.T.div_(torch.arange(1.0, 4.0)),
+    "view then slice": lambda x: x.view(-1)[2:9].sub_(0.5),
+    "diagonal": lambda x: x.diagonal().fill_(7),
+    "split": lambda x: x.split(1)[1].add_(10),
+    "split, then a slice": lambda x: x.split(2)[1][:, 1:].add_(1),
+    "unbind": lambda x: x.unbind(1)[3].neg_(),
+    "two writes, one foreach": lambda x: torch._foreach_add_([x[0], x[2]], [1.0, 2.0]),
+    "view of a view, then the base": lambda x: (x[1:][:, :2].mul_(2), x.add_(1)),
+}
 
-    with pytest.raises(TraceError, match="through a view"):
-        trace(step, {"x": torch.ones(3)})
+
+@pytest.mark.parametrize("name", sorted(WRITES_THROUGH_VIEWS))
+def test_a_write_through_a_view_writes_its_base(name):
+    write = WRITES_THROUGH_VIEWS[name]
+
+    def step(x):
+        write(x)
+        return x * 1  # reads the base after the write
+
+    x0 = torch.arange(12.0).reshape(3, 4)
+    traced = trace(step, {"x": x0.clone()})
+    expected = x0.clone()
+    write(expected)
+    x = x0.clone()
+    (out,) = _run(traced, x)
+    torch.testing.assert_close(x, expected)
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_write_through_a_view_of_an_intermediate_reaches_what_reads_it_later():
+    # Muon: ortho = grad.bfloat16(); ortho = ortho.T (if tall); ortho.div_(ortho.norm())
+    def step(g):
+        base = g * 2
+        view = base.T
+        view.div_(view.norm())
+        return base, view @ view.T
+
+    g = torch.randn(5, 3)
+    traced = trace(step, {"g": g})
+    base, gram = _run(traced, g)
+    expected = g * 2
+    expected.T.div_(expected.norm())
+    torch.testing.assert_close(base, expected)
+    torch.testing.assert_close(gram, expected.T @ expected)
+
+
+def test_a_write_through_a_strided_view_is_refused_naming_the_view_op():
+    def step(x):
+        x.as_strided((2,), (2,)).add_(1)
+
+    with pytest.raises(TraceError, match=r"through a view made by aten\.as_strided"):
+        trace(step, {"x": torch.ones(4)})
+
+
+def test_another_view_of_the_base_goes_stale_after_a_write_through_one_view():
+    def step(x):
+        head, tail = x[:2], x[2:]
+        head.add_(1)
+        return tail * 2
+
+    with pytest.raises(TraceError, match="after writing that tensor in place"):
+        trace(step, {"x": torch.ones(4)})
 
 
 def test_using_a_view_after_its_base_was_written_is_refused():

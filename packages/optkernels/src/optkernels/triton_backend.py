@@ -391,6 +391,66 @@ class _Part:
         return tables
 
 
+def _dense(t: Any) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (any order of dims)."""
+    expected = 1
+    dims = zip(t.shape, t.stride(), strict=True)
+    for stride, size in sorted((st, sz) for sz, st in dims if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _layouts(
+    programs: Sequence[LaneProgram], index: dict[fx.Node, int], num_inputs: int
+) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The kernels read a lane's tensors element for element at the same offsets: they must
+    share one dense memory layout. The step's own inputs (layouts fixed by the entry's
+    guards) are checked here (NotLanes if they differ); for values the torch backend computes
+    first (``index >= num_inputs``), returns the (shape, stride) each must be given."""
+    layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for program in programs:
+        for lane in range(program.lanes):
+            vals = [
+                (index[column[lane]], column[lane].meta["val"])
+                for column, small in zip(program.inputs, program.input_small, strict=True)
+                if not small
+            ]
+            fixed = [v for i, v in vals if i < num_inputs]
+            kinds = {
+                "contiguous" if v.is_contiguous() else (tuple(v.shape), tuple(v.stride()))
+                for v in fixed
+            }
+            if len(kinds) > 1 or not all(_dense(v) for v in fixed):
+                raise NotLanes(
+                    f"lane {lane}'s tensors do not share one dense memory layout (shapes and "
+                    f"strides {sorted({(tuple(v.shape), tuple(v.stride())) for v in fixed})})"
+                )
+            like = fixed[0] if fixed and "contiguous" not in kinds else None
+            for i, v in vals:
+                if i >= num_inputs:
+                    shape = tuple(v.shape)
+                    if like is not None and tuple(like.shape) == shape:
+                        layouts[i] = (shape, tuple(like.stride()))
+                    elif like is None:
+                        layouts[i] = (shape, _contiguous_strides(shape))
+                    else:
+                        raise NotLanes(
+                            f"lane {lane} mixes a {list(shape)} result with a "
+                            f"{list(like.shape)} tensor of strides {list(like.stride())}"
+                        )
+    return layouts
+
+
 class TritonPlan:
     """A graph lowered to generated Triton kernels (or run by the torch backend)."""
 
@@ -407,6 +467,9 @@ class TritonPlan:
         self.split: Split | None = None  # ops run by the torch backend around the kernels
         self.prelude: TorchPlan | None = None
         self._checked_devices = False
+        # Values the prelude computes that the kernels need in a given layout: input index ->
+        # (shape, stride) (see ``_layouts``).
+        self.layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         try:
             self.parts = self._lower(gm, host_small)
         except (NotLanes, KernelError) as exc:
@@ -423,7 +486,9 @@ class TritonPlan:
     def _lower(self, gm: fx.GraphModule, host_small: bool | None) -> list[_Part]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.index = {n: i for i, n in enumerate(placeholders)}
-        return [_Part(p, self.index, host_small) for p in analyze_parts(gm.graph)]
+        programs = analyze_parts(gm.graph)
+        self.layouts = _layouts(programs, self.index, self.num_inputs)
+        return [_Part(p, self.index, host_small) for p in programs]
 
     @property
     def program(self) -> LaneProgram | None:
@@ -460,6 +525,12 @@ class TritonPlan:
         if self.prelude is not None:
             results = self.prelude(inputs)
             inputs = [*inputs, *results]
+            for i, (shape, stride) in self.layouts.items():
+                value = inputs[i]
+                if value.stride() != stride:  # e.g. a transposed matmul result
+                    inputs[i] = torch.empty_strided(
+                        shape, stride, dtype=value.dtype, device=value.device
+                    ).copy_(value)
         if not self._checked_devices:
             self._checked_devices = True
             for part in self.parts:

@@ -48,6 +48,7 @@ class TracedTensor(torch.Tensor):
     # view (slice, select, reshape) knows its base and goes stale when the base is written.
     _aliases: list[TracedTensor] | None
     _view_of: TracedTensor | None
+    _view_chain: tuple[_ViewStep, ...]  # the view ops from ``_view_of`` to this tensor
     _stale: str | None
 
     # No torch-function layer: every method call on a traced tensor would otherwise pay for
@@ -69,6 +70,7 @@ class TracedTensor(torch.Tensor):
         t._spec = spec
         t._aliases = None
         t._view_of = None
+        t._view_chain = ()
         t._stale = None
         return t
 
@@ -276,7 +278,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             node = self._record(func, args, kwargs)
             out = self._wrap(node, specs, device)
             if info.view and isinstance(args[0], TracedTensor):
-                self._note_view(func, args[0], out)
+                self._note_view(func, args, kwargs, out)
             return out
         functional = compat.functional_variant(func)
         if functional is None:
@@ -376,12 +378,12 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
     def _set_value(
         self, target: TracedTensor, node: fx.Node | None, item: tuple[fx.Node, int] | None
     ) -> None:
-        """Bind ``target`` (and every full alias of it) to a new value; views of it go stale."""
+        """Bind ``target`` (and every full alias of it) to a new value; views of it go stale.
+        A write through a view writes its base: the base's new value scatters the view's
+        into the old one (``slice_scatter``, a transpose undone, ...)."""
         if target._view_of is not None:
-            raise TraceError(
-                f"the step writes in place through a view (shape {list(target.shape)}) of "
-                "another tensor; write to the tensor itself (views cannot be written back yet)"
-            )
+            self._write_through_view(target, node, item)
+            return
         for t in target._aliases or (target,):
             t._node, t._item = node, item
             for view in self._views.pop(id(t), ()):
@@ -390,19 +392,160 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
                     "that tensor in place; take the view again after the write"
                 )
 
-    def _note_view(self, func: Any, base: TracedTensor, out: Any) -> None:
-        outs = out if isinstance(out, list | tuple) else (out,)
-        for view in outs:
+    def _note_view(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        base: TracedTensor = args[0]
+        several = isinstance(out, list | tuple)
+        for index, view in enumerate(out if several else (out,)):
             full = view._spec == base._spec and func in _FULL_ALIAS
             if full and base._view_of is None:
                 group = base._aliases or [base]
                 base._aliases = view._aliases = group
                 group.append(view)
             else:
-                root = base._view_of or base
+                root = base._view_of if base._view_of is not None else base
                 view._view_of = root
-                for alias in root._aliases or (root,):
-                    self._views.setdefault(id(alias), []).append(view)
+                step = _ViewStep(func, _bound(func, args, kwargs), index if several else None)
+                view._view_chain = (*base._view_chain, step)
+                self._register_view(root, view)
+
+    def _register_view(self, root: TracedTensor, view: TracedTensor) -> None:
+        for alias in root._aliases or (root,):
+            self._views.setdefault(id(alias), []).append(view)
+
+    def _write_through_view(
+        self, view: TracedTensor, node: fx.Node | None, item: tuple[fx.Node, int] | None
+    ) -> None:
+        root = view._view_of
+        assert root is not None
+        if node is None:  # an item of a foreach result
+            assert item is not None
+            node = self.call(operator.getitem, item)
+            node.meta["val"] = view
+        # The tensors along the chain, as they are now: root, root's view, ..., the view's base.
+        bases: list[tuple[fx.Node, TracedTensor]] = [(self.node_of(root), root)]
+        for step in view._view_chain[:-1]:
+            bases.append(step.apply(self, *bases[-1]))
+        levels = [b for _, b in bases[1:]] + [view]  # what each step made of its base
+        new = node
+        for step, (base_node, base), made in zip(
+            reversed(view._view_chain), reversed(bases), reversed(levels), strict=True
+        ):
+            new = step.scatter(self, base_node, base, new, made)
+        self._set_value(root, new, None)  # every other view of root goes stale
+        new.meta["val"] = root
+        view._node, view._item, view._stale = node, None, None
+        self._register_view(root, view)
+
+
+def _bound(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``func``'s arguments after ``self`` by name, defaults filled in."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments[1:], start=1):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+# View ops that show all of their input, rearranged: writing the view writes all of the base
+# (value for value, the view's new value undone into the base's shape).
+_PERMUTING = frozenset({aten.t.default, aten.transpose.int, aten.permute.default})
+_RESHAPING = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.unsqueeze.default,
+        aten.squeeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.alias.default,
+        aten.detach.default,
+    }
+)
+
+
+class _ViewStep:
+    """One view op between a base and a view of it: redone on the base's current value,
+    and undone (``scatter``) to write a new value of the view back into the base."""
+
+    def __init__(self, func: Any, bound: dict[str, Any], index: int | None) -> None:
+        self.func = func
+        self.bound = bound
+        self.index = index  # the output's position, for ops returning several views
+
+    def apply(
+        self, recorder: Recorder, base_node: fx.Node, base: TracedTensor
+    ) -> tuple[fx.Node, TracedTensor]:
+        """This view of the base's current value: its node and tensor."""
+        values = self.bound.values()
+        node = recorder.call(self.func, (base_node, *values))
+        made = recorder._wrap(node, meta.infer(self.func, [base._spec, *values], {}), base.device)
+        view: TracedTensor = made if self.index is None else made[self.index]
+        return recorder.node_of(view), view
+
+    def scatter(
+        self,
+        recorder: Recorder,
+        base_node: fx.Node,
+        base: TracedTensor,
+        src: fx.Node,
+        view: TracedTensor,
+    ) -> fx.Node:
+        """The base's value with ``src`` (a new value of ``view``) written where this view
+        shows it."""
+        func, b = self.func, self.bound
+        if func in _PERMUTING:
+            if func is aten.permute.default:
+                dims = [d % base.dim() for d in b["dims"]]
+                node = recorder.call(
+                    aten.permute.default, (src, sorted(range(len(dims)), key=dims.__getitem__))
+                )
+            elif func is aten.transpose.int:
+                node = recorder.call(aten.transpose.int, (src, b["dim0"], b["dim1"]))
+            else:
+                node = recorder.call(aten.t.default, (src,))
+        elif func in _RESHAPING:
+            node = recorder.call(aten.reshape.default, (src, list(base.shape)))
+        elif func is aten.slice.Tensor:
+            node = recorder.call(
+                aten.slice_scatter.default,
+                (base_node, src, b["dim"], b["start"], b["end"], b["step"]),
+            )
+        elif func is aten.select.int:
+            node = recorder.call(
+                aten.select_scatter.default, (base_node, src, b["dim"], b["index"])
+            )
+        elif func is aten.diagonal.default:
+            node = recorder.call(
+                aten.diagonal_scatter.default, (base_node, src, b["offset"], b["dim1"], b["dim2"])
+            )
+        elif func is aten.unbind.int:
+            node = recorder.call(
+                aten.select_scatter.default, (base_node, src, b["dim"], self.index)
+            )
+        elif func in (aten.split.Tensor, aten.split_with_sizes.default):
+            assert self.index is not None
+            dim = b["dim"] % base.dim()
+            if func is aten.split.Tensor:
+                start = self.index * b["split_size"]
+            else:
+                start = sum(b["split_sizes"][: self.index])
+            length = view.shape[dim]
+            node = recorder.call(
+                aten.slice_scatter.default, (base_node, src, dim, start, start + length, 1)
+            )
+        else:
+            raise TraceError(
+                f"the step writes in place through a view made by {func} (shape "
+                f"{list(view.shape)}) of another tensor; only views made by "
+                "slicing, indexing, transposing or reshaping can be written through: write "
+                "to the tensor itself"
+            )
+        node.meta["val"] = TracedTensor(recorder, base._spec, base.device)
+        return node
 
 
 def _specialize_ints(values: Any) -> list[Any]:
