@@ -215,6 +215,18 @@ def test_min_and_max_over_a_value_read_from_a_tensor_are_graph_nodes_not_decisio
         torch.testing.assert_close(x, expected)
 
 
+def test_min_and_max_in_the_graph_keep_pythons_order_of_operands_for_nan():
+    def step(x, y):
+        x.mul_(max(0.5, x.sum().item()))  # max(0.5, nan) is 0.5; max(nan, 0.5) would be nan
+        y.mul_(min(2.0, y.sum().item()))
+
+    traced = trace(step, {"x": torch.ones(2), "y": torch.ones(2)})
+    x, y = torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0])
+    traced.graph_module(x, y)
+    torch.testing.assert_close(x, torch.tensor([float("nan"), 0.5]), equal_nan=True)
+    torch.testing.assert_close(y, torch.tensor([float("nan"), 2.0]), equal_nan=True)
+
+
 def test_the_builtins_min_and_max_are_themselves_outside_a_trace_and_for_other_values():
     import builtins
 

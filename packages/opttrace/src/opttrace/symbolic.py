@@ -299,10 +299,18 @@ def _read_from_tensor(value: Any) -> bool:
     return node is not None and node.hint is None
 
 
-def _extremum(pick: Callable[..., Any], sym: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+def _extremum(pick: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``pick`` (the builtin min or max), except over plain numbers where one was read from a
     tensor (``max(eps, p.norm().item())``): there Python would decide on the tensor's value,
-    so the result becomes a graph node (``sym``) instead."""
+    so the result becomes a graph node (``pick`` itself, on the values, in the same order:
+    ``max(eps, nan)`` is eps, ``max(nan, eps)`` nan) instead."""
+
+    def pair(a: Any, b: Any) -> Any:
+        known = node_of(a) or node_of(b)
+        assert known is not None
+        first = node_of(a) or known._wrap_const(a)
+        second = node_of(b) or known._wrap_const(b)
+        return wrap(getattr(first, name)(second))
 
     def extremum(*args: Any, **kwargs: Any) -> Any:
         values = args[0] if len(args) == 1 and type(args[0]) in (list, tuple) else args
@@ -315,7 +323,7 @@ def _extremum(pick: Callable[..., Any], sym: Callable[[Any, Any], Any]) -> Calla
             return pick(*args, **kwargs)
         result = values[0]
         for value in values[1:]:
-            result = sym(result, value)
+            result = pair(result, value)
         return result
 
     return extremum
@@ -324,10 +332,10 @@ def _extremum(pick: Callable[..., Any], sym: Callable[[Any, Any], Any]) -> Calla
 @contextlib.contextmanager
 def extrema_in_graph() -> Iterator[None]:
     """While tracing: ``min`` and ``max`` over a value read from a tensor record a graph node
-    (``torch.sym_min`` / ``sym_max``) instead of a decision the tracer would have to refuse.
+    instead of a decision the tracer would have to refuse.
     Every other call goes to the builtin unchanged."""
-    builtins.min = _extremum(_MIN, torch.sym_min)
-    builtins.max = _extremum(_MAX, torch.sym_max)
+    builtins.min = _extremum(_MIN, "sym_min")
+    builtins.max = _extremum(_MAX, "sym_max")
     try:
         yield
     finally:
