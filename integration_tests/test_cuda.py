@@ -162,3 +162,45 @@ def test_triton_backend_on_cpu_params_runs_the_torch_backend_and_says_why():
         eager.step()
     assert _max_diff(_values(model, opt), _values(reference, eager)) <= 1e-6
     assert optcompile.explain(opt).graph_code.startswith("# not fused (its tensors live on cpu")
+
+
+def _matrices() -> torch.nn.Module:
+    torch.manual_seed(0)  # Muon takes 2-D parameters only
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 3, bias=False)
+    )
+
+
+NEWER = {
+    "Adafactor foreach": (lambda ps: optim.Adafactor(ps, lr=1e-2, foreach=True), small_model),
+    "Adafactor": (lambda ps: optim.Adafactor(ps, lr=1e-2, weight_decay=0.1), small_model),
+    "Muon": (lambda ps: optim.Muon(ps, lr=1e-2), _matrices),
+    "Muon rms-matched lr": (
+        lambda ps: optim.Muon(ps, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+        _matrices,
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("name", sorted(NEWER))
+def test_adafactor_and_muon_on_cuda_match_eager_under_a_scheduler(name, backend):
+    make, model_for = NEWER[name]
+    runs = []
+    for compiled in (True, False):
+        model = model_for().cuda()
+        opt = make(list(model.parameters()))
+        if compiled:
+            opt = optcompile.compile(opt, backend=backend)
+        sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+        for step in range(STEPS):
+            set_grads(model, step)
+            opt.step()
+            sched.step()
+        runs.append((model, opt))
+    (model, opt), (reference, eager) = runs
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and report.traces == 1, report.retrace_reasons
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert set(opt.state[p]) == set(eager.state[q])
+    assert _max_diff(_values(model, opt), _values(reference, eager)) <= 1e-5
