@@ -142,6 +142,20 @@ def test_a_write_through_a_strided_view_is_refused_naming_the_view_op():
         trace(step, {"x": torch.ones(4)})
 
 
+def test_a_write_through_a_small_slice_of_a_large_tensor_is_refused_as_too_costly():
+    # A flat buffer written piece by piece: each write would copy all of it in the graph.
+    def step(flat, x):
+        flat[10:20].copy_(x)
+
+    with pytest.raises(TraceError, match=r"\(10 of 100000 elements\).*copy the whole tensor"):
+        trace(step, {"flat": torch.zeros(100_000), "x": torch.ones(10)})
+
+    def transpose(big):  # a full view of a large tensor is no copy: fine
+        big.T.mul_(2)
+
+    trace(transpose, {"big": torch.ones(400, 300)})
+
+
 def test_another_view_of_the_base_goes_stale_after_a_write_through_one_view():
     def step(x):
         head, tail = x[:2], x[2:]

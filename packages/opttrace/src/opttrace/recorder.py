@@ -497,6 +497,8 @@ class _ViewStep:
         """The base's value with ``src`` (a new value of ``view``) written where this view
         shows it."""
         func, b = self.func, self.bound
+        if func not in _PERMUTING and func not in _RESHAPING:
+            _refuse_costly_scatter(func, base, view)
         if func in _PERMUTING:
             if func is aten.permute.default:
                 dims = [d % base.dim() for d in b["dims"]]
@@ -546,6 +548,21 @@ class _ViewStep:
             )
         node.meta["val"] = TracedTensor(recorder, base._spec, base.device)
         return node
+
+
+# A write through a part of a tensor becomes a new value of all of it (``slice_scatter``):
+# fine for small tensors and large parts; a small slice of a large tensor (a flat buffer
+# written piece by piece) would copy the whole tensor per write, far slower than eager.
+_SCATTER_MIN_NUMEL = 1 << 16
+
+
+def _refuse_costly_scatter(func: Any, base: TracedTensor, view: TracedTensor) -> None:
+    if base.numel() > max(2 * view.numel(), _SCATTER_MIN_NUMEL):
+        raise TraceError(
+            f"the step writes in place through a view made by {func} ({view.numel()} of "
+            f"{base.numel()} elements): traced, each such write would copy the whole tensor; "
+            "write to the tensor itself, or let this step run eagerly"
+        )
 
 
 def _specialize_ints(values: Any) -> list[Any]:
