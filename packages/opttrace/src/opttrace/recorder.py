@@ -28,6 +28,7 @@ from opttrace import meta, symbolic
 from opttrace.errors import TraceError
 from opttrace.meta import Spec
 from opttrace.symbolic import ScalarNode
+from opttrace.view_writes import ViewStep, bound
 
 aten = torch.ops.aten
 
@@ -48,7 +49,7 @@ class TracedTensor(torch.Tensor):
     # view (slice, select, reshape) knows its base and goes stale when the base is written.
     _aliases: list[TracedTensor] | None
     _view_of: TracedTensor | None
-    _view_chain: tuple[_ViewStep, ...]  # the view ops from ``_view_of`` to this tensor
+    _view_chain: tuple[ViewStep, ...]  # the view ops from ``_view_of`` to this tensor
     _stale: str | None
 
     # No torch-function layer: every method call on a traced tensor would otherwise pay for
@@ -404,7 +405,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             else:
                 root = base._view_of if base._view_of is not None else base
                 view._view_of = root
-                step = _ViewStep(func, _bound(func, args, kwargs), index if several else None)
+                step = ViewStep(func, bound(func, args, kwargs), index if several else None)
                 view._view_chain = (*base._view_chain, step)
                 self._register_view(root, view)
 
@@ -435,134 +436,6 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         new.meta["val"] = root
         view._node, view._item, view._stale = node, None, None
         self._register_view(root, view)
-
-
-def _bound(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``func``'s arguments after ``self`` by name, defaults filled in."""
-    bound: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments[1:], start=1):
-        if i < len(args):
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-    return bound
-
-
-# View ops that show all of their input, rearranged: writing the view writes all of the base
-# (value for value, the view's new value undone into the base's shape).
-_PERMUTING = frozenset({aten.t.default, aten.transpose.int, aten.permute.default})
-_RESHAPING = frozenset(
-    {
-        aten.view.default,
-        aten._unsafe_view.default,
-        aten.unsqueeze.default,
-        aten.squeeze.default,
-        aten.squeeze.dim,
-        aten.squeeze.dims,
-        aten.alias.default,
-        aten.detach.default,
-    }
-)
-
-
-class _ViewStep:
-    """One view op between a base and a view of it: redone on the base's current value,
-    and undone (``scatter``) to write a new value of the view back into the base."""
-
-    def __init__(self, func: Any, bound: dict[str, Any], index: int | None) -> None:
-        self.func = func
-        self.bound = bound
-        self.index = index  # the output's position, for ops returning several views
-
-    def apply(
-        self, recorder: Recorder, base_node: fx.Node, base: TracedTensor
-    ) -> tuple[fx.Node, TracedTensor]:
-        """This view of the base's current value: its node and tensor."""
-        values = self.bound.values()
-        node = recorder.call(self.func, (base_node, *values))
-        made = recorder._wrap(node, meta.infer(self.func, [base._spec, *values], {}), base.device)
-        view: TracedTensor = made if self.index is None else made[self.index]
-        return recorder.node_of(view), view
-
-    def scatter(
-        self,
-        recorder: Recorder,
-        base_node: fx.Node,
-        base: TracedTensor,
-        src: fx.Node,
-        view: TracedTensor,
-    ) -> fx.Node:
-        """The base's value with ``src`` (a new value of ``view``) written where this view
-        shows it."""
-        func, b = self.func, self.bound
-        if func not in _PERMUTING and func not in _RESHAPING:
-            _refuse_costly_scatter(func, base, view)
-        if func in _PERMUTING:
-            if func is aten.permute.default:
-                dims = [d % base.dim() for d in b["dims"]]
-                node = recorder.call(
-                    aten.permute.default, (src, sorted(range(len(dims)), key=dims.__getitem__))
-                )
-            elif func is aten.transpose.int:
-                node = recorder.call(aten.transpose.int, (src, b["dim0"], b["dim1"]))
-            else:
-                node = recorder.call(aten.t.default, (src,))
-        elif func in _RESHAPING:
-            node = recorder.call(aten.reshape.default, (src, list(base.shape)))
-        elif func is aten.slice.Tensor:
-            node = recorder.call(
-                aten.slice_scatter.default,
-                (base_node, src, b["dim"], b["start"], b["end"], b["step"]),
-            )
-        elif func is aten.select.int:
-            node = recorder.call(
-                aten.select_scatter.default, (base_node, src, b["dim"], b["index"])
-            )
-        elif func is aten.diagonal.default:
-            node = recorder.call(
-                aten.diagonal_scatter.default, (base_node, src, b["offset"], b["dim1"], b["dim2"])
-            )
-        elif func is aten.unbind.int:
-            node = recorder.call(
-                aten.select_scatter.default, (base_node, src, b["dim"], self.index)
-            )
-        elif func in (aten.split.Tensor, aten.split_with_sizes.default):
-            assert self.index is not None
-            dim = b["dim"] % base.dim()
-            if func is aten.split.Tensor:
-                start = self.index * b["split_size"]
-            else:
-                start = sum(b["split_sizes"][: self.index])
-            length = view.shape[dim]
-            node = recorder.call(
-                aten.slice_scatter.default, (base_node, src, dim, start, start + length, 1)
-            )
-        else:
-            raise TraceError(
-                f"the step writes in place through a view made by {func} (shape "
-                f"{list(view.shape)}) of another tensor; only views made by "
-                "slicing, indexing, transposing or reshaping can be written through: write "
-                "to the tensor itself"
-            )
-        node.meta["val"] = TracedTensor(recorder, base._spec, base.device)
-        return node
-
-
-# A write through a part of a tensor becomes a new value of all of it (``slice_scatter``):
-# fine for small tensors and large parts; a small slice of a large tensor (a flat buffer
-# written piece by piece) would copy the whole tensor per write, far slower than eager.
-_SCATTER_MIN_NUMEL = 1 << 16
-
-
-def _refuse_costly_scatter(func: Any, base: TracedTensor, view: TracedTensor) -> None:
-    if base.numel() > max(2 * view.numel(), _SCATTER_MIN_NUMEL):
-        raise TraceError(
-            f"the step writes in place through a view made by {func} ({view.numel()} of "
-            f"{base.numel()} elements): traced, each such write would copy the whole tensor; "
-            "write to the tensor itself, or let this step run eagerly"
-        )
 
 
 def _specialize_ints(values: Any) -> list[Any]:
