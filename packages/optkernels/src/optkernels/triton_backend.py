@@ -21,6 +21,7 @@ from optkernels.errors import BackendError
 from optkernels.foreach_kernel import BLOCK, KernelError, kernel_source, load_kernel
 from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
+from optkernels.layouts import layouts
 from optkernels.reference import TorchPlan
 from optkernels.split import Split, split_unfused
 from optkernels.staging import Staging
@@ -391,66 +392,6 @@ class _Part:
         return tables
 
 
-def _dense(t: Any) -> bool:
-    """Whether ``t``'s elements fill its storage span exactly once (any order of dims)."""
-    expected = 1
-    dims = zip(t.shape, t.stride(), strict=True)
-    for stride, size in sorted((st, sz) for sz, st in dims if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _layouts(
-    programs: Sequence[LaneProgram], index: dict[fx.Node, int], num_inputs: int
-) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The kernels read a lane's tensors element for element at the same offsets: they must
-    share one dense memory layout. The step's own inputs (layouts fixed by the entry's
-    guards) are checked here (NotLanes if they differ); for values the torch backend computes
-    first (``index >= num_inputs``), returns the (shape, stride) each must be given."""
-    layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for program in programs:
-        for lane in range(program.lanes):
-            vals = [
-                (index[column[lane]], column[lane].meta["val"])
-                for column, small in zip(program.inputs, program.input_small, strict=True)
-                if not small
-            ]
-            fixed = [v for i, v in vals if i < num_inputs]
-            kinds = {
-                "contiguous" if v.is_contiguous() else (tuple(v.shape), tuple(v.stride()))
-                for v in fixed
-            }
-            if len(kinds) > 1 or not all(_dense(v) for v in fixed):
-                raise NotLanes(
-                    f"lane {lane}'s tensors do not share one dense memory layout (shapes and "
-                    f"strides {sorted({(tuple(v.shape), tuple(v.stride())) for v in fixed})})"
-                )
-            like = fixed[0] if fixed and "contiguous" not in kinds else None
-            for i, v in vals:
-                if i >= num_inputs:
-                    shape = tuple(v.shape)
-                    if like is not None and tuple(like.shape) == shape:
-                        layouts[i] = (shape, tuple(like.stride()))
-                    elif like is None:
-                        layouts[i] = (shape, _contiguous_strides(shape))
-                    else:
-                        raise NotLanes(
-                            f"lane {lane} mixes a {list(shape)} result with a "
-                            f"{list(like.shape)} tensor of strides {list(like.stride())}"
-                        )
-    return layouts
-
-
 class TritonPlan:
     """A graph lowered to generated Triton kernels (or run by the torch backend)."""
 
@@ -468,7 +409,7 @@ class TritonPlan:
         self.prelude: TorchPlan | None = None
         self._checked_devices = False
         # Values the prelude computes that the kernels need in a given layout: input index ->
-        # (shape, stride) (see ``_layouts``).
+        # (shape, stride) (see ``layouts.layouts``).
         self.layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         try:
             self.parts = self._lower(gm, host_small)
@@ -487,7 +428,7 @@ class TritonPlan:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.index = {n: i for i, n in enumerate(placeholders)}
         programs = analyze_parts(gm.graph)
-        self.layouts = _layouts(programs, self.index, self.num_inputs)
+        self.layouts = layouts(programs, self.index, self.num_inputs)
         return [_Part(p, self.index, host_small) for p in programs]
 
     @property
