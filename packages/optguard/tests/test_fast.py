@@ -8,10 +8,13 @@ import weakref
 import pytest
 import torch
 from optguard import (
+    AliasGuard,
     AttrSource,
     CompiledCheck,
     DataPtrGuard,
     DictLengthGuard,
+    DisjointGuard,
+    Guard,
     GuardSetBuilder,
     ItemSource,
     KeyedSource,
@@ -37,9 +40,10 @@ def _optimizer(n: int = 3) -> torch.optim.Optimizer:
     return opt
 
 
-def _check(opt: torch.optim.Optimizer):
+def _check(opt: torch.optim.Optimizer, extra: tuple[Guard, ...] = ()):
     """The guards a trace of ``opt.step`` would install, over the live optimizer."""
     b = GuardSetBuilder()
+    b.extend(extra)
     b.add(TypeGuard(OPT, type(opt)))
     b.add(LengthGuard(GROUPS, 1))
     b.add(KeysGuard(GROUP, tuple(opt.param_groups[0])))
@@ -271,3 +275,31 @@ def test_a_tier_built_while_the_native_checks_build_is_rebuilt_once_they_load(ch
     assert sum("one native check" in line for line in check.fast.lines) == 3
     assert check(L) and check.fast_hit
     assert check.rebuilds == 1  # the upgrade is not counted against the tier
+
+
+@needs_fast
+def test_guards_relating_two_sources_run_on_every_hit_unless_both_lie_in_the_state(checks):
+    """A guard over a listed grad and another source is not part of the list's native
+    check, nor covered by the state's dict versions when one of its sources lies outside."""
+    opt = _optimizer()
+    params = opt.param_groups[0]["params"]
+    shared = torch.randn(4, 2)
+    for p in params:
+        p.grad = shared
+    grad = [AttrSource(ItemSource(PARAMS, i), "grad") for i in range(3)]
+    buf = ItemSource(
+        KeyedSource(AttrSource(OPT, "state"), ItemSource(PARAMS, 0)), "momentum_buffer"
+    )
+    check = _check(opt, (AliasGuard(grad[1], grad[0]), DisjointGuard(buf, (grad[2],))))
+    L = {"opt": opt}
+    assert check(L) and check.fast is not None and check.fast(L)
+    params[1].grad = torch.randn(4, 2)  # same metadata, no longer the shared tensor
+    assert not check.fast(L) and not check(L)
+    assert check.first_failure(L) == (
+        "L['opt'].param_groups[0]['params'][1].grad: is no longer the same object as "
+        "L['opt'].param_groups[0]['params'][0].grad"
+    )
+    params[1].grad = shared
+    assert check(L) and check.fast(L)
+    params[2].grad = opt.state[params[0]]["momentum_buffer"]  # the state did not change
+    assert not check.fast(L) and not check(L)

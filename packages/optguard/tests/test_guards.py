@@ -5,18 +5,26 @@ from collections import defaultdict
 import pytest
 import torch
 from optguard import (
+    AliasGuard,
     AttrSource,
     ConstantGuard,
     DictLengthGuard,
+    DisjointGuard,
+    GuardSet,
+    GuardSetBuilder,
     ItemSource,
     KeyedSource,
     KeysGuard,
     LengthGuard,
+    LocalSource,
     NoneGuard,
     TensorMatchGuard,
     TensorMeta,
     TypeGuard,
+    compile_check,
+    first_failure,
 )
+from optguard.guards import disjoint
 from optguard_paths import GROUP, OPT, PARAM
 
 
@@ -147,3 +155,44 @@ def test_tensor_match_fails_on_a_value_that_is_no_tensor():
     guard = TensorMatchGuard(PARAM, TensorMeta.of(torch.zeros(2)))
     assert not guard.holds(3)
     assert guard.changed(3) == "is no longer a tensor (int)"
+
+
+def test_alias_guard_holds_while_two_sources_hold_one_object_in_the_generated_check_too():
+    a, b = ItemSource(LocalSource("xs"), 0), ItemSource(LocalSource("xs"), 1)
+    guard = AliasGuard(b, a)
+    builder = GuardSetBuilder()
+    builder.add(guard)
+    check = compile_check(builder.build(), fast=False)
+    t = torch.zeros(2)
+    assert guard.describe() == "L['xs'][1] is L['xs'][0]"
+    assert check({"xs": [t, t]}) and guard.holds(guard.fetch({"xs": [t, t]}))
+    assert not check({"xs": [t, t.clone()]})
+    reason = first_failure([guard], {"xs": [t, torch.zeros(2)]})
+    assert reason == "L['xs'][1]: is no longer the same object as L['xs'][0]"
+
+
+@pytest.mark.parametrize(
+    ("make", "apart"),
+    [
+        (lambda x: (x[:5], x[5:]), True),  # adjacent halves
+        (lambda x: (x[:6], x[5:]), False),  # one element in common
+        (lambda x: (x, x), False),
+        (lambda x: (x.view(2, 5).t(), x[:1]), False),  # a transposed view reaches x[0]
+        (lambda x: (x.view(2, 5)[:, :2], x.view(2, 5)[1, 2:]), True),  # one ends, one begins
+        (lambda x: (x[0], x[1], x[2]), True),  # 0-dim views of neighbours
+        (lambda x: (x[3], x[3]), False),  # two objects, one element
+        (lambda x: (x[:0], x[:0]), True),  # nothing reached
+        (lambda x: (x, torch.zeros(10)), True),  # separate allocations
+    ],
+)
+def test_disjoint_compares_the_bytes_tensors_reach(make, apart):
+    tensors = make(torch.arange(10.0))
+    assert disjoint(tensors) is apart
+    sources = [ItemSource(LocalSource("xs"), i) for i in range(len(tensors))]
+    guard = DisjointGuard(sources[0], tuple(sources[1:]))
+    L = {"xs": list(tensors)}
+    assert compile_check(GuardSet((guard,)), fast=False)(L) is apart
+    if not apart:
+        assert first_failure([guard], L) == "L['xs'][0]: shares memory with one of " + ", ".join(
+            s.name() for s in sources[1:]
+        )

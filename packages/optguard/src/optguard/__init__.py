@@ -11,9 +11,11 @@ from optguard.codegen import SourceCode, build_function, compile_fetch
 from optguard.fast import FastCheck
 from optguard.gather import FastGather
 from optguard.guards import (
+    AliasGuard,
     ConstantGuard,
     DataPtrGuard,
     DictLengthGuard,
+    DisjointGuard,
     Guard,
     IdentityGuard,
     KeysGuard,
@@ -24,6 +26,7 @@ from optguard.guards import (
     TensorMeta,
     TypeGuard,
     WeakrefAliveGuard,
+    memory_span,
 )
 from optguard.sources import (
     AttrSource,
@@ -41,12 +44,14 @@ from optguard.sources import (
 
 __all__ = [
     "DEFAULT_RECOMPILE_LIMIT",
+    "AliasGuard",
     "AttrSource",
     "CompiledCheck",
     "ConstantGuard",
     "DataPtrGuard",
     "DictKeySource",
     "DictLengthGuard",
+    "DisjointGuard",
     "Entry",
     "FastCheck",
     "FastGather",
@@ -76,5 +81,6 @@ __all__ = [
     "compile_check",
     "compile_fetch",
     "first_failure",
+    "memory_span",
     "variable_name",
 ]

@@ -140,7 +140,9 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
     keyed_sources = [
         keyed
         for g in guards
-        if not isinstance(g, DataPtrGuard) and (keyed := _keyed_ancestor(g.source)) is not None
+        if not isinstance(g, DataPtrGuard)
+        for s in g.sources()
+        if (keyed := _keyed_ancestor(s)) is not None
     ]
     states = {keyed.base: None for keyed in keyed_sources}
     keys = {keyed.key: None for keyed in keyed_sources}
@@ -164,8 +166,8 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
             continue
         if isinstance(guard, NoneGuard) and not guard.is_none and guard.source in matched:
             continue  # a tensor match fails on None
-        if guard.source in listed or _keyed_ancestor(guard.source) is not None:
-            continue  # in its list's native check; under the state's dict versions
+        if _under_state(guard) or (guard.source in listed and len(guard.sources()) == 1):
+            continue  # under the state's dict versions; in its list's native check
         if not builder.add(guard):
             residual.append(guard)
         elif isinstance(guard, IdentityGuard):
@@ -332,8 +334,14 @@ def _pinned_sources(
             return isinstance(entry, KeyedSource) and pinned(entry)
         return False
 
-    seen = {s for g in guards for s in ancestors(g.source)}
+    seen = {s for g in guards for source in g.sources() for s in ancestors(source)}
     return frozenset(s for s in seen if pinned(s))
+
+
+def _under_state(guard: Guard) -> bool:
+    """Whether every source ``guard`` reads lies inside an optimizer's state, whose dict
+    versions say on a hit that nothing there changed since the full check passed."""
+    return all(_keyed_ancestor(s) is not None for s in guard.sources())
 
 
 def _keyed_ancestor(source: Source) -> KeyedSource | None:

@@ -7,9 +7,10 @@ fails ("keys changed (148 entries -> 0)").
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,10 @@ class Guard:
     def fetch(self, L: Any) -> Any:
         """The value(s) this guard tests, from live inputs (slow path)."""
         return self.source.fetch(L)
+
+    def sources(self) -> tuple[Source, ...]:
+        """Every source the guard reads (``source`` first)."""
+        return (self.source,)
 
 
 _TESTS: dict[Guard, Callable[[Any], Any]] = {}
@@ -207,6 +212,87 @@ class IdentityGuard(Guard):
 
 
 @dataclass(frozen=True)
+class AliasGuard(Guard):
+    """The value at ``source`` is the very object found at ``other`` (one tensor reached
+    two ways: a parameter listed twice, one grad tensor given to two parameters). The trace
+    read it once; the guard keeps a later call from handing two different objects to one
+    graph input."""
+
+    other: Source
+
+    def test(self, var: str, code: SourceCode) -> str:
+        return f"({var} is {code.var(self.other)})"
+
+    def expected(self) -> str:
+        return f"is {self.other.name()}"
+
+    def fetch(self, L: Any) -> Any:
+        return (self.source.fetch(L), self.other.fetch(L))
+
+    def sources(self) -> tuple[Source, ...]:
+        return (self.source, self.other)
+
+    def holds(self, value: Any) -> bool:
+        return bool(value[0] is value[1])
+
+    def changed(self, value: Any) -> str:
+        return f"is no longer the same object as {self.other.name()}"
+
+
+@dataclass(frozen=True)
+class DisjointGuard(Guard):
+    """The tensors at ``source`` and ``others`` occupy disjoint memory. A graph reads all its
+    inputs before it writes any, where eager writes them one after another: inputs it
+    writes must not share memory (two arguments ``f(x, x)``, a view of another)."""
+
+    others: tuple[Source, ...]
+
+    def test(self, var: str, code: SourceCode) -> str:
+        names = ", ".join([var, *(code.var(o) for o in self.others)])
+        return f"{code.constant(disjoint, 'disjoint')}(({names},))"
+
+    def expected(self) -> str:
+        return f"shares no memory with {self._others()}"
+
+    def _others(self) -> str:
+        names = [o.name() for o in self.others[:3]]
+        more = len(self.others) - len(names)
+        return ", ".join(names) + (f" or {more} more" if more else "")
+
+    def fetch(self, L: Any) -> Any:
+        return tuple(s.fetch(L) for s in self.sources())
+
+    def sources(self) -> tuple[Source, ...]:
+        return (self.source, *self.others)
+
+    def holds(self, value: Any) -> bool:
+        return disjoint(value)
+
+    def changed(self, value: Any) -> str:
+        return f"shares memory with one of {self._others()}"
+
+
+def disjoint(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether no two of ``tensors`` reach a common byte (conservatively: by the span from
+    each one's first to its last element, so interleaved views count as sharing). Spans are
+    compared as addresses: distinct allocations never overlap (CUDA's unified addressing
+    keeps device and host pointers apart)."""
+    spans = sorted(map(memory_span, tensors))
+    return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """(first byte, one past the last byte) of what ``t`` reaches; empty for no elements."""
+    start = t.data_ptr()
+    if t.dim() == 0:
+        return (start, start + t.element_size())
+    if t.numel() == 0:
+        return (start, start)
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    return (start, start + extent * t.element_size())
+
+
+@dataclass(frozen=True)
 class DataPtrGuard(Guard):
     """A tensor's storage address is unchanged: graphs that bake addresses in (CUDA graphs,
     static kernel tables) depend on it."""
@@ -274,7 +360,10 @@ class PredicateGuard(Guard):
         return f"is {self.outcome!r}"
 
     def fetch(self, L: Any) -> Any:
-        return tuple(s.fetch(L) for s in (self.source, *self.others))
+        return tuple(s.fetch(L) for s in self.sources())
+
+    def sources(self) -> tuple[Source, ...]:
+        return (self.source, *self.others)
 
     def _evaluate(self, values: Any) -> Any:
         return eval(self.template.format(*map(repr, values)), {"math": math})

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 from optguard import (
+    AliasGuard,
     AttrSource,
     ConstantGuard,
     DataPtrGuard,
     DictLengthGuard,
+    DisjointGuard,
     Guard,
     GuardSetBuilder,
     ItemSource,
@@ -32,6 +34,7 @@ from optguard import (
     TensorMeta,
     TypeGuard,
     ancestors,
+    memory_span,
     variable_name,
 )
 from optsidefx import Build, CallResult, Const, Input, Ledger, Output, Ref
@@ -94,6 +97,7 @@ class TraceContext:
         self._optimizer_sources: set[Source] = set()
         self._object_sources: dict[int, Source] = {}  # other objects read, for the replay
         self._grad_bound: set[int] = set()
+        self._unpinned: set[int] = set()  # inputs without a data-pointer guard
         self.outputs: list[Any] = []  # tensors and symbolic scalars the replay needs
         self._output_index: dict[int, int] = {}
 
@@ -231,11 +235,19 @@ class TraceContext:
             raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")
         self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
         static = self._is_static(source)
-        if static and not (real.dim() == 0 and real.device.type == "cpu"):
+        pinned = static and not (real.dim() == 0 and real.device.type == "cpu")
+        if pinned:
             # (A 0-dim CPU tensor, a step count, is read by value on the host, or through
             # an address table the backend re-checks each call: its address is free to
             # change, and the Triton backend moves all of them into one buffer.)
             self.guard(DataPtrGuard(source, real.data_ptr()))
+        else:
+            self._unpinned.add(i)
+            first = self.input_sources[i]
+            if source != first:
+                # One tensor reached two ways (one grad given to two params, f(x, x)): the
+                # graph has one input for both, fetched from ``first``.
+                self.guard(AliasGuard(source, first))
         fake = self._fakes.get(i)
         if fake is None:
             name = variable_name(source)
@@ -252,13 +264,27 @@ class TraceContext:
     # -- after the step ran -----------------------------------------------------------------
 
     def input_writes(self) -> list[tuple[Source, Any]]:
-        """(Source, graph node) for each input tensor the step wrote in place."""
-        writes = []
+        """(Source, graph node) for each input tensor the step wrote in place; refuses
+        inputs it wrote that share memory, and guards those whose address is free to
+        change against coming to share it (the graph reads every input before it writes
+        any; eager writes one after another)."""
+        writes = {}
         for i, fake in self._fakes.items():
             node = self.recorder.node_of(fake)
             if node.op != "placeholder":
-                writes.append((self.input_sources[i], node))
-        return writes
+                writes[i] = (self.input_sources[i], node)
+        spans = sorted((memory_span(self.input_tensors[i]), i) for i in writes)
+        for (a, i), (b, j) in itertools.pairwise(spans):
+            if b[0] < a[1]:
+                raise TraceError(
+                    f"the step writes in place to {self.input_sources[i].name()} and to "
+                    f"{self.input_sources[j].name()}, which share memory; the compiled step "
+                    "reads all its inputs before it writes them, so give each its own storage"
+                )
+        unpinned = [self.input_sources[i] for i in writes if i in self._unpinned]
+        if len(unpinned) > 1:
+            self.guard(DisjointGuard(unpinned[0], tuple(unpinned[1:])))
+        return list(writes.values())
 
     def output_nodes(self) -> list[Any]:
         nodes = []

@@ -325,6 +325,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         if functional is None or len(written) != 1:
             raise TraceError(f"{func} writes to its inputs and has no functional form to trace")
         targets = _lookup(func, args, kwargs, written[0])
+        _refuse_repeats(func, [_written_tensor(func, t) for t in targets])
         pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
         node = self._record(functional, pure_args, pure_kwargs)
         self._list_len[node] = n
@@ -461,6 +462,20 @@ def _written_tensor(func: Any, t: Any) -> TracedTensor:
             "a global, a closure variable or a tensor the tracer does not follow"
         )
     return t
+
+
+def _refuse_repeats(func: Any, targets: list[TracedTensor]) -> None:
+    """An in-place foreach op must write each tensor once: given one twice (a parameter
+    listed twice in an optimizer: torch warns of duplicate parameters), eager applies the
+    op to it twice on some paths and once on others."""
+    first: dict[int, int] = {}
+    for i, t in enumerate(targets):
+        j = first.setdefault(id(t._aliases) if t._aliases else id(t), i)
+        if j != i:
+            raise TraceError(
+                f"{func} writes one tensor twice (items {j} and {i} of its list): an "
+                "optimizer given the same parameter twice; remove the duplicate"
+            )
 
 
 def _single(s: Any) -> Spec:
