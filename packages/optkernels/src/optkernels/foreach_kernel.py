@@ -113,10 +113,11 @@ def kernel_source(
                 values = [v for v in lanes[1:] if var_dtype[v] is not torch.bool]
             big = [var_dtype[v] for v in values if not small[v]]
             dtype = _promote(big or [var_dtype[v] for v in values] or [torch.float32])
-            rounded = {
+            rounded = {  # (a where's condition stays a bool)
                 v: _round(f"v{v}", dtype)
                 for v in lanes
-                if var_dtype[v] != dtype and dtype not in (torch.float32, torch.float64)
+                if var_dtype[v] not in (dtype, torch.bool)
+                and dtype not in (torch.float32, torch.float64)
             }
             expr = _expr(op, program, rounded)
             if op.op in _COMPARE:
