@@ -3,10 +3,11 @@ the view's base.
 
 The recorder keeps, for each view that does not show all of its root, the chain of view ops
 from the root (``ViewStep``: slice, select, transpose/permute, view/reshape, diagonal,
-split/unbind, and chains of them). A write through the view gives the root a new value: each
-step ``scatter``s the new value of its view into its base (``slice_scatter``, the transpose
-undone, ...), from the view back to the root. Other views (``as_strided``, ``expand``) are
-refused, and so is a small part of a large tensor (see ``_refuse_costly_scatter``).
+split/unbind, view_as_real/view_as_complex, and chains of them). A write through the view
+gives the root a new value: each step ``scatter``s the new value of its view into its base
+(``slice_scatter``, the transpose undone, ...), from the view back to the root. Other views
+(``as_strided``, ``expand``) are refused, and so is a small part of a large tensor (see
+``_refuse_costly_scatter``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ _RESHAPING = frozenset(
 )
 
 
+# View ops that show all of their input as another dtype (a complex parameter's optimizer
+# works on its real view, torch.optim does): undone by the other.
+_REINTERPRETING = {
+    aten.view_as_real.default: aten.view_as_complex.default,
+    aten.view_as_complex.default: aten.view_as_real.default,
+}
+
+
 class ViewStep:
     """One view op between a base and a view of it: redone on the base's current value,
     and undone (``scatter``) to write a new value of the view back into the base."""
@@ -95,6 +104,8 @@ class ViewStep:
             node = recorder.call(aten.t.default, (src,))
         elif func in _RESHAPING:
             node = recorder.call(aten.reshape.default, (src, list(base.shape)))
+        elif func in _REINTERPRETING:  # complex <-> (real, imag) pairs: each other's inverse
+            node = recorder.call(_REINTERPRETING[func], (src,))
         else:
             node = self._scatter_part(recorder, base_node, base, src, view)
         node.meta["val"] = type(base)(recorder, base._spec, base.device)
