@@ -164,3 +164,37 @@ def test_explain_shows_the_check_with_its_fast_tier():
     assert "def check(L)" in report.check_code
     assert "C++ guard tree" in report.check_code
     assert "entries are unchanged (dict versions)" in report.check_code
+
+
+class _MatmulStep(torch.optim.Optimizer):
+    """A step with a matmul, which torch.autocast runs in its lower dtype."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad @ p.grad.T @ p.grad, alpha=-group["lr"])
+
+
+def test_entering_or_leaving_autocast_retraces_and_each_state_keeps_its_entry():
+    """The casts autocast makes are recorded in the graph: a step traced inside an autocast
+    region must not run outside one (nor in another dtype's)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 6))]
+    twins = copy.deepcopy(params)
+    opt, eager = optcompile.compile(_MatmulStep(params)), _MatmulStep(twins)
+    regions = [torch.bfloat16, torch.bfloat16, None, torch.float16, None, torch.bfloat16]
+    for step, dtype in enumerate(regions):
+        gen = torch.Generator().manual_seed(step)
+        params[0].grad = torch.randn(8, 6, generator=gen)
+        twins[0].grad = params[0].grad.clone()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            opt.step()
+            eager.step()
+        torch.testing.assert_close(params[0], twins[0], rtol=0, atol=0)
+    report = optcompile.explain(opt)
+    assert report.traces == 3 and report.entries == 3  # bf16, off, fp16; then reused
+    assert report.retrace_reasons[0] == "torch.autocast: changed (on (cpu:bfloat16) -> off)"

@@ -21,6 +21,7 @@ from optguard import (
     TensorMatchGuard,
     TensorMeta,
     TypeGuard,
+    autocast_guard,
     compile_check,
     first_failure,
 )
@@ -196,3 +197,17 @@ def test_disjoint_compares_the_bytes_tensors_reach(make, apart):
         assert first_failure([guard], L) == "L['xs'][0]: shares memory with one of " + ", ".join(
             s.name() for s in sources[1:]
         )
+
+
+def test_autocast_guard_holds_in_the_autocast_state_it_was_made_in():
+    off = autocast_guard()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        on = autocast_guard()
+        assert on.state == "cpu:bfloat16" and on.describe() == "torch.autocast is on (cpu:bfloat16)"
+        assert on.holds(on.fetch({})) and not off.holds(off.fetch({}))
+        assert first_failure([off], {}) == "torch.autocast: changed (off -> on (cpu:bfloat16))"
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert not compile_check(GuardSet((on,)), fast=False)({})
+    assert off.describe() == "torch.autocast is off" and off.holds(off.fetch({}))
+    assert compile_check(GuardSet((off,)), fast=False)({})
+    assert not compile_check(GuardSet((on,)), fast=False)({})

@@ -12,6 +12,7 @@ from optguard.fast import FastCheck
 from optguard.gather import FastGather
 from optguard.guards import (
     AliasGuard,
+    AutocastGuard,
     ConstantGuard,
     DataPtrGuard,
     DictLengthGuard,
@@ -26,10 +27,12 @@ from optguard.guards import (
     TensorMeta,
     TypeGuard,
     WeakrefAliveGuard,
+    autocast_guard,
     memory_span,
 )
 from optguard.sources import (
     AttrSource,
+    AutocastSource,
     DictKeySource,
     GlobalSource,
     ItemSource,
@@ -46,6 +49,8 @@ __all__ = [
     "DEFAULT_RECOMPILE_LIMIT",
     "AliasGuard",
     "AttrSource",
+    "AutocastGuard",
+    "AutocastSource",
     "CompiledCheck",
     "ConstantGuard",
     "DataPtrGuard",
@@ -77,6 +82,7 @@ __all__ = [
     "WeakRefSource",
     "WeakrefAliveGuard",
     "ancestors",
+    "autocast_guard",
     "build_function",
     "compile_check",
     "compile_fetch",

@@ -135,3 +135,15 @@ def plain_grad_types() -> tuple[type, ...]:
     read in C++ (a subclass may override ``grad``)."""
     grad = torch._C.TensorBase.grad
     return tuple(t for t in (torch.Tensor, torch.nn.Parameter) if t.grad is grad)
+
+
+def autocast_state() -> str:
+    """The ``torch.autocast`` regions around the call, ``"cpu:bfloat16"``, ``""`` when none:
+    autocast rewrites the dtypes of some ops (matmuls, reductions), so a trace bakes it in."""
+    if not torch._C._is_any_autocast_enabled():
+        return ""
+    return ",".join(
+        f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}"
+        for device in torch._C._autocast_supported_devices()
+        if torch.is_autocast_enabled(device)
+    )

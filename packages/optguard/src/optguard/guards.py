@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from optguard._torch_compat import autocast_state
 from optguard.codegen import SourceCode
-from optguard.sources import Source
+from optguard.sources import AutocastSource, Source
 
 MISSING = object()  # a source that could not be fetched (structure changed)
 
@@ -110,6 +111,32 @@ class ConstantGuard(Guard):
 
     def changed(self, value: Any) -> str:
         return f"value changed ({self.value!r} -> {_short(value)})"
+
+
+@dataclass(frozen=True)
+class AutocastGuard(Guard):
+    """The ``torch.autocast`` regions around the call are those seen while tracing (the
+    casts autocast made are in the graph). ``state`` as ``_torch_compat.autocast_state``."""
+
+    state: str
+
+    def test(self, var: str, code: SourceCode) -> str:
+        return f"{var} == {self.state!r}"
+
+    def expected(self) -> str:
+        return f"is {_autocast(self.state)}"
+
+    def changed(self, value: Any) -> str:
+        return f"changed ({_autocast(self.state)} -> {_autocast(value)})"
+
+
+def autocast_guard() -> AutocastGuard:
+    """The guard on the autocast state around the call being traced now."""
+    return AutocastGuard(AutocastSource(), autocast_state())
+
+
+def _autocast(state: Any) -> str:
+    return f"on ({state})" if state else "off"
 
 
 @dataclass(frozen=True)

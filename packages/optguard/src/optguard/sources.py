@@ -13,6 +13,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from optguard._torch_compat import autocast_state
+
 Locals = Mapping[str, Any]
 
 
@@ -139,6 +141,20 @@ class GlobalSource(Source):
 
     def expr(self, parent_vars: tuple[str, ...]) -> str:
         return f"sys.modules[{self.module!r}].{self.global_name}"
+
+
+@dataclass(frozen=True, repr=False)
+class AutocastSource(Source):
+    """The ``torch.autocast`` state around the call (``_torch_compat.autocast_state``)."""
+
+    def name(self) -> str:
+        return "torch.autocast"
+
+    def fetch(self, L: Locals) -> Any:
+        return autocast_state()
+
+    def expr(self, parent_vars: tuple[str, ...]) -> str:
+        return "sys.modules['optguard._torch_compat'].autocast_state()"
 
 
 @dataclass(frozen=True, repr=False)

@@ -14,7 +14,7 @@ from typing import Any
 import optguard
 import optsidefx
 import torch
-from optguard import GuardSet, LocalSource, Source
+from optguard import GuardSet, LocalSource, Source, autocast_guard
 from optsidefx import Effect, TensorWrite, append_writebacks
 from torch import fx
 
@@ -81,6 +81,7 @@ def _record(
 ) -> TracedStep:
     start = time.perf_counter()
     ctx = TraceContext(recorder, capturable)
+    ctx.guard(autocast_guard())  # its casts are recorded as graph ops
     for name, value in inputs.items():
         ctx.collect(value, LocalSource(name))
     snap = audit.snapshot(audit.user_functions([fn, *inputs.values()]))
