@@ -3,7 +3,9 @@ the compiled entries keep alive."""
 
 from __future__ import annotations
 
+import copy
 import gc
+import random
 import warnings
 import weakref
 from typing import Any
@@ -233,6 +235,54 @@ def test_stores_a_replay_cannot_repeat_fall_back_to_eager_with_one_warning(case)
         assert before[0] + 6 == COUNTER  # three eager steps each, nothing lost or doubled
     if case == "global list append":
         assert len(HISTORY) == before[1] + 6
+
+
+class DrawsRandom(torch.optim.Optimizer):
+    """Scales each update by a number from Python's or numpy's global generator."""
+
+    def __init__(self, params: Any, source: str) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.source = source
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.source == "random":
+                    scale = random.random()
+                else:
+                    scale = float(pytest.importorskip("numpy").random.rand())
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+@pytest.mark.parametrize(
+    ("source", "named"), [("random", "Python's random module"), ("numpy", "numpy.random")]
+)
+def test_draws_from_a_global_random_generator_run_eagerly_and_draw_what_eager_draws(source, named):
+    """A number drawn while tracing would be the same on every call: the trace is refused,
+    and the generator's state put back, so the eager steps draw the numbers eager draws."""
+    numpy = pytest.importorskip("numpy")
+    model = small_model()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = optcompile.compile(DrawsRandom(model.parameters(), source))
+        eager = DrawsRandom(reference.parameters(), source)
+        for step in range(3):
+            for m, o in ((model, opt), (reference, eager)):
+                set_grads(m, step)
+                random.seed(step)
+                numpy.random.seed(step)
+                o.step()
+    fallbacks = [w for w in caught if issubclass(w.category, optcompile.FallbackWarning)]
+    assert len(fallbacks) == 1
+    assert f"the step draws random numbers from {named}" in str(fallbacks[0].message)
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    state = random.getstate() if source == "random" else numpy.random.get_state()[1].copy()
+    with pytest.raises(TraceError, match=f"draws random numbers from {named}"):
+        optcompile.compile(DrawsRandom(model.parameters(), source), fullgraph=True).step()
+    after = random.getstate() if source == "random" else numpy.random.get_state()[1]
+    assert (state == after) if source == "random" else (state == after).all()
 
 
 def test_a_compiled_function_keeps_no_argument_alive():

@@ -6,7 +6,8 @@ would happen once, while tracing, and never again. Around each trace we snapshot
 functions can reach that way (their globals and closure cells, and the contents of
 containers held directly there), and afterwards compare: anything that changed is put back
 and the trace is refused, naming it. Deeper mutations (an attribute of an object held in a
-global) are not seen; the README says so.
+global) are not seen; the README says so. The same goes for draws from Python's and
+numpy's global random generators: their states are put back, and the trace refused.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
+import random
+import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,13 +71,39 @@ class Snapshot:
     globals_: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     cells: list[tuple[str, types.CellType, Any]] = field(default_factory=list)
     contents: list[tuple[str, Any, Any]] = field(default_factory=list)
+    # Python's and numpy's global random generators: a draw while tracing would be baked
+    # into the graph, the same number on every later call.
+    random_states: list[tuple[_Generator, Any]] = field(default_factory=list)
 
 
 _EMPTY = object()
 
 
+@dataclass(frozen=True)
+class _Generator:
+    """A global random generator a step could draw from, and how to save and compare it."""
+
+    name: str
+    get: Callable[[], Any]
+    set: Callable[[Any], Any]
+    same: Callable[[Any, Any], bool]
+
+
+def _generators() -> list[_Generator]:
+    found = [_Generator("Python's random module", random.getstate, random.setstate, operator.eq)]
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        found.append(
+            _Generator(
+                "numpy.random", numpy_random.get_state, numpy_random.set_state, _same_numpy_state
+            )
+        )
+    return found
+
+
 def snapshot(functions: list[types.FunctionType]) -> Snapshot:
     snap = Snapshot()
+    snap.random_states = [(generator, generator.get()) for generator in _generators()]
     seen_globals: set[int] = set()
     for fn in functions:
         g = fn.__globals__
@@ -114,6 +144,19 @@ def check_and_restore(snap: Snapshot) -> None:
         if _changed(container, old):
             changed.append(f"mutates the {type(container).__name__} in {where}")
             _restore(container, old)
+    drew = []
+    for generator, old in snap.random_states:
+        if not generator.same(generator.get(), old):
+            drew.append(generator.name)
+            generator.set(old)  # an eager fallback then draws what eager would have
+    if drew and not changed:
+        raise TraceError(
+            f"the step draws random numbers from {' and '.join(drew)}: a compiled step would "
+            "repeat the numbers drawn while tracing on every call; draw them with torch "
+            "(torch.rand, torch.randn), which the graph runs each call, or let the step run "
+            "eagerly"
+        )
+    changed.extend(f"draws random numbers from {name}" for name in drew)
     if changed:
         more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
         raise TraceError(
@@ -121,6 +164,11 @@ def check_and_restore(snap: Snapshot) -> None:
             "later calls (it sees only its inputs); keep such state on the optimizer or in "
             "its state, or pass it as an argument"
         )
+
+
+def _same_numpy_state(a: Any, b: Any) -> bool:
+    """numpy's legacy state tuples: ``(name, keys array, pos, has_gauss, cached)``."""
+    return bool(a[0] == b[0] and (a[1] == b[1]).all() and tuple(a[2:]) == tuple(b[2:]))
 
 
 def _cell_value(cell: types.CellType) -> Any:
