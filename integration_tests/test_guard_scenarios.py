@@ -4,7 +4,9 @@ changing nothing never retraces; results always match eager."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -198,3 +200,81 @@ def test_entering_or_leaving_autocast_retraces_and_each_state_keeps_its_entry():
     report = optcompile.explain(opt)
     assert report.traces == 3 and report.entries == 3  # bf16, off, fp16; then reused
     assert report.retrace_reasons[0] == "torch.autocast: changed (on (cpu:bfloat16) -> off)"
+
+
+STEP_SCALE = 1.0  # a module global a custom step reads (test below changes it)
+
+
+@dataclasses.dataclass
+class _Config:
+    scale: float = 1.0
+    double: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenConfig:
+    scale: float = 1.0
+
+
+class _ConfiguredSGD(torch.optim.Optimizer):
+    """Reads its update's scale from a config object, or from a module global."""
+
+    def __init__(self, params: Any, config: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.config = config
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.config is None:
+            scale = STEP_SCALE
+        else:
+            scale = self.config.scale * (2.0 if getattr(self.config, "double", False) else 1.0)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+def _change_config(kind: str, opt: Any) -> None:
+    global STEP_SCALE
+    if kind == "global":
+        STEP_SCALE = 3.0
+    elif kind == "frozen dataclass replaced":
+        opt.config = _FrozenConfig(scale=3.0)
+    elif kind.endswith("flag"):
+        opt.config.double = True
+    else:
+        opt.config.scale = 3.0
+
+
+CONFIGS: dict[str, tuple[Callable[[], Any], str | None]] = {
+    # A float on a config object is a graph input, as on the optimizer: no retrace.
+    "dataclass float": (_Config, None),
+    "SimpleNamespace float": (lambda: types.SimpleNamespace(scale=1.0), None),
+    "dataclass flag": (_Config, "L['opt'].config.double: value changed (False -> True)"),
+    "frozen dataclass replaced": (_FrozenConfig, "L['opt'].config: a different object"),
+    "global": (lambda: None, f"G['{__name__}'].STEP_SCALE: value changed (1.0 -> 3.0)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_what_a_step_reads_from_config_objects_and_globals_follows_their_changes(kind):
+    """Values read off objects the tracker does not hold (a config dataclass, a module
+    global) were baked into the graph: now a float is an input, anything else a guard."""
+    global STEP_SCALE
+    make_config, reason = CONFIGS[kind]
+    model = small_model()
+    reference = copy.deepcopy(model)
+    opt = optcompile.compile(_ConfiguredSGD(model.parameters(), make_config()))
+    eager = _ConfiguredSGD(reference.parameters(), make_config())
+    try:
+        step_both(model, opt, reference, eager, range(2))
+        _change_config(kind, opt)
+        if kind != "global":
+            _change_config(kind, eager)
+        step_both(model, opt, reference, eager, range(2, 4))
+    finally:
+        STEP_SCALE = 1.0
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    report = optcompile.explain(opt)
+    assert report.traces == (1 if reason is None else 2), report.retrace_reasons
+    assert [r.split(" (id ")[0] for r in report.retrace_reasons] == ([reason] if reason else [])

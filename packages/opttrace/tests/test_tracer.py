@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import collections
+import dataclasses
 import types
 
 import pytest
@@ -7,6 +9,7 @@ import torch
 from optguard import LocalSource
 from optsidefx import Input, Output, Return, TensorWrite
 from opttrace import TraceError, init_state, trace, trace_step
+from opttrace.view import is_plain_object
 
 ATEN = torch._ops.OpOverload
 
@@ -259,3 +262,41 @@ def test_a_sparse_tensor_input_is_refused_naming_it_and_its_layout():
     opt = torch.optim.SparseAdam([weight])
     with pytest.raises(TraceError, match=r"\['params'\]\[0\]\.grad is a sparse_coo tensor"):
         trace_step(opt)
+
+
+@dataclasses.dataclass
+class _Plain:
+    x: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    x: float = 1.0
+
+
+class _Slotted:
+    __slots__ = ("x",)
+
+
+class _Hooked:
+    def __getattr__(self, name: str) -> float:
+        return 1.0
+
+
+@pytest.mark.parametrize(
+    ("make", "plain"),
+    [
+        (_Plain, True),
+        (lambda: types.SimpleNamespace(x=1.0), True),
+        (_Frozen, False),  # its own __setattr__
+        (_Slotted, False),
+        (_Hooked, False),
+        (lambda: torch.nn.Linear(2, 2), False),
+        (lambda: _Plain.__init__, False),
+        (lambda: torch.zeros(1), False),
+        (lambda: collections.namedtuple("P", "x")(1.0), False),
+        (lambda: torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), False),
+    ],
+)
+def test_plain_objects_are_those_a_tracking_view_can_stand_in_for(make, plain):
+    assert is_plain_object(make()) is plain

@@ -64,6 +64,35 @@ def user_functions(roots: Iterable[Any]) -> list[types.FunctionType]:
     return [f for f in found.values() if _is_user(f)]
 
 
+def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str, Any]]:
+    """(module, name, value) of each module global holding a Python constant (a number, a
+    bool, a string, None) that the code of ``functions`` names: the trace bakes its value
+    in, so it is guarded. A name that is only an attribute elsewhere may be included."""
+    found: dict[tuple[str, str], Any] = {}
+    for fn in functions:
+        g = fn.__globals__
+        module = g.get("__name__")
+        if (
+            not isinstance(module, str)
+            or getattr(sys.modules.get(module), "__dict__", None) is not g
+        ):
+            continue  # not a module's namespace: cannot be fetched again
+        for name in _names(fn.__code__):
+            value = g.get(name, _EMPTY)
+            if type(value) in (bool, int, float, str, type(None)):
+                found[(module, name)] = value
+    return [(module, name, value) for (module, name), value in found.items()]
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """Global (and attribute) names ``code`` and the code nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
 @dataclass
 class Snapshot:
     """What user functions could store to, as it was before the trace."""
@@ -77,6 +106,7 @@ class Snapshot:
 
 
 _EMPTY = object()
+_EMPTY_MODULE = types.ModuleType("_none")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from optguard import (
     DisjointGuard,
     Guard,
     GuardSetBuilder,
+    IdentityGuard,
     ItemSource,
     KeyedSource,
     KeysGuard,
@@ -43,7 +44,7 @@ from opttrace.errors import TraceError
 from opttrace.recorder import Recorder, TracedTensor
 from opttrace.symbolic import ScalarNode, guard_template, node_of
 from opttrace.trackers import TrackedDict, TrackedList, TrackedStateDict
-from opttrace.view import optimizer_view, view_source
+from opttrace.view import is_plain_object, object_view, optimizer_view, view_source
 
 CONSTANT_TYPES = (bool, int, float, str, type(None))
 
@@ -96,6 +97,7 @@ class TraceContext:
         recorder.on_grad_store = self._grad_stored
         self._optimizer_sources: set[Source] = set()
         self._object_sources: dict[int, Source] = {}  # other objects read, for the replay
+        self._object_views: dict[int, Any] = {}  # id(plain object) -> its view (view.py)
         self._grad_bound: set[int] = set()
         self._unpinned: set[int] = set()  # inputs without a data-pointer guard
         self.outputs: list[Any] = []  # tensors and symbolic scalars the replay needs
@@ -117,6 +119,9 @@ class TraceContext:
         if isinstance(value, torch.optim.Optimizer):
             # Params first: state is keyed by them and named through their sources.
             self.collect(value.param_groups, AttrSource(source, "param_groups"), seen)
+            for name, attr in vars(value).items():
+                self.collect(attr, AttrSource(source, name), seen)
+        elif is_plain_object(value):
             for name, attr in vars(value).items():
                 self.collect(attr, AttrSource(source, name), seen)
         elif isinstance(value, list | tuple):
@@ -211,6 +216,12 @@ class TraceContext:
         if isinstance(value, torch.optim.Optimizer):
             self._optimizer_sources.add(source)
             return optimizer_view(self, value, source)
+        if is_plain_object(value):  # (a config object): its attributes are read as inputs
+            view = self._object_views.get(id(value))
+            if view is None:
+                view = self._object_views[id(value)] = object_view(self, value, source)
+                self._object_sources[id(view)] = source
+            return view
         if type(value) in (list, tuple):
             self.guard(LengthGuard(source, len(value)))
             items = [self.read(v, ItemSource(source, i)) for i, v in enumerate(value)]
@@ -222,6 +233,9 @@ class TraceContext:
                 return TrackedStateDict(self, source, value, factory)
             self.guard(KeysGuard(source, tuple(value)))
             return TrackedDict(self, source, value)
+        # Anything else (a function, a frozen dataclass, a named tuple) is used as it is:
+        # what the step reads from it is baked in, so another object there retraces.
+        self.guard(IdentityGuard.of(source, value))
         return value
 
     def _fake(self, real: torch.Tensor, source: Source) -> torch.Tensor:

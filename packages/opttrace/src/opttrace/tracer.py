@@ -14,7 +14,7 @@ from typing import Any
 import optguard
 import optsidefx
 import torch
-from optguard import GuardSet, LocalSource, Source, autocast_guard
+from optguard import ConstantGuard, GlobalSource, GuardSet, LocalSource, Source, autocast_guard
 from optsidefx import Effect, TensorWrite, append_writebacks
 from torch import fx
 
@@ -84,7 +84,10 @@ def _record(
     ctx.guard(autocast_guard())  # its casts are recorded as graph ops
     for name, value in inputs.items():
         ctx.collect(value, LocalSource(name))
-    snap = audit.snapshot(audit.user_functions([fn, *inputs.values()]))
+    functions = audit.user_functions([fn, *inputs.values()])
+    snap = audit.snapshot(functions)
+    for module, name, value in audit.constant_globals(functions):
+        ctx.guard(ConstantGuard(GlobalSource(module, name), value))
     try:
         try:
             with (

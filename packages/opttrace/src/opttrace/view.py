@@ -10,6 +10,7 @@ corrections as tensors and never reads them back into Python.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -100,19 +101,68 @@ def _step(self: Any, closure: Any = None) -> Any:
 def _view_class(cls: type) -> type:
     view = _VIEW_CLASSES.get(cls)
     if view is None:
-        namespace = {"__getattribute__": _getattribute, "__setattr__": _setattr, "step": _step}
+        namespace: dict[str, Any] = {"__getattribute__": _getattribute, "__setattr__": _setattr}
+        if issubclass(cls, torch.optim.Optimizer):
+            namespace["step"] = _step
         view = _VIEW_CLASSES[cls] = type(cls.__name__, (cls,), namespace)
     return view
 
 
 def optimizer_view(ctx: TraceContext, opt: torch.optim.Optimizer, source: Source) -> Any:
     """A tracking view of ``opt`` for the step to run on."""
-    view: Any = object.__new__(_view_class(type(opt)))
+    view = object_view(ctx, opt, source)
+    # An instance-level step (ours, or an LR scheduler's) must not shadow the class's.
+    object.__getattribute__(view, "__dict__").pop("step", None)
+    return view
+
+
+def object_view(ctx: TraceContext, obj: Any, source: Source) -> Any:
+    """A tracking view of ``obj`` (an optimizer, or a plain object: ``is_plain_object``):
+    reads of its attributes go through the TraceContext (a float becomes a graph input,
+    another constant a guard), stores go to the ledger, as for an optimizer."""
+    cls = type(obj)
+    view: Any = (types.SimpleNamespace if cls is types.SimpleNamespace else object).__new__(
+        _view_class(cls)
+    )
     d = object.__getattribute__(view, "__dict__")
-    d.update(vars(opt))
-    d.pop("step", None)  # an instance-level step (ours, or an LR scheduler's) must not shadow
+    d.update(vars(obj))
     d[_INFO] = ViewInfo(ctx, source)
     return view
+
+
+# A class defining one of these lays out or reaches its attributes its own way.
+_OWN_LAYOUT = (
+    "__slots__",
+    "__new__",
+    "__getattribute__",
+    "__getattr__",
+    "__setattr__",
+    "__delattr__",
+)
+
+
+def is_plain_object(value: Any) -> bool:
+    """An object holding its data in its ``__dict__``, which a view can stand in for: an
+    instance of a class of user code (a config dataclass) or a ``SimpleNamespace``; not a
+    module, function, class or tensor, nor one whose class has ``__slots__``, its own
+    ``__new__`` or attribute hooks."""
+    cls = type(value)
+    if cls is types.SimpleNamespace:
+        return True
+    module = getattr(cls, "__module__", "") or ""
+    if module == "builtins" or module.split(".")[0] in _LIBRARIES:
+        return False
+    if isinstance(value, type | types.FunctionType | types.MethodType | torch.Tensor):
+        return False
+    if isinstance(value, torch.nn.Module) or not hasattr(value, "__dict__"):
+        return False
+    return not any(name in vars(c) for c in cls.__mro__[:-1] for name in _OWN_LAYOUT)
+
+
+# Packages whose objects are not user data (their internals are not the step's inputs).
+_LIBRARIES = frozenset(
+    {"torch", "numpy", "opttrace", "optguard", "optsidefx", "optkernels", "optcompile"}
+)
 
 
 def view_source(value: Any) -> Source | None:
