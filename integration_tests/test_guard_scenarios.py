@@ -278,3 +278,20 @@ def test_what_a_step_reads_from_config_objects_and_globals_follows_their_changes
     report = optcompile.explain(opt)
     assert report.traces == (1 if reason is None else 2), report.retrace_reasons
     assert [r.split(" (id ")[0] for r in report.retrace_reasons] == ([reason] if reason else [])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_numpy_float64_lr_changed_every_step_is_a_graph_input_too(backend):
+    """numpy's float64 is a float: an lr computed with numpy never retraces (an object
+    identity guard on it would retrace every step)."""
+    numpy = pytest.importorskip("numpy")
+    make = lambda ps: optim.AdamW(ps, lr=numpy.float64(1e-2), foreach=True)  # noqa: E731
+    model, opt, reference, eager = run_pair(make, steps=1, backend=backend)
+    for step in range(1, 5):
+        for o in (opt, eager):
+            o.param_groups[0]["lr"] = numpy.float64(1e-2) / step
+        step_both(model, opt, reference, eager, range(step, step + 1))
+    assert_same(model, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    report = optcompile.explain(opt)
+    assert report.traces == 1 and report.fallback_reason is None
+    assert type(opt.param_groups[0]["lr"]) is numpy.float64

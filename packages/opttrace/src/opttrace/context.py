@@ -71,6 +71,12 @@ class Pending:
         return bool(self.__getattr__("__bool__"))
 
 
+def _is_float(value: Any) -> bool:
+    """A Python float, or numpy's float64 (a subclass with the same arithmetic: an lr taken
+    from a numpy computation), which the step then sees as a symbolic float."""
+    return type(value) is float or (isinstance(value, float) and type(value).__module__ == "numpy")
+
+
 def _in_optimizer_state(source: Source) -> bool:
     """Whether ``source`` is inside an entry of an optimizer's ``state`` (keyed by a param)."""
     return any(isinstance(s, KeyedSource) for s in ancestors(source))
@@ -200,12 +206,13 @@ class TraceContext:
 
     def read(self, value: Any, source: Source) -> Any:
         """What the step sees for the input ``value`` found at ``source``; installs guards."""
-        if type(value) is float or (type(value) is int and self._is_counter(source)):
+        if _is_float(value) or (type(value) is int and self._is_counter(source)):
             # A hyperparameter, or a count the step keeps in its state or on the optimizer
             # (state['step'] += 1, self.step_count += 1): a graph input, so a new value never
             # retraces.
             self.guard(TypeGuard(source, type(value)))
-            return self.recorder.scalar_placeholder(variable_name(source), value, source)
+            hint = float(value) if isinstance(value, float) else value  # (numpy's as float)
+            return self.recorder.scalar_placeholder(variable_name(source), hint, source)
         if is_constant(value):
             self.guard(ConstantGuard(source, value))
             return value
