@@ -295,3 +295,32 @@ def test_a_numpy_float64_lr_changed_every_step_is_a_graph_input_too(backend):
     report = optcompile.explain(opt)
     assert report.traces == 1 and report.fallback_reason is None
     assert type(opt.param_groups[0]["lr"]) is numpy.float64
+
+
+class _TwoConfigsSGD(torch.optim.Optimizer):
+    def __init__(self, params: Any, first: Any, second: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.first, self.second = first, second
+
+    @torch.no_grad()
+    def step(self) -> None:
+        scale = self.first.scale + self.second.scale
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+def test_one_config_object_held_twice_then_two_retraces():
+    model = small_model()
+    reference = copy.deepcopy(model)
+    shared, twin = _Config(), _Config()
+    opt = optcompile.compile(_TwoConfigsSGD(model.parameters(), shared, shared))
+    eager = _TwoConfigsSGD(reference.parameters(), twin, twin)
+    step_both(model, opt, reference, eager, range(2))
+    opt.second, eager.second = _Config(scale=3.0), _Config(scale=3.0)
+    step_both(model, opt, reference, eager, range(2, 4))
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    report = optcompile.explain(opt)
+    assert report.retrace_reasons == [
+        "L['opt'].second: is no longer the same object as L['opt'].first"
+    ]

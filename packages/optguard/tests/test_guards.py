@@ -183,6 +183,7 @@ def test_alias_guard_holds_while_two_sources_hold_one_object_in_the_generated_ch
         (lambda x: (x[0], x[1], x[2]), True),  # 0-dim views of neighbours
         (lambda x: (x[3], x[3]), False),  # two objects, one element
         (lambda x: (x[:0], x[:0]), True),  # nothing reached
+        (lambda x: (x, x[4:4]), True),  # an empty view inside another
         (lambda x: (x, torch.zeros(10)), True),  # separate allocations
     ],
 )

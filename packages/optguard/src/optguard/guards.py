@@ -304,7 +304,7 @@ def disjoint(tensors: Sequence[torch.Tensor]) -> bool:
     each one's first to its last element, so interleaved views count as sharing). Spans are
     compared as addresses: distinct allocations never overlap (CUDA's unified addressing
     keeps device and host pointers apart)."""
-    spans = sorted(map(memory_span, tensors))
+    spans = sorted(span for span in map(memory_span, tensors) if span[0] < span[1])
     return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 

@@ -228,6 +228,9 @@ class TraceContext:
             if view is None:
                 view = self._object_views[id(value)] = object_view(self, value, source)
                 self._object_sources[id(view)] = source
+            elif self._object_sources[id(view)] != source:
+                # Reached a second way: the view reads through the first.
+                self.guard(AliasGuard(source, self._object_sources[id(view)]))
             return view
         if type(value) in (list, tuple):
             self.guard(LengthGuard(source, len(value)))
@@ -295,6 +298,7 @@ class TraceContext:
             if node.op != "placeholder":
                 writes[i] = (self.input_sources[i], node)
         spans = sorted((memory_span(self.input_tensors[i]), i) for i in writes)
+        spans = [(span, i) for span, i in spans if span[0] < span[1]]  # (empty: no bytes)
         for (a, i), (b, j) in itertools.pairwise(spans):
             if b[0] < a[1]:
                 raise TraceError(
