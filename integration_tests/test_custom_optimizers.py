@@ -141,11 +141,34 @@ class Adafactor(torch.optim.Optimizer):
         return loss
 
 
+class DataSGD(torch.optim.Optimizer):
+    """Momentum SGD in the older ``.data`` idioms: reads through ``p.grad.data``, an in-place
+    update of ``p.data`` (vectors), and an assignment ``p.data = ...`` (matrices)."""
+
+    def __init__(self, params: Any, lr: float = 1e-2, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                d_p = p.grad.data
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = torch.clone(d_p).detach()
+                else:
+                    state["buf"].mul_(group["momentum"]).add_(d_p)
+                if p.dim() == 1:
+                    p.data.add_(state["buf"], alpha=-group["lr"])
+                else:
+                    p.data = p.data - group["lr"] * state["buf"]
+
+
 OPTIMIZERS = {
     "Lion-loop": lambda ps: Lion(ps, lr=1e-2, weight_decay=0.1, foreach=False),
     "Lion-foreach": lambda ps: Lion(ps, lr=1e-2, weight_decay=0.1, foreach=True),
     "Adafactor": lambda ps: Adafactor(ps, lr=1e-2),
     "Adafactor-weight-decay": lambda ps: Adafactor(ps, lr=1e-2, weight_decay=0.1),
+    "SGD in .data idioms": lambda ps: DataSGD(ps, lr=1e-2),
 }
 
 
@@ -221,3 +244,24 @@ def test_an_int_step_count_in_state_is_a_graph_input_not_a_retrace():
     assert report.traces == 2, report.retrace_reasons  # the second sees the created state
     assert all(opt.state[p]["step"] == 6 for p in model.parameters())
     assert all(type(opt.state[p]["step"]) is int for p in model.parameters())
+
+
+class ReshapingData(torch.optim.Optimizer):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data = p.data.flatten() - group["lr"] * p.grad.flatten()
+
+
+def test_assigning_data_of_another_shape_runs_eagerly_naming_it():
+    with pytest.warns(optcompile.FallbackWarning, match=r"assigns \.data of a tensor \(\[2, 3\]"):
+        model, _, reference, _ = run_pair(
+            lambda ps: ReshapingData(ps), model=torch.nn.Linear(3, 2, bias=False), steps=2
+        )
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.shape == q.shape == (6,)
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

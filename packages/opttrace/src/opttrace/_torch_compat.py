@@ -161,3 +161,7 @@ def default_foreach(params: list[torch.Tensor]) -> bool:
 
     _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
     return bool(foreach)
+
+
+# ``Tensor.data``'s getter and setter (a C descriptor): TracedTensor wraps the setter.
+TENSOR_DATA: Any = torch._C.TensorBase.data

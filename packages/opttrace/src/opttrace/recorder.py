@@ -38,6 +38,12 @@ _NAMES: dict[Any, str] = {}  # node name stem per call target
 _FULL_ALIAS = {aten.alias.default, aten.detach.default, aten.view.default, aten.expand.default}
 
 
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}, {value.dtype} on {value.device}"
+    return f"a {type(value).__name__}"
+
+
 class TracedTensor(torch.Tensor):
     """A tensor of a traced step: metadata and the graph value it holds, no storage."""
 
@@ -100,6 +106,28 @@ class TracedTensor(torch.Tensor):
         if recorder is not None and recorder.on_grad_store is not None:
             recorder.on_grad_store(self, value)
         self.__dict__["_grad_value"] = value
+
+    @property
+    def data(self) -> Any:
+        return compat.TENSOR_DATA.__get__(self, type(self))
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        """``t.data = v`` (older optimizers write a step's result so): traced as writing
+        ``v``'s values into ``t``. Eager makes ``t`` share ``v``'s storage instead; only a
+        later in-place write to ``v`` would tell the two apart."""
+        if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != (
+            self.shape,
+            self.dtype,
+            self.device,
+        ):
+            raise TraceError(
+                f"the step assigns .data of a tensor ({list(self.shape)} {self.dtype}) "
+                f"{_described(value)}: a tensor of the same shape, dtype and device can be "
+                "traced (its values are written in place)"
+            )
+        with torch.no_grad():
+            self.copy_(value)
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         dtype = str(self.dtype).replace("torch.", "")
