@@ -177,3 +177,65 @@ def test_sparse_adam_runs_eagerly_naming_the_sparse_gradient():
     assert len(fallbacks) == 1
     assert ".grad is a sparse_coo tensor; only dense (strided) tensors" in str(fallbacks[0].message)
     assert_same(model, opt, reference, eager)
+
+
+class _Tagged(torch.Tensor):
+    """A subclass that keeps torch's ops (no __torch_function__ / __torch_dispatch__ of
+    its own): traced like a tensor."""
+
+
+class _Logged(torch.Tensor):
+    """A subclass that runs its own code around each op: its step must stay eager."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("kind", ["tagged", "logged", "DTensor"])
+def test_tensor_subclasses_with_their_own_ops_run_eagerly_naming_them(kind):
+    """The graph runs torch's plain ops: a DTensor's sharding rules or a subclass's
+    __torch_function__ would be skipped, so such a step runs eagerly, with the reason."""
+    distributed = kind == "DTensor"
+    if distributed:
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
+    try:
+        torch.manual_seed(0)
+        values = [torch.randn(4, 3), torch.randn(5)]
+        if distributed:
+            mesh = init_device_mesh("cpu", (1,))
+            make = lambda t: distribute_tensor(t.clone(), mesh, [Shard(0)])  # noqa: E731
+        else:
+            cls = _Tagged if kind == "tagged" else _Logged
+            make = lambda t: t.clone().as_subclass(cls)  # noqa: E731
+        params = [torch.nn.Parameter(make(t)) for t in values]
+        twins = [torch.nn.Parameter(make(t)) for t in values]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = optcompile.compile(optim.AdamW(params, lr=1e-2, foreach=False))
+            eager = optim.AdamW(twins, lr=1e-2, foreach=False)
+            for step in range(3):
+                for p, q in zip(params, twins, strict=True):
+                    p.grad = make(torch.full(p.shape, 0.1 * (step + 1)))
+                    q.grad = make(torch.full(q.shape, 0.1 * (step + 1)))
+                opt.step()
+                eager.step()
+        for p, q in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        fallbacks = [w for w in caught if issubclass(w.category, optcompile.FallbackWarning)]
+        if kind == "tagged":
+            assert fallbacks == [] and optcompile.explain(opt).fallback_reason is None
+        else:
+            name = "DTensor" if distributed else "_Logged"
+            assert len(fallbacks) == 1
+            assert f"params'][0] is a {name}, a tensor subclass" in str(fallbacks[0].message)
+    finally:
+        if distributed:
+            torch.distributed.destroy_process_group()

@@ -77,6 +77,19 @@ def _is_float(value: Any) -> bool:
     return type(value) is float or (isinstance(value, float) and type(value).__module__ == "numpy")
 
 
+def _plain_tensor_type(cls: type[torch.Tensor]) -> bool:
+    """A tensor type whose ops are torch's own: Tensor, Parameter, or a subclass that
+    overrides neither ``__torch_function__`` nor ``__torch_dispatch__``."""
+    if cls in (torch.Tensor, torch.nn.Parameter):
+        return True
+    base = torch.nn.Parameter if issubclass(cls, torch.nn.Parameter) else torch.Tensor
+    return bool(
+        getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+        is getattr(base.__torch_function__, "__func__", base.__torch_function__)
+        and cls.__torch_dispatch__ is base.__torch_dispatch__
+    )
+
+
 def _in_optimizer_state(source: Source) -> bool:
     """Whether ``source`` is inside an entry of an optimizer's ``state`` (keyed by a param)."""
     return any(isinstance(s, KeyedSource) for s in ancestors(source))
@@ -249,6 +262,13 @@ class TraceContext:
         return value
 
     def _fake(self, real: torch.Tensor, source: Source) -> torch.Tensor:
+        if not _plain_tensor_type(type(real)):
+            raise TraceError(
+                f"{source.name()} is a {type(real).__name__}, a tensor subclass with its own "
+                "__torch_function__ or __torch_dispatch__ (a DTensor, a wrapper): the graph "
+                "would run plain ops where it runs its own; only tensors and Parameters "
+                "are traced"
+            )
         if real.layout != torch.strided:
             layout = str(real.layout).removeprefix("torch.")
             raise TraceError(
