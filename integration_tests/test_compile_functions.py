@@ -272,3 +272,39 @@ def test_without_fullgraph_one_warning_and_eager_results(case):
     assert report.fallback_reason is not None
     assert offending_location(cls) in report.fallback_reason
     assert_same(model, opt, reference, eager, atol=0.0, rtol=0.0)
+
+
+def test_a_training_step_under_torch_compile_runs_the_compiled_step_as_it_is():
+    """torch.compile tracing a training step must not trace optcompile's glue and plan (it
+    did, op by op, up to its recompile limits): the step runs as compiled, a graph break."""
+    graphs: list[str] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    reference = copy.deepcopy(model)
+    opt = optcompile.compile(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    eager = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    def train(m: torch.nn.Module, o: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+        o.zero_grad()
+        loss = m(x).pow(2).sum()
+        loss.backward()
+        o.step()
+        return loss
+
+    compiled_train = torch.compile(train, backend=recording_backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            x = torch.randn(8, 4)
+            torch.testing.assert_close(compiled_train(model, opt, x), train(reference, eager, x))
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert optcompile.explain(opt).traces == 1
+    assert graphs and not any("addcdiv" in code or "lerp" in code for code in graphs)
+    assert not [w for w in caught if "Dynamo" in str(w.message)]
+    torch._dynamo.reset()

@@ -135,6 +135,12 @@ def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_li
 
 def _compiled_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     """The compiled ``step``: hooks and the closure run eagerly, the update is compiled."""
+    if torch.compiler.is_compiling():  # (57 ns; a disabled function costs 300 ns a call)
+        return _step_under_dynamo(self, closure)
+    return _step(self, closure)
+
+
+def _step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any:
     if closure is None and not has_step_hooks(self):  # the usual call: nothing else to run
         _OPTIMIZERS[self]({"opt": self})
         self._opt_called = True  # type: ignore[attr-defined]  # see below
@@ -155,6 +161,19 @@ def _compiled_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | Non
     for hook in step_post_hooks(self):
         hook(self, args, kwargs)
     return loss
+
+
+# Inside a function torch.compile traces (a training step calling opt.step()), dynamo would
+# trace this glue and the plan behind it, op by op, up to its recompile limits: the step is
+# compiled already, so dynamo is told to run it as it is (a graph break).
+_step_under_dynamo: Callable[..., Any] = torch.compiler.disable(_step)  # type: ignore[no-untyped-call]
+
+
+def _run(compiled: Compiled, arguments: Locals) -> Any:
+    return compiled(arguments)
+
+
+_call_under_dynamo: Callable[..., Any] = torch.compiler.disable(_run)  # type: ignore[no-untyped-call]
 
 
 def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit: int) -> F:
@@ -182,6 +201,8 @@ def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit:
             # is compiled, with the same options.
             if isinstance(value, torch.optim.Optimizer):
                 _compile_optimizer(value, backend, fullgraph, recompile_limit)
+        if torch.compiler.is_compiling():
+            return _call_under_dynamo(compiled, bound.arguments)
         return compiled(bound.arguments)
 
     wrapper._optcompile = compiled  # type: ignore[attr-defined]
