@@ -324,3 +324,43 @@ def test_one_config_object_held_twice_then_two_retraces():
     assert report.retrace_reasons == [
         "L['opt'].second: is no longer the same object as L['opt'].first"
     ]
+
+
+@dataclasses.dataclass
+class _Masked:
+    mask: torch.Tensor
+
+
+class _MaskedSGD(torch.optim.Optimizer):
+    def __init__(self, params: Any, config: _Masked) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.config = config
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad * self.config.mask, alpha=-group["lr"])
+
+
+def test_a_tensor_on_a_config_object_is_an_input_read_each_call():
+    """Written in place, the next call reads its new values; replaced, its data-pointer
+    guard retraces. (Tensors in plain objects are registered as they are read.)"""
+    params, twins = [torch.nn.Parameter(torch.zeros(4))], [torch.nn.Parameter(torch.zeros(4))]
+    mine, theirs = _Masked(torch.tensor([1.0, 0, 1, 0])), _Masked(torch.tensor([1.0, 0, 1, 0]))
+    opt, eager = optcompile.compile(_MaskedSGD(params, mine)), _MaskedSGD(twins, theirs)
+    for step in range(4):
+        if step == 2:
+            mine.mask.mul_(3.0)
+            theirs.mask.mul_(3.0)
+        if step == 3:
+            mine.mask, theirs.mask = torch.tensor([0.0, 1, 0, 1]), torch.tensor([0.0, 1, 0, 1])
+        params[0].grad, twins[0].grad = torch.ones(4), torch.ones(4)
+        opt.step()
+        eager.step()
+    torch.testing.assert_close(params[0], twins[0], rtol=0, atol=0)
+    report = optcompile.explain(opt)
+    assert (
+        report.traces == 2
+        and "L['opt'].config.mask: data pointer changed" in (report.retrace_reasons[0])
+    )

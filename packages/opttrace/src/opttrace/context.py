@@ -140,9 +140,6 @@ class TraceContext:
             self.collect(value.param_groups, AttrSource(source, "param_groups"), seen)
             for name, attr in vars(value).items():
                 self.collect(attr, AttrSource(source, name), seen)
-        elif is_plain_object(value):
-            for name, attr in vars(value).items():
-                self.collect(attr, AttrSource(source, name), seen)
         elif isinstance(value, list | tuple):
             for i, item in enumerate(value):
                 self.collect(item, ItemSource(source, i), seen)
@@ -179,6 +176,10 @@ class TraceContext:
         if isinstance(source, AttrSource) and source.base in self._optimizer_sources:
             return source.attr not in ("defaults", "param_groups")
         return _in_optimizer_state(source)
+
+    def _through_object_view(self, source: Source) -> bool:
+        views = {self._object_sources[id(v)] for v in self._object_views.values()}
+        return any(s in views for s in ancestors(source))
 
     def _is_static(self, source: Source) -> bool:
         """Whether a tensor keeps its address between steps: an optimizer's parameters and
@@ -275,6 +276,11 @@ class TraceContext:
                 f"{source.name()} is a {layout} tensor; only dense (strided) tensors can be traced"
             )
         i = self._index.get(id(real))
+        if i is None and self._through_object_view(source):
+            # Inside a plain object (config.mask): registered when read, not collected
+            # beforehand (an object can reach far: a trainer holding a dataset).
+            self._register(real, source)
+            i = self._index[id(real)]
         if i is None:
             raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")
         self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
