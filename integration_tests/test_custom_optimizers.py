@@ -163,12 +163,32 @@ class DataSGD(torch.optim.Optimizer):
                     p.data = p.data - group["lr"] * state["buf"]
 
 
+class FreshConstantsSGD(torch.optim.Optimizer):
+    """Makes tensors from Python data inside its step (``torch.tensor``): a 0-dim scale and
+    index/value vectors for an ``index_add_``."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+                state["step"] += 1
+                p.add_(p.grad * torch.tensor(2.0), alpha=-group["lr"])
+                p.view(-1).index_add_(0, torch.tensor([0, 2]), torch.tensor([1e-3, -1e-3]))
+
+
 OPTIMIZERS = {
     "Lion-loop": lambda ps: Lion(ps, lr=1e-2, weight_decay=0.1, foreach=False),
     "Lion-foreach": lambda ps: Lion(ps, lr=1e-2, weight_decay=0.1, foreach=True),
     "Adafactor": lambda ps: Adafactor(ps, lr=1e-2),
     "Adafactor-weight-decay": lambda ps: Adafactor(ps, lr=1e-2, weight_decay=0.1),
     "SGD in .data idioms": lambda ps: DataSGD(ps, lr=1e-2),
+    "tensors made in the step": lambda ps: FreshConstantsSGD(ps, lr=1e-2),
 }
 
 

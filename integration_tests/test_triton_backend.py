@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+from typing import Any
 
 import numpy as np
 import optcompile
@@ -499,3 +500,24 @@ def test_address_checks_see_a_moved_input_through_either_kind(kind, monkeypatch)
         assert not check.equal(inputs)
         check.record(inputs)
         assert check.equal(inputs)
+
+
+class _ScaledByAConstant(torch.optim.Optimizer):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad * torch.tensor(2.0, device=p.device), alpha=-group["lr"])
+
+
+def test_a_tensor_made_in_the_step_is_handed_to_the_kernel_by_the_torch_backend():
+    """torch.tensor(...) inside a step is a constant of the graph (a get_attr node): it
+    crashed the lane builder (KeyError); now the torch backend hands it over."""
+    params, opt, reference, eager = _run(lambda ps: _ScaledByAConstant(ps))
+    _assert_close(params, opt, reference, eager, rtol=1e-6, atol=1e-7)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and "@triton.jit" in report.graph_code
+    assert "partly fused: _const0" in report.graph_code

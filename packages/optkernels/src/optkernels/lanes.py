@@ -113,7 +113,10 @@ _SINGLE = {
 
 
 def fusible(node: fx.Node) -> bool:
-    """Whether the kernel generator knows ``node``'s op (placeholders and outputs count)."""
+    """Whether the kernel generator knows ``node``'s op (placeholders and outputs count;
+    a constant the step made, ``torch.tensor(...)``, is handed over by the torch backend)."""
+    if node.op == "get_attr":
+        return False
     if node.op != "call_function":
         return True
     target = node.target
@@ -277,6 +280,8 @@ def _signature(
                 if a not in placeholders:
                     placeholders.append(a)
                 return ("input", placeholders.index(a))
+            if a not in local:  # a constant the step made (get_attr): the torch backend's
+                raise NotLanes(f"{a.name} is a tensor the step made from Python data")
             return ("local", local[a])
         if isinstance(a, list | tuple):
             return tuple(ref(x) for x in a)

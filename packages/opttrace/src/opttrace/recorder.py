@@ -259,8 +259,8 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
                 return None
         return lst
 
-    def _constant(self, t: torch.Tensor) -> fx.Node:
-        if t.numel() > 1 or t.requires_grad:
+    def _constant(self, t: torch.Tensor, fresh: bool = False) -> fx.Node:
+        if (t.numel() > 1 and not fresh) or t.requires_grad:
             raise TraceError(
                 f"the step uses a tensor of shape {list(t.shape)} that is not one of its "
                 "inputs (a global, a closure variable or an attribute the tracer does not "
@@ -283,6 +283,12 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
                 f"the function runs {func} after calling {self.closed_by}, which runs after "
                 "the compiled graph; move this work into the closure, or before the call"
             )
+        if func is aten.lift_fresh.default and not isinstance(args[0], TracedTensor):
+            # torch.tensor(...) inside the step: made from Python data on every call, so a
+            # constant of the graph whatever its size.
+            fresh: torch.Tensor = args[0]
+            node = self._constant(fresh, fresh=True)
+            return self._wrap(node, meta.spec_of(fresh), fresh.device)
         info = compat.op_info(func)
         if info.kind == "foreach":
             return self._foreach(func, args, kwargs, info.written)
