@@ -521,3 +521,56 @@ def test_a_tensor_made_in_the_step_is_handed_to_the_kernel_by_the_torch_backend(
     report = optcompile.explain(opt)
     assert report.fallback_reason is None and "@triton.jit" in report.graph_code
     assert "partly fused: _const0" in report.graph_code
+
+
+class _SophiaLike(torch.optim.Optimizer):
+    """A one-sided clamp (``clamp(None, 1)``, ``clamp(max=3)``) and a sign."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["m"], state["h"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].lerp_(p.grad, 1 - group["beta1"])
+                state["h"].mul_(group["beta2"]).addcmul_(p.grad, p.grad, value=1 - group["beta2"])
+                ratio = (state["m"].abs() / (0.05 * state["h"] + 1e-15)).clamp(None, 1)
+                ratio = ratio * torch.exp(-p.abs().clamp(max=3))
+                p.addcmul_(state["m"].sign(), ratio, value=-group["lr"])
+
+
+class _MaskedTrust(torch.optim.Optimizer):
+    """A per-tensor trust ratio chosen by a bool the norms decide: the prelude hands the
+    kernel a 0-dim bool per lane."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 1e-2})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                weight, update = p.norm(), p.grad.norm()
+                usable = (weight > 0) & (update > 0)
+                p.add_(p.grad * torch.where(usable, weight / update, 1.0), alpha=-group["lr"])
+
+
+@pytest.mark.parametrize(
+    ("make", "launches"), [(_SophiaLike, 1), (_MaskedTrust, None)], ids=["clamp", "bool"]
+)
+def test_one_sided_clamps_and_bool_lane_inputs_fuse(make, launches):
+    """``clamp`` without a bound used to stop fusion ("constant None as an operand"), and a
+    bool a prelude computes ("dtype torch.bool of a lane input") sent the whole graph to
+    the torch backend."""
+    params, opt, reference, eager = _run(lambda ps: make(ps))
+    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and "@triton.jit" in report.graph_code
+    if launches is not None:
+        assert report.kernel_launches_per_step == launches
+    else:
+        assert "partly fused" in report.graph_code

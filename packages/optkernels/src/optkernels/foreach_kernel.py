@@ -32,6 +32,7 @@ _TL_DTYPES = {
     torch.float16: "tl.float16",
     torch.bfloat16: "tl.bfloat16",
     torch.float64: "tl.float64",
+    torch.bool: "tl.int8",  # one byte each, read as ``!= 0`` (a mask a prelude computed)
 }
 
 
@@ -106,6 +107,8 @@ def kernel_source(
         if op.op == "input":
             dtype = dtypes[op.args[0]]
             expr = _expr(op, program, {})
+            if dtype is torch.bool:
+                expr = expr.replace(".to(tl.float32)", " != 0")
         else:
             lanes = op.lane_vars
             values = [v for v in lanes if var_dtype[v] is not torch.bool]
@@ -188,6 +191,9 @@ def _promote(dtypes: list[torch.dtype]) -> torch.dtype:
     return out
 
 
+_OMITTED = "<omitted>"  # what _ref gives for a None argument (no valid Triton expression)
+
+
 def _ref(arg: Any, program: LaneProgram, rounded: dict[int, str]) -> str:
     kind = arg[0]
     if kind == "lane":
@@ -196,7 +202,9 @@ def _ref(arg: Any, program: LaneProgram, rounded: dict[int, str]) -> str:
         return f"tl.load(scalars + {scalar_slot(arg[1], program)})"
     if kind == "const":
         value = arg[1]
-        if isinstance(value, bool) or value is None:
+        if value is None:
+            return _OMITTED  # a bound clamp goes without: see _expr
+        if isinstance(value, bool):
             raise KernelError(f"constant {value!r} as an operand")
         return f"{float(value)!r}"
     if kind == "ignore":
@@ -213,6 +221,8 @@ def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
     a = [_ref(x, program, rounded) for x in op.args]
     kw = {k: _ref(v, program, rounded) for k, v in op.kwargs}
     name = op.op
+    if name != "clamp" and (_OMITTED in a or _OMITTED in kw.values()):
+        raise KernelError(f"constant None as an operand of {name}")
     if name in ("add", "sub"):
         other = a[1]
         alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
@@ -256,12 +266,12 @@ def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
         scaled = f"({a[0]} * {alpha})" if alpha is not None else a[0]
         return f"({a[1]} - {scaled})"
     if name == "clamp":
-        low = kw.get("min", a[1] if len(a) > 1 else None)
-        high = kw.get("max", a[2] if len(a) > 2 else None)
+        low = kw.get("min", a[1] if len(a) > 1 else _OMITTED)
+        high = kw.get("max", a[2] if len(a) > 2 else _OMITTED)
         out = a[0]
-        if low is not None:
+        if low != _OMITTED:
             out = f"tl.maximum({out}, {_full(low, a[0])}, propagate_nan=tl.PropagateNan.ALL)"
-        if high is not None:
+        if high != _OMITTED:
             out = f"tl.minimum({out}, {_full(high, a[0])}, propagate_nan=tl.PropagateNan.ALL)"
         return out
     if name == "where":
