@@ -574,3 +574,45 @@ def test_one_sided_clamps_and_bool_lane_inputs_fuse(make, launches):
         assert report.kernel_launches_per_step == launches
     else:
         assert "partly fused" in report.graph_code
+
+
+class _ClippedAdam(torch.optim.Optimizer):
+    """Adam (foreach) on grads clipped by their global norm: one coefficient for all lanes,
+    computed from the norms."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            grads = torch._foreach_mul(grads, (1.0 / (total + 1e-6)).clamp(max=1.0))
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["m"], self.state[p]["v"] = (
+                        torch.zeros_like(p),
+                        torch.zeros_like(p),
+                    )
+            ms = [self.state[p]["m"] for p in params]
+            vs = [self.state[p]["v"] for p in params]
+            torch._foreach_lerp_(ms, grads, 1 - group["beta1"])
+            torch._foreach_mul_(vs, group["beta2"])
+            torch._foreach_addcmul_(vs, grads, grads, value=1 - group["beta2"])
+            denominators = torch._foreach_add(torch._foreach_sqrt(vs), group["eps"])
+            torch._foreach_addcdiv_(params, ms, denominators, value=-group["lr"])
+
+
+def test_a_coefficient_all_lanes_share_is_computed_by_the_prelude_and_the_rest_fused():
+    """The clip coefficient (scalar tensor work on the global norm) used to stop fusion of
+    the whole step ("cannot be an argument of a per-item op"): the prelude computes it now,
+    and the update is one kernel."""
+    params, opt, reference, eager = _run(lambda ps: _ClippedAdam(ps))
+    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and "@triton.jit" in report.graph_code
+    assert "partly fused" in report.graph_code
+    # the norms, the stack, the global norm and four scalar ops, then one kernel
+    assert report.kernel_launches_per_step <= 8

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from optkernels.lanes import _is_scalar, fusible
+from optkernels.lanes import _is_foreach, _is_scalar, fusible
 
 aten = torch.ops.aten
 
@@ -42,6 +42,7 @@ def split_unfused(gm: fx.GraphModule) -> Split | None:
     # so that the prelude's results are tensors.
     for node in list(prelude):
         prelude.update(u for u in node.users if u.target is operator.getitem)
+    prelude |= _shared_from(prelude, graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     deferred = [
         n
@@ -101,6 +102,40 @@ def split_unfused(gm: fx.GraphModule) -> Split | None:
     index = {n: i for i, n in enumerate(placeholders)}
     writes = [(index[n.args[0]], position[n.args[1]]) for n in deferred]
     return Split(fx.GraphModule(gm, first), fx.GraphModule(gm, second), writes, unfused)
+
+
+def _shared_from(prelude: set[fx.Node], graph: fx.Graph) -> set[fx.Node]:
+    """Tensor work on prelude values that every lane shares: what feeds a foreach op's one
+    tensor argument (``_foreach_mul(grads, clip)``, ``clip = (1 / (norm + eps)).clamp(max=1)``
+    over a global norm). The kernels take per-lane values only, so it joins the prelude,
+    which hands them its result; per-lane work on prelude values (a trust ratio from each
+    tensor's norm) stays in the kernel."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if not _is_foreach(node) or node in prelude:
+            continue
+        for arg in node.args:
+            if isinstance(arg, fx.Node) and arg not in prelude and not _is_scalar(arg):
+                chain = _computed_from(arg, prelude | found)
+                if chain is not None:
+                    found |= chain
+    return found
+
+
+def _computed_from(node: fx.Node, known: set[fx.Node]) -> set[fx.Node] | None:
+    """``node`` and the tensor ops between it and ``known`` values, if it depends on
+    nothing else (no input of the step, no list); else None."""
+    chain: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in known or n in chain or _is_scalar(n):
+            continue
+        if n.op != "call_function" or _is_foreach(n) or isinstance(n.meta.get("val"), list | tuple):
+            return None
+        chain.add(n)
+        todo.extend(n.all_input_nodes)
+    return chain if chain and any(a in known for c in chain for a in c.all_input_nodes) else None
 
 
 def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
