@@ -300,3 +300,25 @@ class _Hooked:
 )
 def test_plain_objects_are_those_a_tracking_view_can_stand_in_for(make, plain):
     assert is_plain_object(make()) is plain
+
+
+class _NoCompilePath(torch.optim.Optimizer):
+    """A step whose compile path (``torch.compiler.is_compiling()``) fails, as torch
+    2.11's foreach Adafactor does on the ungrouped lists it gets there."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        if torch.compiler.is_compiling():
+            raise AssertionError("dtype is needed to compute eps1 when eps1 is unset")
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_capturable_trace_that_fails_falls_back_to_the_path_eager_takes(params):
+    traced = trace_step(_NoCompilePath(params), capturable=True)
+    assert traced.capturable is False
+    assert any("add" in str(t) for t in _call_targets(traced))

@@ -101,8 +101,12 @@ def kernel_source(
         if op.out in host:
             column = host[op.out]
             if column is not None:
-                var_dtype[op.out] = torch.float32
-                lines.append(f"    v{op.out} = tl.load(host_vals + {HOST_ROWS} + row + {column})")
+                # (a comparison the host made, RAdam's rect > 5, comes as 0.0/1.0: a where
+                # takes it back as a bool)
+                truth = op.op in _COMPARE
+                var_dtype[op.out] = torch.bool if truth else torch.float32
+                load = f"tl.load(host_vals + {HOST_ROWS} + row + {column})"
+                lines.append(f"    v{op.out} = {load}{' != 0' if truth else ''}")
             continue
         if op.op == "input":
             dtype = dtypes[op.args[0]]

@@ -79,7 +79,16 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
     init_state(opt)
     step = raw_step(type(opt))
     if capturable:
-        return trace(lambda opt: step(opt), {"opt": opt}, capturable=True)
+        try:
+            return trace(lambda opt: step(opt), {"opt": opt}, capturable=True)
+        except TraceError as exc:
+            # A step without a capturable path (Adafactor reads values with .item(); torch
+            # 2.11's asserts on the ungrouped lists its compile path gets): the path eager
+            # takes; the backend then says what it cannot capture.
+            try:
+                return trace(lambda opt: step(opt), {"opt": opt})
+            except TraceError:
+                raise exc from None
     try:
         return trace(lambda opt: step(opt), {"opt": opt})
     except TraceError as exc:
