@@ -169,13 +169,6 @@ def _step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any
 _step_under_dynamo: Callable[..., Any] = torch.compiler.disable(_step)  # type: ignore[no-untyped-call]
 
 
-def _run(compiled: Compiled, arguments: Locals) -> Any:
-    return compiled(arguments)
-
-
-_call_under_dynamo: Callable[..., Any] = torch.compiler.disable(_run)  # type: ignore[no-untyped-call]
-
-
 def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit: int) -> F:
     signature = inspect.signature(fn)
 
@@ -191,6 +184,7 @@ def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit:
         fullgraph,
         recompile_limit,
     )
+    under_dynamo: Callable[..., Any] = torch.compiler.disable(compiled)  # type: ignore[no-untyped-call]
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -202,7 +196,7 @@ def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit:
             if isinstance(value, torch.optim.Optimizer):
                 _compile_optimizer(value, backend, fullgraph, recompile_limit)
         if torch.compiler.is_compiling():
-            return _call_under_dynamo(compiled, bound.arguments)
+            return under_dynamo(bound.arguments)  # (see _step_under_dynamo)
         return compiled(bound.arguments)
 
     wrapper._optcompile = compiled  # type: ignore[attr-defined]

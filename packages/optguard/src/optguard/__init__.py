@@ -28,7 +28,7 @@ from optguard.guards import (
     TypeGuard,
     WeakrefAliveGuard,
     autocast_guard,
-    memory_span,
+    overlapping,
 )
 from optguard.sources import (
     AttrSource,
@@ -87,6 +87,6 @@ __all__ = [
     "compile_check",
     "compile_fetch",
     "first_failure",
-    "memory_span",
+    "overlapping",
     "variable_name",
 ]

@@ -300,12 +300,22 @@ class DisjointGuard(Guard):
 
 
 def disjoint(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether no two of ``tensors`` reach a common byte (conservatively: by the span from
-    each one's first to its last element, so interleaved views count as sharing). Spans are
-    compared as addresses: distinct allocations never overlap (CUDA's unified addressing
-    keeps device and host pointers apart)."""
-    spans = sorted(span for span in map(memory_span, tensors) if span[0] < span[1])
-    return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    """Whether no two of ``tensors`` reach a common byte (see ``overlapping``)."""
+    return overlapping(tensors) is None
+
+
+def overlapping(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """The positions of two of ``tensors`` that reach a common byte (lower address first),
+    or None. Conservatively: by the span from each one's first to its last element, so interleaved
+    views count as sharing. Spans are compared as addresses: distinct allocations never
+    overlap (CUDA's unified addressing keeps device and host pointers apart)."""
+    spans = sorted(
+        (span, i) for i, span in enumerate(map(memory_span, tensors)) if span[0] < span[1]
+    )
+    for (a, i), (b, j) in itertools.pairwise(spans):
+        if b[0] < a[1]:
+            return (i, j)
+    return None
 
 
 def memory_span(t: torch.Tensor) -> tuple[int, int]:

@@ -110,9 +110,7 @@ def kernel_source(
             continue
         if op.op == "input":
             dtype = dtypes[op.args[0]]
-            expr = _expr(op, program, {})
-            if dtype is torch.bool:
-                expr = expr.replace(".to(tl.float32)", " != 0")
+            expr = _load(op, dtype)
         else:
             lanes = op.lane_vars
             values = [v for v in lanes if var_dtype[v] is not torch.bool]
@@ -216,12 +214,15 @@ def _ref(arg: Any, program: LaneProgram, rounded: dict[int, str]) -> str:
     raise KernelError(f"argument {arg!r}")
 
 
+def _load(op: LaneOp, dtype: torch.dtype) -> str:
+    """Lane input ``k``'s value: in float32 (the ops compute in it), or a bool (one byte
+    each, a mask a prelude computed)."""
+    (k,) = op.args
+    load = f"tl.load(p{k})" if op.small else f"tl.load(p{k} + offs, mask=mask, other=0)"
+    return f"({load} != 0)" if dtype is torch.bool else f"{load}.to(tl.float32)"
+
+
 def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
-    if op.op == "input":
-        (k,) = op.args
-        if op.small:
-            return f"tl.load(p{k}).to(tl.float32)"
-        return f"tl.load(p{k} + offs, mask=mask, other=0).to(tl.float32)"
     a = [_ref(x, program, rounded) for x in op.args]
     kw = {k: _ref(v, program, rounded) for k, v in op.kwargs}
     name = op.op

@@ -35,7 +35,7 @@ from optguard import (
     TensorMeta,
     TypeGuard,
     ancestors,
-    memory_span,
+    overlapping,
     variable_name,
 )
 from optsidefx import Build, CallResult, Const, Input, Ledger, Output, Ref
@@ -323,15 +323,15 @@ class TraceContext:
             node = self.recorder.node_of(fake)
             if node.op != "placeholder":
                 writes[i] = (self.input_sources[i], node)
-        spans = sorted((memory_span(self.input_tensors[i]), i) for i in writes)
-        spans = [(span, i) for span, i in spans if span[0] < span[1]]  # (empty: no bytes)
-        for (a, i), (b, j) in itertools.pairwise(spans):
-            if b[0] < a[1]:
-                raise TraceError(
-                    f"the step writes in place to {self.input_sources[i].name()} and to "
-                    f"{self.input_sources[j].name()}, which share memory; the compiled step "
-                    "reads all its inputs before it writes them, so give each its own storage"
-                )
+        written = list(writes)
+        shared = overlapping([self.input_tensors[i] for i in written])
+        if shared is not None:
+            first, second = (self.input_sources[written[k]].name() for k in shared)
+            raise TraceError(
+                f"the step writes in place to {first} and to {second}, which share memory; "
+                "the compiled step reads all its inputs before it writes them, so give each "
+                "its own storage"
+            )
         unpinned = [self.input_sources[i] for i in writes if i in self._unpinned]
         if len(unpinned) > 1:
             self.guard(DisjointGuard(unpinned[0], tuple(unpinned[1:])))
