@@ -308,3 +308,29 @@ def test_a_training_step_under_torch_compile_runs_the_compiled_step_as_it_is():
     assert graphs and not any("addcdiv" in code or "lerp" in code for code in graphs)
     assert not [w for w in caught if "Dynamo" in str(w.message)]
     torch._dynamo.reset()
+
+
+def test_a_compiled_function_called_under_torch_compile_runs_as_it_is():
+    def scale_(xs: list[torch.Tensor], factor: float) -> None:
+        with torch.no_grad():
+            torch._foreach_mul_(xs, factor)
+
+    compiled = optcompile.compile(scale_)
+
+    def outer(xs: list[torch.Tensor]) -> torch.Tensor:
+        total = xs[0].sum() * 2
+        compiled(xs, 0.5)
+        return total
+
+    xs, twins = [torch.ones(3), torch.ones(2)], [torch.ones(3), torch.ones(2)]
+    compiled_outer = torch.compile(outer, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            torch.testing.assert_close(compiled_outer(xs), twins[0].sum() * 2)
+            scale_(twins, 0.5)
+    for x, y in zip(xs, twins, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert optcompile.explain(compiled).traces == 1
+    assert not [w for w in caught if "Dynamo" in str(w.message)]
+    torch._dynamo.reset()
