@@ -1,5 +1,5 @@
-"""Custom optimizers the Triton backend fuses only partly or not at all (shared by the
-Triton-backend and CUDA-graph integration tests)."""
+"""Custom optimizers the Triton backend fuses only partly, not at all, or only through a
+case of its own (shared by the Triton-backend and CUDA-graph integration tests)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,68 @@ class StepScaledTrustSGD(PerParameterSGD):
         state["step"] += 1
         ratio = (p * (1.0 / state["step"].item())).norm()
         p.add_(p.grad * ratio, alpha=-lr)
+
+
+class ScaledByAConstant(PerParameterSGD):
+    """Makes a tensor from Python data in its step (``torch.tensor(2.0)``): a graph
+    constant, which the torch backend hands to the kernel."""
+
+    def update(self, p, lr):
+        p.add_(p.grad * torch.tensor(2.0, device=p.device), alpha=-lr)
+
+
+class MaskedTrust(PerParameterSGD):
+    """A per-tensor trust ratio chosen by a bool the norms decide: the prelude hands the
+    kernel a 0-dim bool per lane."""
+
+    def update(self, p, lr):
+        weight, update = p.norm(), p.grad.norm()
+        usable = (weight > 0) & (update > 0)
+        p.add_(p.grad * torch.where(usable, weight / update, 1.0), alpha=-lr)
+
+
+class SophiaLike(optim.Optimizer):
+    """A one-sided clamp (``clamp(None, 1)``, ``clamp(max=3)``) and a sign."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["m"], state["h"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].lerp_(p.grad, 1 - group["beta1"])
+                state["h"].mul_(group["beta2"]).addcmul_(p.grad, p.grad, value=1 - group["beta2"])
+                ratio = (state["m"].abs() / (0.05 * state["h"] + 1e-15)).clamp(None, 1)
+                ratio = ratio * torch.exp(-p.abs().clamp(max=3))
+                p.addcmul_(state["m"].sign(), ratio, value=-group["lr"])
+
+
+class ClippedAdam(optim.Optimizer):
+    """Adam (foreach) on grads clipped by their global norm: one coefficient for all lanes,
+    computed from the norms."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            grads = torch._foreach_mul(grads, (1.0 / (total + 1e-6)).clamp(max=1.0))
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+            ms = [self.state[p]["m"] for p in params]
+            vs = [self.state[p]["v"] for p in params]
+            torch._foreach_lerp_(ms, grads, 1 - group["beta1"])
+            torch._foreach_mul_(vs, group["beta2"])
+            torch._foreach_addcmul_(vs, grads, grads, value=1 - group["beta2"])
+            denominators = torch._foreach_add(torch._foreach_sqrt(vs), group["eps"])
+            torch._foreach_addcdiv_(params, ms, denominators, value=-group["lr"])

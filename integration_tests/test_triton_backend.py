@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any
 
 import numpy as np
 import optcompile
@@ -20,7 +19,16 @@ import torch
 from optcompile.api import _OPTIMIZERS
 from optkernels.host import scalar_function
 from optkernels.triton_backend import TritonPlan
-from step_optimizers import DecayMatricesOnly, ForeachLamb, StepScaledTrustSGD, TrustRatioSGD
+from step_optimizers import (
+    ClippedAdam,
+    DecayMatricesOnly,
+    ForeachLamb,
+    MaskedTrust,
+    ScaledByAConstant,
+    SophiaLike,
+    StepScaledTrustSGD,
+    TrustRatioSGD,
+)
 
 optim = torch.optim
 pytestmark = pytest.mark.skipif(
@@ -502,71 +510,24 @@ def test_address_checks_see_a_moved_input_through_either_kind(kind, monkeypatch)
         assert check.equal(inputs)
 
 
-class _ScaledByAConstant(torch.optim.Optimizer):
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {"lr": 0.1})
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.add_(p.grad * torch.tensor(2.0, device=p.device), alpha=-group["lr"])
-
-
 def test_a_tensor_made_in_the_step_is_handed_to_the_kernel_by_the_torch_backend():
     """torch.tensor(...) inside a step is a constant of the graph (a get_attr node): it
     crashed the lane builder (KeyError); now the torch backend hands it over."""
-    params, opt, reference, eager = _run(lambda ps: _ScaledByAConstant(ps))
+    params, opt, reference, eager = _run(lambda ps: ScaledByAConstant(ps, lr=0.1))
     _assert_close(params, opt, reference, eager, rtol=1e-6, atol=1e-7)
     report = optcompile.explain(opt)
     assert report.fallback_reason is None and "@triton.jit" in report.graph_code
     assert "partly fused: _const0" in report.graph_code
 
 
-class _SophiaLike(torch.optim.Optimizer):
-    """A one-sided clamp (``clamp(None, 1)``, ``clamp(max=3)``) and a sign."""
-
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99})
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["m"], state["h"] = torch.zeros_like(p), torch.zeros_like(p)
-                state["m"].lerp_(p.grad, 1 - group["beta1"])
-                state["h"].mul_(group["beta2"]).addcmul_(p.grad, p.grad, value=1 - group["beta2"])
-                ratio = (state["m"].abs() / (0.05 * state["h"] + 1e-15)).clamp(None, 1)
-                ratio = ratio * torch.exp(-p.abs().clamp(max=3))
-                p.addcmul_(state["m"].sign(), ratio, value=-group["lr"])
-
-
-class _MaskedTrust(torch.optim.Optimizer):
-    """A per-tensor trust ratio chosen by a bool the norms decide: the prelude hands the
-    kernel a 0-dim bool per lane."""
-
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {"lr": 1e-2})
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                weight, update = p.norm(), p.grad.norm()
-                usable = (weight > 0) & (update > 0)
-                p.add_(p.grad * torch.where(usable, weight / update, 1.0), alpha=-group["lr"])
-
-
 @pytest.mark.parametrize(
-    ("make", "launches"), [(_SophiaLike, 1), (_MaskedTrust, None)], ids=["clamp", "bool"]
+    ("make", "launches"), [(SophiaLike, 1), (MaskedTrust, None)], ids=["clamp", "bool"]
 )
 def test_one_sided_clamps_and_bool_lane_inputs_fuse(make, launches):
     """``clamp`` without a bound used to stop fusion ("constant None as an operand"), and a
     bool a prelude computes ("dtype torch.bool of a lane input") sent the whole graph to
     the torch backend."""
-    params, opt, reference, eager = _run(lambda ps: make(ps))
+    params, opt, reference, eager = _run(make)
     _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
     report = optcompile.explain(opt)
     assert report.fallback_reason is None and "@triton.jit" in report.graph_code
@@ -576,40 +537,11 @@ def test_one_sided_clamps_and_bool_lane_inputs_fuse(make, launches):
         assert "partly fused" in report.graph_code
 
 
-class _ClippedAdam(torch.optim.Optimizer):
-    """Adam (foreach) on grads clipped by their global norm: one coefficient for all lanes,
-    computed from the norms."""
-
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8})
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            grads = [p.grad for p in params]
-            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-            grads = torch._foreach_mul(grads, (1.0 / (total + 1e-6)).clamp(max=1.0))
-            for p in params:
-                if not self.state[p]:
-                    self.state[p]["m"], self.state[p]["v"] = (
-                        torch.zeros_like(p),
-                        torch.zeros_like(p),
-                    )
-            ms = [self.state[p]["m"] for p in params]
-            vs = [self.state[p]["v"] for p in params]
-            torch._foreach_lerp_(ms, grads, 1 - group["beta1"])
-            torch._foreach_mul_(vs, group["beta2"])
-            torch._foreach_addcmul_(vs, grads, grads, value=1 - group["beta2"])
-            denominators = torch._foreach_add(torch._foreach_sqrt(vs), group["eps"])
-            torch._foreach_addcdiv_(params, ms, denominators, value=-group["lr"])
-
-
 def test_a_coefficient_all_lanes_share_is_computed_by_the_prelude_and_the_rest_fused():
     """The clip coefficient (scalar tensor work on the global norm) used to stop fusion of
     the whole step ("cannot be an argument of a per-item op"): the prelude computes it now,
     and the update is one kernel."""
-    params, opt, reference, eager = _run(lambda ps: _ClippedAdam(ps))
+    params, opt, reference, eager = _run(ClippedAdam)
     _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
     report = optcompile.explain(opt)
     assert report.fallback_reason is None and "@triton.jit" in report.graph_code
