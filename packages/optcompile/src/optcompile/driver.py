@@ -3,16 +3,25 @@
 One Compiled object serves one compiled optimizer or function. Each call builds the locals
 ``L`` (``{'opt': optimizer}`` or the function's bound arguments), looks for a cache entry
 whose check holds, and runs it: gather the graph's inputs, run the backend's plan, replay the
-side effects. A miss traces anew, unless the recompile limit is reached or tracing failed
-before, in which case the call runs eagerly (with one warning saying why).
+side effects. A miss traces anew, unless the recompile limit is reached, in which case the call runs
+eagerly (with one warning saying why). A trace that fails runs that call eagerly; a later
+miss traces again (a transiently bad input, an exception the user fixed), and every failed
+trace counts against the recompile limit, so a step that can never be traced stops trying.
+
+A Ctrl-C (SIGINT in the main thread) during a miss is held until the miss has traced, built
+and run the step, then raised: an interrupt never leaves a trace, the real state
+initialization it runs, or a CUDA graph capture half done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import signal
+import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +38,7 @@ from optguard import (
 )
 from optkernels import Backend, Plan, use_native_addresses
 from optsidefx import Replay, generate_replay
-from opttrace import TracedStep, TraceError, clear_cache
+from opttrace import TRACE_LOCK, TracedStep, TraceError, clear_cache
 
 from optcompile.errors import FallbackWarning
 
@@ -83,7 +92,9 @@ class Stats:
 
     traces: int = 0
     retrace_reasons: list[str] = field(default_factory=list)
-    fallback_reason: str | None = None
+    fallback_reason: str | None = None  # why the latest eager call ran eagerly
+    failed_traces: int = 0  # count against the recompile limit
+    eager_for_good: bool = False  # the limit is reached, or the object cannot be traced
     warned: bool = False
 
 
@@ -112,18 +123,31 @@ class Compiled:
         self.cache: GuardedCache[CompiledEntry] = GuardedCache(recompile_limit)
         self.stats = Stats()
         self.released = False
+        self._lock = threading.RLock()
         _ALL.add(self)
 
     def __call__(self, L: Locals) -> Any:
-        cached = self.cache.find(L)
-        if cached is not None:
-            return cached.value.run(L, cached.check)
-        entry = self._miss(L)
-        if entry is None:
-            return self.eager(L)
-        return entry.run(L)
+        # One call at a time per compiled object: an entry's plan and buffers, the cache and
+        # the state it updates are shared by every thread that calls it.
+        with self._lock:
+            cached = self.cache.find(L)
+            if cached is not None:
+                return cached.value.run(L, cached.check)
+        # A miss traces: traces are serialized process-wide (opttrace.TRACE_LOCK), taken
+        # before this object's lock so no thread waits for it while holding an object's.
+        with TRACE_LOCK, self._lock:
+            cached = self.cache.find(L)  # another thread may have traced it meanwhile
+            if cached is not None:
+                return cached.value.run(L, cached.check)
+            return self._miss(L)
 
-    def _miss(self, L: Locals) -> CompiledEntry | None:
+    def _miss(self, L: Locals) -> Any:
+        """Trace, lower and run a new entry, or run eagerly; interrupts wait until done."""
+        with interrupts_held():
+            entry = self._traced_entry(L)
+            return self.eager(L) if entry is None else entry.run(L)
+
+    def _traced_entry(self, L: Locals) -> CompiledEntry | None:
         # Tracing and lowering build tens of thousands of long-lived objects at 1,000 params;
         # the cyclic collector would rescan them again and again (up to half the time).
         collecting = gc.isenabled()
@@ -135,14 +159,18 @@ class Compiled:
                 gc.enable()
 
     def _trace_and_lower(self, L: Locals) -> CompiledEntry | None:
-        if self.stats.fallback_reason is not None:
+        if self.stats.eager_for_good:
             return None
         reason = self.cache.miss_reason(L)
-        if self.cache.full:
-            self.fall_back(
-                f"recompile limit ({self.cache.limit}) reached; the guard that keeps failing: "
-                f"{reason}. Raise recompile_limit= or keep that input stable"
+        failed = self.stats.failed_traces
+        if len(self.cache.entries) + failed >= self.cache.limit:
+            cause = (
+                f"the guard that keeps failing: {reason}. Raise recompile_limit= or keep that "
+                "input stable"
+                if reason is not None
+                else f"{failed} traces failed, the last: {self.stats.fallback_reason}"
             )
+            self.fall_back(f"recompile limit ({self.cache.limit}) reached; {cause}")
             return None
         try:
             traced = self.tracer(L)
@@ -150,22 +178,29 @@ class Compiled:
             if self.fullgraph:
                 raise
             where = f" at {exc.where}" if exc.where else ""
-            self.fall_back(f"tracing failed{where}: {exc.reason}")
+            self.stats.failed_traces += 1
+            self.fall_back(f"tracing failed{where}: {exc.reason}", for_good=False)
             return None
         entry = lower(traced, self.backend, self.pin_inputs)
         self.cache.add(compile_check(traced.guards), entry)
         self.stats.traces += 1
+        self.stats.fallback_reason = None
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         return entry
 
-    def fall_back(self, reason: str) -> None:
-        """Run eagerly from now on, saying why once (a FallbackWarning)."""
+    def fall_back(self, reason: str, for_good: bool = True) -> None:
+        """Run eagerly (from now on, unless not ``for_good``: then this call only; a later
+        miss traces again), saying why once (a FallbackWarning)."""
         self.stats.fallback_reason = reason
+        self.stats.eager_for_good = self.stats.eager_for_good or for_good
         if not self.stats.warned:
             self.stats.warned = True
+            later = "" if for_good else " (a later call traces again)"
             warnings.warn(
-                f"optcompile: {self.name} runs eagerly: {reason}", FallbackWarning, stacklevel=4
+                f"optcompile: {self.name} runs eagerly{later}: {reason}",
+                FallbackWarning,
+                stacklevel=5,
             )
 
     def reset(self) -> None:
@@ -177,6 +212,32 @@ class Compiled:
         was compiled for is gone."""
         self.cache.clear()
         self.released = True
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold SIGINT (Ctrl-C) until the block is done, then deliver it as it would have been.
+
+    Only the main thread receives signals in Python, so elsewhere this does nothing; nor
+    where the handler was not installed from Python (None)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:
+        yield
+        return
+    received: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, received[0])  # the default raises KeyboardInterrupt
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 def lower(traced: TracedStep, backend: Backend, pin_inputs: bool = False) -> CompiledEntry:

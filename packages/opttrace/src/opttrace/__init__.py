@@ -16,9 +16,11 @@ from opttrace.optimizer import (
     init_state,
     trace_step,
 )
+from opttrace.patches import TRACE_LOCK
 from opttrace.tracer import TracedStep, trace
 
 __all__ = [
+    "TRACE_LOCK",
     "TraceError",
     "TracedStep",
     "clear_cache",

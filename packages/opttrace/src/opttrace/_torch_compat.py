@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opttrace.meta import Spec
+from opttrace.patches import patched
 
 DispatchMode = TorchDispatchMode
 
@@ -29,16 +30,10 @@ def make_wrapper_tensor(cls: type, spec: Spec, device: torch.device, requires_gr
     )
 
 
-@contextlib.contextmanager
-def compiling() -> Iterator[None]:
-    """Make ``torch.compiler.is_compiling()`` report True, so torch.optim takes its
-    compile paths (no ``.item()`` syncs, no per-device grouping)."""
-    original = torch.compiler.is_compiling
-    torch.compiler.is_compiling = _true
-    try:
-        yield
-    finally:
-        torch.compiler.is_compiling = original
+def compiling() -> contextlib.AbstractContextManager[None]:
+    """Make ``torch.compiler.is_compiling()`` report True in the tracing thread, so
+    torch.optim takes its compile paths (no ``.item()`` syncs, no per-device grouping)."""
+    return patched(torch.compiler, "is_compiling", _true)
 
 
 def _true() -> bool:

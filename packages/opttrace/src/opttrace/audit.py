@@ -6,18 +6,25 @@ would happen once, while tracing, and never again. Around each trace we snapshot
 functions can reach that way (their globals and closure cells, and the contents of
 containers held directly there), and afterwards compare: anything that changed is put back
 and the trace is refused, naming it. Deeper mutations (an attribute of an object held in a
-global) are not seen; the README says so. The same goes for draws from Python's and
-numpy's global random generators: their states are put back, and the trace refused.
+global) are not seen; the README says so. Draws from Python's and numpy's global random
+generators are refused as they are attempted (patches.refuse_random_draws); the generators'
+states are compared too, for draws through other paths.
+
+Other threads run on during a trace. When there are any, a change the step's own code cannot
+have made (a global no user function stores to, a generator the step did not call) is
+theirs: it is left as it is and not held against the trace.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import operator
 import random
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,6 +33,7 @@ from typing import Any
 import torch
 
 from opttrace.errors import TraceError
+from opttrace.patches import RandomDraws
 
 _LIBRARY_PREFIXES = ("torch", "opttrace", "optguard", "optsidefx", "optkernels", "optcompile")
 _CONTAINERS = (list, dict, set)
@@ -103,6 +111,9 @@ class Snapshot:
     # Python's and numpy's global random generators: a draw while tracing would be baked
     # into the graph, the same number on every later call.
     random_states: list[tuple[_Generator, Any]] = field(default_factory=list)
+    # Globals the functions' code stores to or deletes (other changes are other threads').
+    stored_globals: set[str] = field(default_factory=set)
+    draws: RandomDraws = field(default_factory=RandomDraws)
 
 
 _EMPTY = object()
@@ -131,8 +142,9 @@ def _generators() -> list[_Generator]:
     return found
 
 
-def snapshot(functions: list[types.FunctionType]) -> Snapshot:
-    snap = Snapshot()
+def snapshot(functions: list[types.FunctionType], draws: RandomDraws | None = None) -> Snapshot:
+    snap = Snapshot(draws=draws or RandomDraws())
+    snap.stored_globals = {name for fn in functions for name in _stored_globals(fn.__code__)}
     snap.random_states = [(generator, generator.get()) for generator in _generators()]
     seen_globals: set[int] = set()
     for fn in functions:
@@ -156,11 +168,12 @@ def snapshot(functions: list[types.FunctionType]) -> Snapshot:
 def check_and_restore(snap: Snapshot) -> None:
     """Raise TraceError naming the first store the replay could not repeat; undo them all."""
     changed: list[str] = []
+    alone = threading.active_count() == 1
     for g, before in snap.globals_:
         module = before.get("__name__", "?")
         for name in set(g) | set(before):
             old, new = before.get(name, _EMPTY), g.get(name, _EMPTY)
-            if old is not new:
+            if old is not new and (alone or name in snap.stored_globals):
                 changed.append(f"stores to global {name!r} of {module}")
                 if old is _EMPTY:
                     del g[name]
@@ -174,18 +187,15 @@ def check_and_restore(snap: Snapshot) -> None:
         if _changed(container, old):
             changed.append(f"mutates the {type(container).__name__} in {where}")
             _restore(container, old)
-    drew = []
+    drew = list(dict.fromkeys(snap.draws.seen))  # refused before drawing: nothing to undo
     for generator, old in snap.random_states:
+        if generator.name in drew or not alone:
+            continue
         if not generator.same(generator.get(), old):
             drew.append(generator.name)
             generator.set(old)  # an eager fallback then draws what eager would have
     if drew and not changed:
-        raise TraceError(
-            f"the step draws random numbers from {' and '.join(drew)}: a compiled step would "
-            "repeat the numbers drawn while tracing on every call; draw them with torch "
-            "(torch.rand, torch.randn), which the graph runs each call, or let the step run "
-            "eagerly"
-        )
+        raise random_draw_refused(" and ".join(drew))
     changed.extend(f"draws random numbers from {name}" for name in drew)
     if changed:
         more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
@@ -194,6 +204,28 @@ def check_and_restore(snap: Snapshot) -> None:
             "later calls (it sees only its inputs); keep such state on the optimizer or in "
             "its state, or pass it as an argument"
         )
+
+
+def random_draw_refused(generator: str) -> TraceError:
+    """The refusal of a draw from a global random generator while tracing."""
+    return TraceError(
+        f"the step draws random numbers from {generator}: a compiled step would repeat the "
+        "numbers drawn while tracing on every call; draw them with torch (torch.rand, "
+        "torch.randn), which the graph runs each call, or let the step run eagerly"
+    )
+
+
+def _stored_globals(code: types.CodeType) -> set[str]:
+    """Names ``code`` (and the code nested in it) stores to or deletes as globals."""
+    names = {
+        str(i.argval)
+        for i in dis.get_instructions(code)
+        if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _stored_globals(const)
+    return names
 
 
 def _same_numpy_state(a: Any, b: Any) -> bool:

@@ -27,6 +27,7 @@ from optguard import Source
 from torch import fx
 
 from opttrace.errors import TraceError
+from opttrace.patches import patched
 
 if TYPE_CHECKING:
     from opttrace.recorder import Recorder
@@ -332,11 +333,10 @@ def _extremum(pick: Callable[..., Any], name: str) -> Callable[..., Any]:
 @contextlib.contextmanager
 def extrema_in_graph() -> Iterator[None]:
     """While tracing: ``min`` and ``max`` over a value read from a tensor record a graph node
-    instead of a decision the tracer would have to refuse.
+    instead of a decision the tracer would have to refuse (in the tracing thread only).
     Every other call goes to the builtin unchanged."""
-    builtins.min = _extremum(_MIN, "sym_min")
-    builtins.max = _extremum(_MAX, "sym_max")
-    try:
+    with (
+        patched(builtins, "min", _extremum(_MIN, "sym_min")),
+        patched(builtins, "max", _extremum(_MAX, "sym_max")),
+    ):
         yield
-    finally:
-        builtins.min, builtins.max = _MIN, _MAX

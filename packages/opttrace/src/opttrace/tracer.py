@@ -18,7 +18,7 @@ from optguard import ConstantGuard, GlobalSource, GuardSet, LocalSource, Source,
 from optsidefx import Effect, TensorWrite, append_writebacks
 from torch import fx
 
-from opttrace import audit, symbolic
+from opttrace import audit, patches, symbolic
 from opttrace._torch_compat import compiling, lazy_graph_module
 from opttrace.context import TraceContext
 from opttrace.errors import TraceError
@@ -62,7 +62,8 @@ def trace(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _trace(fn, inputs, capturable)
+        with patches.tracing():  # one trace at a time; its patches seen by this thread only
+            return _trace(fn, inputs, capturable)
     finally:
         if collecting:
             gc.enable()
@@ -85,7 +86,8 @@ def _record(
     for name, value in inputs.items():
         ctx.collect(value, LocalSource(name))
     functions = audit.user_functions([fn, *inputs.values()])
-    snap = audit.snapshot(functions)
+    draws = patches.RandomDraws()
+    snap = audit.snapshot(functions, draws)
     for module, name, value in audit.constant_globals(functions):
         ctx.guard(ConstantGuard(GlobalSource(module, name), value))
     try:
@@ -94,6 +96,9 @@ def _record(
                 recorder,
                 symbolic.extrema_in_graph(),
                 compiling() if capturable else contextlib.nullcontext(),
+                patches.refuse_random_draws(
+                    draws, audit.random_draw_refused, [f.__globals__ for f in functions]
+                ),
             ):
                 args = {name: ctx.read(value, LocalSource(name)) for name, value in inputs.items()}
                 result = fn(**args)
