@@ -297,6 +297,37 @@ def test_a_numpy_float64_lr_changed_every_step_is_a_graph_input_too(backend):
     assert type(opt.param_groups[0]["lr"]) is numpy.float64
 
 
+def test_hyperparameters_switching_between_float_and_numpy_float64_never_retrace():
+    numpy = pytest.importorskip("numpy")
+    make = lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=numpy.float64(0.1))  # noqa: E731
+    model, opt, reference, eager = run_pair(make, steps=1)
+    for step, lr in enumerate([numpy.float64(5e-3), 4e-3, numpy.float64(3e-3)], start=1):
+        for o in (opt, eager):
+            o.param_groups[0]["lr"] = lr
+            o.param_groups[0]["weight_decay"] = float(o.param_groups[0]["weight_decay"])
+        step_both(model, opt, reference, eager, range(step, step + 1))
+    assert_same(model, opt, reference, eager)
+    assert optcompile.explain(opt).traces == 1
+
+
+def test_a_numpy_hyperparameter_decision_that_changes_names_its_guard():
+    """The decision ``weight_decay != 0`` on a numpy float64 evaluates (numpy 2 prints
+    ``np.float64(0.1)``, which is not Python the guard could evaluate)."""
+    numpy = pytest.importorskip("numpy")
+    make = lambda ps: optim.SGD(ps, lr=0.1, weight_decay=numpy.float64(0.1))  # noqa: E731
+    model, opt, reference, eager = run_pair(make, steps=1)
+    for o in (opt, eager):
+        o.param_groups[0]["weight_decay"] = numpy.float64(0.0)
+    step_both(model, opt, reference, eager, range(1, 3))
+    assert_same(model, opt, reference, eager)
+    report = optcompile.explain(opt)
+    assert report.traces == 2
+    assert report.retrace_reasons == [
+        "L['opt'].param_groups[0]['weight_decay']: "
+        "(L['opt'].param_groups[0]['weight_decay'] != 0.0) changed (True -> False)"
+    ]
+
+
 class _TwoConfigsSGD(torch.optim.Optimizer):
     def __init__(self, params: Any, first: Any, second: Any) -> None:
         super().__init__(params, {"lr": 0.1})

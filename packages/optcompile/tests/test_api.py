@@ -58,7 +58,7 @@ def test_explain_reports_traces_guards_and_graph():
     report = optcompile.explain(opt)
     assert isinstance(report.traces, int) and report.traces == 1
     assert isinstance(report.retrace_reasons, list)
-    assert "L['opt'].param_groups[0]['lr'] has type float" in report.guards
+    assert "L['opt'].param_groups[0]['lr'] is a float" in report.guards
     assert "aten._foreach_addcdiv" in report.graph_code
     assert "def check(L)" in report.check_code
     assert "traces: 1" in str(report)

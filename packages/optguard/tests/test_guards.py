@@ -10,6 +10,7 @@ from optguard import (
     ConstantGuard,
     DictLengthGuard,
     DisjointGuard,
+    FloatGuard,
     GuardSet,
     GuardSetBuilder,
     ItemSource,
@@ -18,6 +19,7 @@ from optguard import (
     LengthGuard,
     LocalSource,
     NoneGuard,
+    PredicateGuard,
     TensorMatchGuard,
     TensorMeta,
     TypeGuard,
@@ -212,3 +214,18 @@ def test_autocast_guard_holds_in_the_autocast_state_it_was_made_in():
     assert off.describe() == "torch.autocast is off" and off.holds(off.fetch({}))
     assert compile_check(GuardSet((off,)), fast=False)({})
     assert not compile_check(GuardSet((on,)), fast=False)({})
+
+
+def test_float_guard_takes_python_and_numpy_float64_but_not_ints_or_float32():
+    numpy = pytest.importorskip("numpy")
+    guard = FloatGuard(LocalSource("lr"))
+    assert guard.holds(0.1) and guard.holds(numpy.float64(0.1))
+    assert not guard.holds(1) and not guard.holds(numpy.float32(0.1)) and not guard.holds(True)
+    assert guard.changed(numpy.float32(0.1)) == "type changed (float -> float32)"
+
+
+def test_predicate_guard_evaluates_numpy_values_whose_repr_is_not_python():
+    numpy = pytest.importorskip("numpy")
+    guard = PredicateGuard(LocalSource("wd"), "({0} != 0.0)", True)
+    assert guard.holds((numpy.float64(0.1),)) and not guard.holds((numpy.float64(0.0),))
+    assert guard.changed((numpy.float64(0.0),)) == "(L['wd'] != 0.0) changed (True -> False)"

@@ -67,7 +67,7 @@ def test_float_hyperparameters_are_graph_inputs_guarded_by_type_only(params):
     inputs = [s.name() for s in traced.input_sources]
     for name in ("['lr']", "['betas'][0]", "['betas'][1]", "['eps']", "['weight_decay']"):
         assert f"L['opt'].param_groups[0]{name}" in inputs
-        assert f"L['opt'].param_groups[0]{name} has type float" in guards
+        assert f"L['opt'].param_groups[0]{name} is a float" in guards
         assert not any(g.startswith(f"L['opt'].param_groups[0]{name} ==") for g in guards)
     # The trace forces capturable=True but guards the user's value.
     assert "L['opt'].param_groups[0]['capturable'] == False" in guards

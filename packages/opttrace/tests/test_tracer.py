@@ -100,7 +100,7 @@ def test_function_over_tensor_list_returns_new_tensors_and_writes_inputs():
     assert traced.num_outputs == 2
     ret = next(e for e in traced.effects if isinstance(e, Return))
     assert ret.value.items == (Output(0), Output(1))
-    assert "L['alpha'] has type float" in traced.guards.describe()
+    assert "L['alpha'] is a float" in traced.guards.describe()
     assert traced.input_sources[-1] == LocalSource("alpha")  # a graph input, not a constant
     assert {e.target.name() for e in traced.effects if isinstance(e, TensorWrite)} == {
         "L['xs'][0]",
@@ -211,7 +211,7 @@ def test_min_and_max_over_a_value_read_from_a_tensor_are_graph_nodes_not_decisio
     assert max in _call_targets(traced) and min in _call_targets(traced)
     # No decision taken, so no guard on a value: the graph decides, every call.
     kinds = {type(g).__name__ for g in traced.guards.guards}
-    assert kinds == {"TensorMatchGuard", "TypeGuard", "AutocastGuard"}
+    assert kinds == {"TensorMatchGuard", "FloatGuard", "AutocastGuard"}
     for values, lr in (([1.0, 1.0, 1.0, 1.0], 0.1), ([0.1, 0.0, 0.0, 0.0], 100.0)):
         x, expected = torch.tensor(values), torch.tensor(values)
         expected.mul_(max(0.5, expected.norm().item(), 0.25) * min([lr, 1 / expected.sum().item()]))
@@ -243,7 +243,7 @@ def test_the_builtins_min_and_max_are_themselves_outside_a_trace_and_for_other_v
 
     traced = trace(step, {"x": torch.ones(2), "lr": 0.1})
     assert min not in _call_targets(traced)  # lr < 0.5 is a guarded decision
-    assert {type(g).__name__ for g in traced.guards.guards} > {"TensorMatchGuard", "TypeGuard"}
+    assert {type(g).__name__ for g in traced.guards.guards} > {"TensorMatchGuard", "FloatGuard"}
     assert builtins.min is min_before and builtins.max is max_before
 
     def failing(x):

@@ -47,12 +47,14 @@ from optguard.guards import (
     ConstantGuard,
     DataPtrGuard,
     DictLengthGuard,
+    FloatGuard,
     Guard,
     IdentityGuard,
     LengthGuard,
     NoneGuard,
     TensorMatchGuard,
     TypeGuard,
+    float_types,
 )
 from optguard.sources import (
     AttrSource,
@@ -395,6 +397,9 @@ class _TreeBuilder:
         value = guard.source.fetch(self.L)
         if isinstance(guard, TypeGuard):
             tree.type_is(node, guard.cls, text)
+        elif isinstance(guard, FloatGuard):
+            floats = float_types()
+            tree.predicate(node, lambda value: type(value) in floats, text)
         elif isinstance(guard, ConstantGuard):
             constant = guard.value
             if constant is None or isinstance(constant, bool):

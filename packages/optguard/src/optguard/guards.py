@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,28 @@ class TypeGuard(Guard):
 
     def changed(self, value: Any) -> str:
         return f"type changed ({self.cls.__qualname__} -> {type(value).__qualname__})"
+
+
+def float_types() -> tuple[type, ...]:
+    """Python's float and, once numpy is imported, numpy's float64: the same IEEE double
+    arithmetic, so a hyperparameter may switch between them without a retrace."""
+    numpy = sys.modules.get("numpy")
+    return (float,) if numpy is None else (float, numpy.float64)
+
+
+@dataclass(frozen=True)
+class FloatGuard(Guard):
+    """``value`` is a float (Python's, or numpy's float64): a hyperparameter read as a
+    symbolic scalar, whose value may change freely."""
+
+    def test(self, var: str, code: SourceCode) -> str:
+        return f"type({var}) in {code.constant(float_types(), 'float_types')}"
+
+    def expected(self) -> str:
+        return "is a float"
+
+    def changed(self, value: Any) -> str:
+        return f"type changed (float -> {type(value).__qualname__})"
 
 
 @dataclass(frozen=True)
@@ -403,7 +426,10 @@ class PredicateGuard(Guard):
         return (self.source, *self.others)
 
     def _evaluate(self, values: Any) -> Any:
-        return eval(self.template.format(*map(repr, values)), {"math": math})
+        # The values are bound to names, not printed: numpy 2's repr (np.float64(0.9)) or an
+        # object's would not evaluate back.
+        names = {f"_v{i}": v for i, v in enumerate(values)}
+        return eval(self.template.format(*names), {"math": math, **names})
 
     def holds(self, value: Any) -> bool:
         try:
@@ -417,6 +443,8 @@ class PredicateGuard(Guard):
     def changed(self, value: Any) -> str:
         try:
             found = self._evaluate(value)
+            if isinstance(self.outcome, bool):
+                found = bool(found)
         except Exception as exc:
             found = f"error: {exc}"
         return f"{self.text()} changed ({self.outcome!r} -> {found!r})"

@@ -21,6 +21,7 @@ from optguard import (
     DataPtrGuard,
     DictLengthGuard,
     DisjointGuard,
+    FloatGuard,
     Guard,
     GuardSetBuilder,
     IdentityGuard,
@@ -224,7 +225,7 @@ class TraceContext:
             # A hyperparameter, or a count the step keeps in its state or on the optimizer
             # (state['step'] += 1, self.step_count += 1): a graph input, so a new value never
             # retraces.
-            self.guard(TypeGuard(source, type(value)))
+            self.guard(FloatGuard(source) if _is_float(value) else TypeGuard(source, int))
             hint = float(value) if isinstance(value, float) else value  # (numpy's as float)
             return self.recorder.scalar_placeholder(variable_name(source), hint, source)
         if is_constant(value):

@@ -279,11 +279,12 @@ def guard_template(expr: tuple[Any, ...]) -> tuple[str, list[Source]]:
             return "{" + str(sources.index(e[1])) + "}"
         if kind == "const":
             value = e[1]
-            return (
-                repr(value)
-                if not isinstance(value, float) or math.isfinite(value)
-                else (f"float({str(value)!r})")
-            )
+            if isinstance(value, float):  # (numpy's float64 too: its repr is not Python)
+                value = float(value)
+                return repr(value) if math.isfinite(value) else f"float({str(value)!r})"
+            if isinstance(value, bool | int) and type(value) not in (bool, int):
+                value = int(value) if not isinstance(value, bool) else bool(value)
+            return repr(value)
         template, operands = e[1], e[2]
         return str(template.format(*(text(o) for o in operands)))
 
