@@ -328,6 +328,34 @@ def test_a_numpy_hyperparameter_decision_that_changes_names_its_guard():
     ]
 
 
+_RESTRIDE = {
+    "t_": lambda t: t.t_(),
+    "as_strided_": lambda t: t.as_strided_((4, 4), (1, 4)),
+    ".data =": lambda t: setattr(t, "data", t.data.t()),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("how", list(_RESTRIDE))
+def test_a_state_tensor_restrided_in_place_at_its_address_retraces(backend, how):
+    """Same object, same address, same dict version: only its strides tell (the Triton
+    kernel would pair element (i, j) of the param with (j, i) of the state)."""
+    model = torch.nn.Linear(4, 4, bias=False)
+    model, opt, reference, eager = run_pair(
+        lambda ps: optim.Adam(ps, lr=0.1), steps=2, model=model, backend=backend
+    )
+    for o, p in ((opt, _first(opt)), (eager, _first(eager))):
+        exp_avg = o.state[p]["exp_avg"]
+        address = exp_avg.data_ptr()
+        _RESTRIDE[how](exp_avg)
+        assert exp_avg.data_ptr() == address and exp_avg.stride() == (1, 4)
+    step_both(model, opt, reference, eager, range(2, 5))
+    assert_same(model, opt, reference, eager, rtol=1e-4, atol=1e-5)  # (kernel vs eager)
+    report = optcompile.explain(opt)
+    assert report.traces == 2
+    assert report.retrace_reasons[0].endswith("['exp_avg']: stride changed ((4, 1) -> (1, 4))")
+
+
 class _TwoConfigsSGD(torch.optim.Optimizer):
     def __init__(self, params: Any, first: Any, second: Any) -> None:
         super().__init__(params, {"lr": 0.1})

@@ -18,9 +18,12 @@
 //   addresses_record(addresses, tensors)    record tensors[i].data_ptr() for each position
 //                                           (0 for -1) and return them as a list
 //   addresses_equal(addresses, tensors)     the checked positions keep what was recorded
-//   held(tensors, ptrs) -> capsule          hold tensors (strong references) and their
-//                                           expected data pointers
-//   held_match(held, _) -> bool             each held tensor still has its data pointer
+//   held(tensors, ptrs) -> capsule          hold tensors (strong references), their
+//                                           expected data pointers and their dtype,
+//                                           shape and stride now
+//   held_match(held, _) -> bool             each held tensor still has its data pointer,
+//                                           dtype, shape and stride (t_(), as_strided_()
+//                                           and .data = change those in place)
 //   versions(d) -> capsule                  d's dict version tag and each of its values'
 //                                           (dicts); only where CPython has the tags (<3.14)
 //   versions_match(spec, d) -> bool         d and each of its values keep their tags
@@ -406,6 +409,8 @@ PyObject* addresses_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 struct Held {
   std::vector<PyObject*> tensors;  // owned
   std::vector<const void*> ptrs;
+  std::vector<c10::ScalarType> dtypes;
+  std::vector<std::vector<int64_t>> sizes, strides;
   ~Held() {
     for (PyObject* t : tensors) Py_DECREF(t);
   }
@@ -434,6 +439,10 @@ PyObject* held(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_INCREF(t);
     out->tensors.push_back(t);
     out->ptrs.push_back(ptr);
+    const at::Tensor& tensor = THPVariable_Unpack(t);
+    out->dtypes.push_back(tensor.scalar_type());
+    out->sizes.emplace_back(tensor.sizes().begin(), tensor.sizes().end());
+    out->strides.emplace_back(tensor.strides().begin(), tensor.strides().end());
   }
   return PyCapsule_New(out, kHeld, drop_held);
 }
@@ -446,8 +455,13 @@ PyObject* held_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto* h = static_cast<Held*>(PyCapsule_GetPointer(args[0], kHeld));
   if (h == nullptr) return nullptr;
   try {
-    for (size_t i = 0; i < h->tensors.size(); ++i)
-      if (THPVariable_Unpack(h->tensors[i]).const_data_ptr() != h->ptrs[i]) Py_RETURN_FALSE;
+    for (size_t i = 0; i < h->tensors.size(); ++i) {
+      const at::Tensor& t = THPVariable_Unpack(h->tensors[i]);
+      if (t.const_data_ptr() != h->ptrs[i] || t.scalar_type() != h->dtypes[i] ||
+          t.sizes() != c10::IntArrayRef(h->sizes[i]) ||
+          t.strides() != c10::IntArrayRef(h->strides[i]))
+        Py_RETURN_FALSE;
+    }
   } catch (const std::exception&) {  // a tensor without storage: not the expected address
     Py_RETURN_FALSE;
   }

@@ -27,10 +27,11 @@ an entry of a versioned state dict keyed by a pinned source, and a str-keyed ite
 entry (a state tensor) hold the very objects they held when the tier was armed. ``pinned``
 lists them; ``FastGather`` (gather.py) reuses them instead of fetching them again.
 
-What a hit does not re-check: metadata changed in place on the same state tensor object
-(``t.data = ...`` to a tensor of another shape at the same address). A replaced state tensor
-changes its entry's version: the full check then runs, and the tier is built anew (check.py
-limits how often).
+The pinned tensors' check also compares their dtype, shape and stride with what they had
+when the tier was armed: metadata changed in place on the same state tensor object
+(``t_()``, ``as_strided_()``, ``t.data = ...``) keeps its entry's version and may keep its
+address. A replaced state tensor changes its entry's version: the full check then runs, and
+the tier is built anew (check.py limits how often).
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
     held = [g for g in addresses if g.source in pinned]
     residual.extend(g for g in addresses if g.source not in pinned)
     if held:
-        text = f"{len(held)} pinned tensors keep their data pointers"
+        text = f"{len(held)} pinned tensors keep their data pointers, dtypes, shapes, strides"
         tensors = [g.source.fetch(L) for g in held]
         compat.GuardTree.predicate(builder.tree.root, native.held_ptrs(tensors, held), text)
         builder.lines.append(text + (", one native check" if module is not None else ""))

@@ -89,15 +89,19 @@ def start(wait: bool | None = None) -> Any:
 
 def held_ptrs(tensors: list[Any], guards: Sequence[DataPtrGuard]) -> Callable[[Any], bool]:
     """A check (of any one argument, ignored) that ``tensors[i]`` still has the data pointer
-    ``guards[i]`` expects: one C++ loop over the tensors themselves (held by the check) once
-    the module is loaded, else a Python one."""
+    ``guards[i]`` expects, and the dtype, shape and stride it has now (an in-place ``t_()``,
+    ``as_strided_()`` or ``.data =`` keeps the object and may keep the address): one C++
+    loop over the tensors themselves (held by the check) once the module is loaded, else a
+    Python one."""
     ptrs = [g.ptr for g in guards]
     if _module is not None:
         return functools.partial(_module.held_match, _module.held(tensors, ptrs))
-    pairs = list(zip(tensors, ptrs, strict=True))
+    expected = [
+        (t, (ptr, t.dtype, t.shape, t.stride())) for t, ptr in zip(tensors, ptrs, strict=True)
+    ]
 
     def held_match(_: Any) -> bool:
-        return all(t.data_ptr() == ptr for t, ptr in pairs)
+        return all((t.data_ptr(), t.dtype, t.shape, t.stride()) == e for t, e in expected)
 
     return held_match
 
