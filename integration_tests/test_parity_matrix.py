@@ -326,3 +326,25 @@ def test_mixed_dtypes_in_one_optimizer(name, foreach):
     # the dtype-appropriate tolerance here; eager's foreach and loop paths already differ in
     # the low bits for the half types.
     assert_same(model, opt, reference, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("RAdam", {}), ("RAdam", {"weight_decay": 0.1, "decoupled_weight_decay": True}), ("ASGD", {})],
+)
+def test_steps_deciding_on_step_counts_compute_from_them_as_eager_does(
+    name, options, foreach, dtype
+):
+    """RAdam's and ASGD's non-capturable paths decide on step counts in Python, so the
+    compiled step runs their capturable path; eager computes from the counts (and ASGD's
+    for-loop from eta and mu) as Python floats: so does the compiled step, in double (it
+    computed in float32: 1e-5 relative off in float64). The for-loop paths match bitwise."""
+    model = small_model().to(dtype)
+    make = lambda ps: getattr(torch.optim, name)(ps, foreach=foreach, **options)  # noqa: E731
+    model, opt, reference, eager = compiled_and_eager(make, model, [()] * 8)
+    assert_compiled(opt)
+    exact = not foreach or name == "ASGD"
+    tol = {"atol": 0.0, "rtol": 0.0} if exact else {"atol": 0.0, "rtol": 1e-7}
+    assert_same(model, opt, reference, eager, **tol)

@@ -40,6 +40,7 @@ from optguard import (
     variable_name,
 )
 from optsidefx import Build, CallResult, Const, Input, Ledger, Output, Ref
+from torch import fx
 
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder, TracedTensor
@@ -91,6 +92,18 @@ def _plain_tensor_type(cls: type[torch.Tensor]) -> bool:
     )
 
 
+def _read_in_float64(real: torch.Tensor, source: Source, keys: tuple[str, ...]) -> bool:
+    """A 0-dim float in an optimizer's state under one of ``keys`` (see trace())."""
+    return (
+        real.dim() == 0
+        and real.is_floating_point()
+        and real.dtype != torch.float64
+        and isinstance(source, ItemSource)
+        and source.key in keys
+        and _in_optimizer_state(source)
+    )
+
+
 def _in_optimizer_state(source: Source) -> bool:
     """Whether ``source`` is inside an entry of an optimizer's ``state`` (keyed by a param)."""
     return any(isinstance(s, KeyedSource) for s in ancestors(source))
@@ -103,9 +116,13 @@ def _is_state_dict(value: dict[Any, Any]) -> bool:
 class TraceContext:
     """Inputs, guards, ledger and outputs of one trace."""
 
-    def __init__(self, recorder: Recorder, capturable: bool = False) -> None:
+    def __init__(
+        self, recorder: Recorder, capturable: bool = False, float64_state: tuple[str, ...] = ()
+    ) -> None:
         self.recorder = recorder
         self.capturable = capturable  # show optimizers capturable=True (see view.py)
+        self.float64_state = float64_state  # (see trace())
+        self._converted: dict[int, fx.Node] = {}  # input index -> its float64 conversion
         self.guards = GuardSetBuilder()
         self.ledger = Ledger()
         self.input_sources: list[Source] = []
@@ -302,7 +319,11 @@ class TraceContext:
         fake = self._fakes.get(i)
         if fake is None:
             name = variable_name(source)
-            fake = self._fakes[i] = self.recorder.placeholder(name, real, source, static)
+            fake = self.recorder.placeholder(name, real, source, static)
+            if _read_in_float64(real, source, self.float64_state):
+                fake = torch.ops.aten._to_copy.default(fake, dtype=torch.float64)
+                self._converted[i] = self.recorder.node_of(fake)
+            self._fakes[i] = fake
             self._fake_index[id(fake)] = i
         if (real.requires_grad or real.grad is not None) and i not in self._grad_bound:
             self._grad_bound.add(i)
@@ -322,8 +343,8 @@ class TraceContext:
         writes = {}
         for i, fake in self._fakes.items():
             node = self.recorder.node_of(fake)
-            if node.op != "placeholder":
-                writes[i] = (self.input_sources[i], node)
+            if node.op != "placeholder" and node is not self._converted.get(i):
+                writes[i] = (self.input_sources[i], node)  # (copy_ casts back)
         written = list(writes)
         shared = overlapping([self.input_tensors[i] for i in written])
         if shared is not None:

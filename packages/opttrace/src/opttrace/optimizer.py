@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from opttrace._torch_compat import raw_step
+from opttrace._torch_compat import default_foreach, raw_step
 from opttrace.errors import TraceError
 from opttrace.tracer import TracedStep, trace
 
@@ -95,11 +95,31 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
         if not any(group.get("capturable") is False for group in opt.param_groups):
             raise
         # Some non-capturable paths decide on step counts in Python (RAdam's rectification,
-        # ASGD's averaging): the capturable path computes the same update on the device.
+        # ASGD's averaging): the capturable path computes the same update on the device,
+        # from the step counts in double, as eager's Python floats are.
         try:
-            return trace(lambda opt: step(opt), {"opt": opt}, capturable=True)
+            return trace(
+                lambda opt: step(opt),
+                {"opt": opt},
+                capturable=True,
+                float64_state=_python_float_state(opt),
+            )
         except TraceError:
             raise exc from None
+
+
+def _python_float_state(opt: torch.optim.Optimizer) -> tuple[str, ...]:
+    """0-dim state entries the non-capturable path of ``opt`` reads as Python floats (with
+    ``.item()``): the step counts, except on ASGD's foreach path (which computes eta from
+    them as float32 tensors); on ASGD's for-loop path eta and mu too."""
+    if isinstance(opt, torch.optim.ASGD):
+        foreach = [
+            group.get("foreach")
+            or (group.get("foreach") is None and default_foreach(group["params"]))
+            for group in opt.param_groups
+        ]
+        return () if any(foreach) else ("step", "eta", "mu")
+    return ("step",)
 
 
 def eager_step(opt: torch.optim.Optimizer) -> Any:

@@ -48,7 +48,11 @@ class TracedStep:
 
 
 def trace(
-    fn: Callable[..., Any], inputs: Mapping[str, Any], *, capturable: bool = False
+    fn: Callable[..., Any],
+    inputs: Mapping[str, Any],
+    *,
+    capturable: bool = False,
+    float64_state: tuple[str, ...] = (),
 ) -> TracedStep:
     """Trace ``fn(**inputs)``; every value it reads from ``inputs`` is named ``L['<arg>']...``.
 
@@ -56,6 +60,9 @@ def trace(
     computes, operation for operation. ``capturable=True`` shows optimizers with
     ``capturable=True`` and ``torch.compiler.is_compiling()`` reporting True: the paths
     torch.optim keeps on the device, for steps whose eager path decides on tensor values.
+    ``float64_state`` (with it, for such a step when the optimizer is not capturable) names
+    0-dim float state entries (``'step'``) the step sees in float64: eager's path reads them
+    as Python floats, so what it computes from them (bias corrections) is double.
     """
     # A trace allocates tens of thousands of small objects that all live until it ends; the
     # cyclic collector would rescan them again and again (a third of the time at 1,000 params).
@@ -63,25 +70,34 @@ def trace(
     gc.disable()
     try:
         with patches.tracing():  # one trace at a time; its patches seen by this thread only
-            return _trace(fn, inputs, capturable)
+            return _trace(fn, inputs, capturable, float64_state)
     finally:
         if collecting:
             gc.enable()
 
 
-def _trace(fn: Callable[..., Any], inputs: Mapping[str, Any], capturable: bool) -> TracedStep:
+def _trace(
+    fn: Callable[..., Any],
+    inputs: Mapping[str, Any],
+    capturable: bool,
+    float64_state: tuple[str, ...],
+) -> TracedStep:
     recorder = Recorder()
     try:
-        return _record(fn, inputs, capturable, recorder)
+        return _record(fn, inputs, capturable, float64_state, recorder)
     finally:
         recorder.detach_hooks()
 
 
 def _record(
-    fn: Callable[..., Any], inputs: Mapping[str, Any], capturable: bool, recorder: Recorder
+    fn: Callable[..., Any],
+    inputs: Mapping[str, Any],
+    capturable: bool,
+    float64_state: tuple[str, ...],
+    recorder: Recorder,
 ) -> TracedStep:
     start = time.perf_counter()
-    ctx = TraceContext(recorder, capturable)
+    ctx = TraceContext(recorder, capturable, float64_state)
     ctx.guard(autocast_guard())  # its casts are recorded as graph ops
     for name, value in inputs.items():
         ctx.collect(value, LocalSource(name))
