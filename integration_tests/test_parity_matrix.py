@@ -348,3 +348,17 @@ def test_steps_deciding_on_step_counts_compute_from_them_as_eager_does(
     exact = not foreach or name == "ASGD"
     tol = {"atol": 0.0, "rtol": 0.0} if exact else {"atol": 0.0, "rtol": 1e-7}
     assert_same(model, opt, reference, eager, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_low_precision_foreach_steps_on_cpu_match_eager_bitwise(name, dtype):
+    """The trace records an in-place foreach op as its functional form; on the CPU,
+    ``_foreach_mul_`` by a scalar rounds float16/bfloat16 differently from ``_foreach_mul``
+    (1 ulp, compounding over steps: RMSprop, Adam's exp_avg_sq), so the torch backend runs
+    the op eager ran."""
+    model = small_model().to(dtype)
+    make = lambda ps: getattr(torch.optim, name)(ps, foreach=True)  # noqa: E731
+    model, opt, reference, eager = compiled_and_eager(make, model, [()] * 6)
+    assert_compiled(opt)
+    assert_same(model, opt, reference, eager, atol=0.0, rtol=0.0)

@@ -5,6 +5,10 @@ walks the nodes in order, but the walk is prepared once: each node becomes a ste
 its arguments from numbered slots, so a call costs little beyond the ops themselves and no
 Python code is generated for large graphs. Trailing ``copy_`` nodes write updates into the
 inputs.
+
+A functional foreach node recorded from an in-place op (``node.meta["inplace"]``, the op
+eager ran) whose CPU kernel rounds float16/bfloat16 differently in place runs as that op on
+copies of its inputs, so the result is eager's to the bit.
 """
 
 from __future__ import annotations
@@ -39,6 +43,33 @@ def _loader(arg: Any, slots: dict[fx.Node, int]) -> Load:
     return lambda env: arg
 
 
+# In-place foreach ops whose CPU kernels round float16/bfloat16 differently from their
+# functional forms (torch 2.13, every foreach op compared: a product with a Scalar or a
+# ScalarList is 1 ulp apart, which compounds over steps).
+_ROUNDS_DIFFERENTLY_IN_PLACE = {
+    torch.ops.aten._foreach_mul_.Scalar,
+    torch.ops.aten._foreach_mul_.ScalarList,
+}
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _as_eager_ran(node: fx.Node) -> Callable[..., Any]:
+    """The callable that computes ``node`` as the op eager ran does."""
+    inplace = node.meta.get("inplace")
+    values = node.meta.get("val")
+    if inplace not in _ROUNDS_DIFFERENTLY_IN_PLACE or not any(
+        getattr(v, "dtype", None) in _LOW_PRECISION for v in values or ()
+    ):
+        return node.target  # type: ignore[return-value]
+
+    def on_copies(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        out = [t.clone() for t in tensors]
+        inplace(out, *args, **kwargs)
+        return out
+
+    return on_copies
+
+
 class TorchPlan:
     """One graph prepared for execution with torch ops."""
 
@@ -60,7 +91,7 @@ class TorchPlan:
             elif node.op == "call_function":
                 args = _loader(tuple(node.args), slots)
                 kwargs = _loader(dict(node.kwargs), slots)
-                self._steps.append((slot, node.target, args, kwargs))
+                self._steps.append((slot, _as_eager_ran(node), args, kwargs))
             elif node.op == "output":
                 self._output = _loader(node.args[0], slots)
             else:

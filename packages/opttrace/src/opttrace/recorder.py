@@ -362,6 +362,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         _refuse_repeats(func, [_written_tensor(func, t) for t in targets])
         pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
         node = self._record(functional, pure_args, pure_kwargs)
+        node.meta["inplace"] = func  # what eager ran: a backend may run it in place too
         self._list_len[node] = n
         node.meta["val"] = tuple(_written_tensor(func, t) for t in targets)
         for i, t in enumerate(targets):
