@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import io
 import types
 import weakref
 from collections.abc import Callable
@@ -423,3 +424,81 @@ def test_a_tensor_on_a_config_object_is_an_input_read_each_call():
         report.traces == 2
         and "L['opt'].config.mask: data pointer changed" in (report.retrace_reasons[0])
     )
+
+
+class _ReplacingMomentum(torch.optim.Optimizer):
+    """Momentum kept by storing a new tensor each step (``buf = buf * m + g``), as many
+    custom optimizers write it."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1, "momentum": 0.9})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = torch.zeros_like(p)
+                state["buf"] = state["buf"] * group["momentum"] + p.grad
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_state_tensor_the_step_replaces_each_call_does_not_retrace(backend):
+    """Its address changes every call by the step's own doing: no data-pointer guard on it
+    (each call retraced, and the step went eager at the recompile limit)."""
+    model, opt, reference, eager = run_pair(_ReplacingMomentum, steps=12, backend=backend)
+    assert_same(model, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    report = optcompile.explain(opt)
+    assert report.traces == 2 and report.fallback_reason is None  # (+ the buffers)
+
+
+def _reload(opt: torch.optim.Optimizer, saved: bytes) -> None:
+    opt.load_state_dict(torch.load(io.BytesIO(saved)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fifty_checkpoint_reloads_stay_compiled_without_piling_up_entries(backend):
+    """Each reload gives the state new tensors: the entry for the old ones is replaced, not
+    kept (8 reloads reached the recompile limit); the group's key order, which
+    load_state_dict changes ('params' last), retraces nothing."""
+    make = lambda ps: optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    model, opt, reference, eager = run_pair(make, steps=3, backend=backend)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    saved = buffer.getvalue()
+    for step in range(3, 53):
+        for o in (opt, eager):
+            _reload(o, saved)
+        step_both(model, opt, reference, eager, range(step, step + 1))
+    assert_same(model, opt, reference, eager, rtol=1e-4, atol=1e-5)  # (kernel vs eager)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and report.entries <= 2
+    assert not any("keys changed" in r for r in report.retrace_reasons)
+
+
+class _IteratingSGD(torch.optim.Optimizer):
+    """Reads its hyperparameters by iterating the group: the keys' order then matters."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1, "scale": 2.0})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            factors = [v for k, v in group.items() if k != "params"]
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-(factors[0] * factors[1]))
+
+
+def test_key_order_is_guarded_only_for_a_step_that_iterates_the_group():
+    model, opt, reference, eager = run_pair(_IteratingSGD, steps=1)
+    for o in (opt, eager):
+        group = o.param_groups[0]
+        params = group.pop("params")
+        group["params"] = params  # the same keys, 'params' last
+    step_both(model, opt, reference, eager, range(1, 3))
+    assert_same(model, opt, reference, eager)
+    report = optcompile.explain(opt)
+    assert report.traces == 2 and "keys changed" in report.retrace_reasons[0]

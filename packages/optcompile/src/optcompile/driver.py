@@ -30,6 +30,7 @@ from optguard import (
     CompiledCheck,
     DataPtrGuard,
     FastGather,
+    Guard,
     GuardedCache,
     Locals,
     compile_check,
@@ -182,12 +183,22 @@ class Compiled:
             self.fall_back(f"tracing failed{where}: {exc.reason}", for_good=False)
             return None
         entry = lower(traced, self.backend, self.pin_inputs)
+        self._drop_superseded(traced)
         self.cache.add(compile_check(traced.guards), entry)
         self.stats.traces += 1
         self.stats.fallback_reason = None
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
         return entry
+
+    def _drop_superseded(self, traced: TracedStep) -> None:
+        """Drop entries that differ from ``traced`` only in the data pointers they expect:
+        the same step over tensors that were replaced (a checkpoint loaded into the live
+        optimizer). Kept, they would pile up to the recompile limit, holding the old
+        tensors."""
+        shape = _shape_of(traced.guards.guards)
+        kept = [e for e in self.cache.entries if _shape_of(e.value.traced.guards.guards) != shape]
+        self.cache.entries[:] = kept
 
     def fall_back(self, reason: str, for_good: bool = True) -> None:
         """Run eagerly (from now on, unless not ``for_good``: then this call only; a later
@@ -212,6 +223,11 @@ class Compiled:
         was compiled for is gone."""
         self.cache.clear()
         self.released = True
+
+
+def _shape_of(guards: tuple[Guard, ...]) -> tuple[Any, ...]:
+    """The guards with the addresses left out (see Compiled._drop_superseded)."""
+    return tuple(("address", g.source) if isinstance(g, DataPtrGuard) else g for g in guards)
 
 
 @contextlib.contextmanager

@@ -197,17 +197,24 @@ class DictLengthGuard(LengthGuard):
 
 @dataclass(frozen=True)
 class KeysGuard(Guard):
-    """A dict with exactly these string keys, in this order; ``keys=None`` means absent."""
+    """A dict with exactly these string keys, in this order (``ordered``; else in any
+    order: ``load_state_dict`` puts ``'params'`` last); ``keys=None`` means absent."""
 
     keys: tuple[str, ...] | None
+    ordered: bool = True
 
     def test(self, var: str, code: SourceCode) -> str:
         if self.keys is None:
             return f"{var} is None"
+        if not self.ordered:
+            keys = code.constant(frozenset(self.keys), "keys")
+            return f"({var} is not None and {var}.keys() == {keys})"
         return f"({var} is not None and tuple({var}) == {self.keys!r})"
 
     def expected(self) -> str:
-        return "is absent" if self.keys is None else f"has keys {list(self.keys)}"
+        if self.keys is None:
+            return "is absent"
+        return f"has keys {list(self.keys)}" + ("" if self.ordered else " (in any order)")
 
     def changed(self, value: Any) -> str:
         found = None if value is None else list(value)

@@ -273,7 +273,8 @@ class TraceContext:
                 self.guard(DictLengthGuard(source, len(value)))
                 factory = value.default_factory if isinstance(value, defaultdict) else None
                 return TrackedStateDict(self, source, value, factory)
-            self.guard(KeysGuard(source, tuple(value)))
+            # Their order matters only if the step iterates (TrackedDict then guards it).
+            self.guard(KeysGuard(source, tuple(value), ordered=False))
             return TrackedDict(self, source, value)
         # Anything else (a function, a frozen dataclass, a named tuple) is used as it is:
         # what the step reads from it is baked in, so another object there retraces.

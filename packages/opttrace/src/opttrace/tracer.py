@@ -7,15 +7,33 @@ import gc
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import optguard
 import optsidefx
 import torch
-from optguard import ConstantGuard, GlobalSource, GuardSet, LocalSource, Source, autocast_guard
-from optsidefx import Effect, TensorWrite, append_writebacks
+from optguard import (
+    AttrSource,
+    ConstantGuard,
+    DataPtrGuard,
+    GlobalSource,
+    GuardSet,
+    ItemSource,
+    LocalSource,
+    Source,
+    autocast_guard,
+)
+from optsidefx import (
+    AttrStore,
+    Const,
+    Effect,
+    Input,
+    ItemStore,
+    TensorWrite,
+    append_writebacks,
+)
 from torch import fx
 
 from opttrace import audit, patches, symbolic
@@ -146,11 +164,32 @@ def _record(
     return TracedStep(
         graph_module=gm,
         input_sources=kept,
-        guards=ctx.guards.build(),
+        guards=_unpin_replaced(ctx.guards.build(), effects),
         effects=(*effects, *writes),
         num_outputs=len(ctx.outputs),
         seconds=time.perf_counter() - start,
         capturable=capturable,
+    )
+
+
+def _unpin_replaced(guards: GuardSet, effects: Sequence[Effect]) -> GuardSet:
+    """Drop the data-pointer guards of inputs the step itself replaces (``state['buf'] =
+    buf * 0.9 + g``: each call stores a new tensor there, so a guard on its address would
+    fail on the next call, retracing every step up to the recompile limit). Backends
+    compare those addresses themselves."""
+    replaced: set[Source] = set()
+    for effect in effects:
+        if isinstance(effect, ItemStore) and isinstance(effect.target, Input):
+            key = effect.key.value if isinstance(effect.key, Const) else effect.key
+            replaced.add(ItemSource(effect.target.source, key))
+        elif isinstance(effect, AttrStore) and isinstance(effect.target, Input):
+            replaced.add(AttrSource(effect.target.source, effect.attr))
+    if not replaced:
+        return guards
+    return GuardSet(
+        tuple(
+            g for g in guards.guards if not (isinstance(g, DataPtrGuard) and g.source in replaced)
+        )
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from optguard import ItemSource, KeyedSource, Source
+from optguard import ItemSource, KeyedSource, KeysGuard, Source
 from optsidefx import Input
 
 from opttrace.errors import TraceError
@@ -46,6 +46,13 @@ class TrackedDict(dict[Any, Any]):
         self.overrides = overrides or {}
         self._read: set[Any] = set()
         self._written: set[Any] = set()
+        self._keys = tuple(raw)
+
+    def _in_order(self) -> list[Any]:
+        """The keys, for a step that iterates: their order now matters, so it is guarded."""
+        if all(type(k) is str for k in self._keys):
+            self.ctx.guard(KeysGuard(self.source, self._keys))
+        return list(dict.keys(self))
 
     def __getitem__(self, key: Any) -> Any:
         value = dict.__getitem__(self, key)
@@ -63,16 +70,19 @@ class TrackedDict(dict[Any, Any]):
     def __iter__(self) -> Iterator[Any]:
         # Overriding __iter__ makes CPython's dict merging (``{**d}``, ``dict(d)``) go
         # through keys() and __getitem__, so those reads install guards too.
-        return iter(list(dict.keys(self)))
+        return iter(self._in_order())
+
+    def keys(self) -> Any:
+        return self._in_order()
 
     def values(self) -> Any:
-        return [self[k] for k in dict.keys(self)]
+        return [self[k] for k in self._in_order()]
 
     def items(self) -> Any:
-        return [(k, self[k]) for k in dict.keys(self)]
+        return [(k, self[k]) for k in self._in_order()]
 
     def copy(self) -> dict[Any, Any]:
-        return {k: self[k] for k in dict.keys(self)}
+        return {k: self[k] for k in self._in_order()}
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.ctx.ledger.store_item(Input(self.source), key, value)
