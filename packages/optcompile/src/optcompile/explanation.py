@@ -78,7 +78,7 @@ class Explanation:
         if self.entries:
             lines.append(
                 f"graph of the newest entry: {self.graph_ops} ops over {self.graph_inputs} "
-                f"inputs; {self.side_effects} side effects replayed after it"
+                f"inputs; side effects replayed after it: {self.side_effects}"
             )
             notes = [ln[2:] for ln in self.graph_code.splitlines()[:4] if ln.startswith("# ")]
             lines += [f"  {_clip(n)}" for n in notes[:2]]

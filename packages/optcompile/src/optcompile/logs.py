@@ -77,7 +77,7 @@ def entry_added(
     entries, limit = len(compiled.cache.entries), compiled.cache.limit
     if reason is not None:
         recompiles.info(
-            "%s: retrace (entry %d of recompile_limit %d): %s",
+            "%s: retrace (entry %d, recompile_limit %d): %s",
             compiled.name,
             entries,
             limit,
