@@ -97,3 +97,5 @@ __all__ = [
     "overlapping",
     "variable_name",
 ]
+
+__version__ = "0.1.0"
