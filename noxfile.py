@@ -98,9 +98,11 @@ def base_env(session: nox.Session) -> Path:
     stamp = "\n".join([TORCH, *TOOLS])
     if _fresh(session, env, stamp):
         pip = [_python(env), "-m", "pip", "install", "-q"]
-        cpu = TORCH.startswith("torch==")
-        index = ["--extra-index-url", TORCH_CPU_INDEX] if cpu and TORCH_CPU_INDEX else []
-        session.run(*pip, *index, TORCH, external=True)
+        if TORCH.startswith("torch==") and TORCH_CPU_INDEX:
+            # torch alone from the CPU index, then its dependencies from the usual ones.
+            cpu = ["--extra-index-url", TORCH_CPU_INDEX, "--no-deps"]
+            session.run(*pip, *cpu, TORCH, external=True)
+        session.run(*pip, TORCH, external=True)
         session.run(*pip, *TOOLS, external=True)
         _mark(env, stamp)
     return env
