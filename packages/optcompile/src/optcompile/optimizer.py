@@ -15,6 +15,7 @@ step traces its own entries.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,7 @@ _OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Compiled] = (
     weakref.WeakKeyDictionary()
 )
 _CLASSES: dict[type, type] = {}  # optimizer class -> its compiled subclass
+_REGISTERING = threading.RLock()
 
 
 def compile_optimizer(opt: torch.optim.Optimizer, options: Options) -> torch.optim.Optimizer:
@@ -69,7 +71,10 @@ def registered(opt: torch.optim.Optimizer) -> Compiled:
     """The Compiled of a compiled optimizer, built on first use (a copy's is built here)."""
     compiled = _OPTIMIZERS.get(opt)
     if compiled is None:
-        compiled = _OPTIMIZERS[opt] = _build(opt, opt.__dict__[OPTIONS_ATTR])
+        with _REGISTERING:  # two threads stepping a fresh copy build one Compiled
+            compiled = _OPTIMIZERS.get(opt)
+            if compiled is None:
+                compiled = _OPTIMIZERS[opt] = _build(opt, opt.__dict__[OPTIONS_ATTR])
     return compiled
 
 
