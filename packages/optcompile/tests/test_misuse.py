@@ -50,7 +50,7 @@ def test_a_python_callable_object_still_compiles():
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("fullgraph", "yes"), ("recompile_limit", 0), ("recompile_limit", True)],
+    [("fullgraph", "yes"), ("recompile_limit", 0), ("recompile_limit", True), ("cudagraphs", 1)],
 )
 def test_bad_option_values_are_refused_naming_them(option, value):
     opt = torch.optim.SGD(small_model().parameters(), lr=0.1)

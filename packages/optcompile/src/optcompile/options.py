@@ -13,7 +13,6 @@ from optcompile.cudagraphs import GraphedBackend
 from optcompile.errors import CompileError
 
 BACKEND_CHOICES = ("auto", "torch", "triton")
-CUDAGRAPHS_CHOICES = ("auto", True, False)
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,8 @@ class Options:
             raise CompileError(
                 f"backend={self.backend!r} is unknown; choose one of {BACKEND_CHOICES}"
             )
-        if not any(self.cudagraphs is c or self.cudagraphs == c for c in CUDAGRAPHS_CHOICES):
+        mode = self.cudagraphs
+        if not (mode is True or mode is False or (isinstance(mode, str) and mode == "auto")):
             raise CompileError(
                 f"cudagraphs must be one of 'auto', True, False; got {self.cudagraphs!r}"
             )
