@@ -4,17 +4,23 @@ Run through the bootstrap script at the repo root: ``./nox`` (every session CI n
 ``./nox -s demo``. ``./nox -l`` lists the sessions.
 
 Environments are layered to keep CI fast on 2 cores:
-- ``.nox/_base`` holds the third-party tools once: torch (the CPU wheel ``torch==2.13.0`` on
-  machines without ``nvidia-smi``, installed first and alone, so nothing can pull in a CUDA
-  build), triton, numpy, pytest, hypothesis, mypy, ruff.
+- ``.nox/_base`` holds the third-party tools once: torch (the CPU wheel ``torch==2.13.0+cpu``
+  on machines without ``nvidia-smi``, installed first and alone, so nothing can pull in a
+  CUDA build), triton, numpy, pytest, hypothesis, mypy, ruff. The CPU wheel comes from
+  PyTorch's CPU index, named here (``TORCH_CPU_INDEX``); set ``OPTCOMPILE_TORCH_INDEX`` to
+  another index URL (a mirror), or to an empty string to use only pip's own configuration.
 - ``.nox/_layer-<package>`` sees the base through a ``.pth`` file and pip-installs, editable,
   only that package and its lower layers (pip resolves their dependencies; torch is already
   satisfied). A layer's tests and typecheck therefore run without any higher layer installed.
+- ``.nox/_build`` holds hatchling, which builds the wheels (``./nox -s wheels``, into
+  ``dist/``); the ``release`` session builds them and installs them offline into fresh
+  virtualenvs (``repo_tests/``), with the docs' link check.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -41,6 +47,9 @@ LOCAL_DEPS: dict[str, list[str]] = {
 }
 
 TORCH = "torch>=2.11" if shutil.which("nvidia-smi") else "torch==2.13.0"
+# Where the CPU wheel comes from on machines without CUDA. torch==2.13.0 matches 2.13.0+cpu,
+# which pip ranks above the plain (CUDA) 2.13.0 of the default index.
+TORCH_CPU_INDEX = os.environ.get("OPTCOMPILE_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
 TOOLS = ["triton>=3.6", "numpy", "pytest>=8", "hypothesis>=6", "mypy", "ruff"]
 # Tests build optguard's native checks in the foreground (deterministic: no tier upgrade mid-test).
 TEST_ENV = {"TRITON_INTERPRET": "1", "OPTCOMPILE_NATIVE": "sync"}
@@ -89,6 +98,10 @@ def base_env(session: nox.Session) -> Path:
     stamp = "\n".join([TORCH, *TOOLS])
     if _fresh(session, env, stamp):
         pip = [_python(env), "-m", "pip", "install", "-q"]
+        if TORCH.startswith("torch==") and TORCH_CPU_INDEX:
+            # torch alone from the CPU index, then its dependencies from the usual ones.
+            cpu = ["--extra-index-url", TORCH_CPU_INDEX, "--no-deps"]
+            session.run(*pip, *cpu, TORCH, external=True)
         session.run(*pip, TORCH, external=True)
         session.run(*pip, *TOOLS, external=True)
         _mark(env, stamp)
@@ -113,6 +126,50 @@ def layer_env(session: nox.Session, package: str) -> Path:
         session.run(_python(env), "-m", "pip", "install", "-q", *editables, external=True)
         _mark(env, stamp)
     return env
+
+
+BUILD_TOOLS = ["hatchling>=1.27"]
+DIST = ROOT / "dist"
+
+
+def build_env(session: nox.Session) -> Path:
+    """A small environment with the build backend (the wheels build without isolation)."""
+    env = ENVS / "_build"
+    stamp = "\n".join(BUILD_TOOLS)
+    if _fresh(session, env, stamp):
+        session.run(_python(env), "-m", "pip", "install", "-q", *BUILD_TOOLS, external=True)
+        _mark(env, stamp)
+    return env
+
+
+def build_wheels(session: nox.Session) -> None:
+    """The six packages' wheels, built anew into ``dist/``."""
+    DIST.mkdir(exist_ok=True)
+    for old in DIST.glob("*.whl"):
+        if old.name.split("-")[0] in PACKAGES:
+            old.unlink()
+    python = _python(build_env(session))
+    sources = [f"packages/{p}" for p in PACKAGES]
+    pip = [python, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps"]
+    session.run(*pip, "-w", str(DIST), *sources, external=True)
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build all six wheels into dist/ (pip install --find-links dist optcompile)."""
+    build_wheels(session)
+
+
+@nox.session
+def release(session: nox.Session) -> None:
+    """What a user gets: the wheels install offline into fresh venvs and run a compiled
+    step; package metadata; every relative link in the markdown files resolves."""
+    build_wheels(session)
+    python = _python(base_env(session))
+    env = {"OPTCOMPILE_DIST": str(DIST)}
+    session.run(
+        python, "-m", "pytest", "repo_tests", "-q", *session.posargs, env=env, external=True
+    )
 
 
 @nox.session
@@ -176,4 +233,4 @@ def demo(session: nox.Session) -> None:
 
 
 # Everything, in this order; a parametrized name selects all of its parametrizations.
-nox.options.sessions = ["lint", "typecheck", "tests", "integration", "demo"]
+nox.options.sessions = ["lint", "typecheck", "tests", "integration", "demo", "release"]

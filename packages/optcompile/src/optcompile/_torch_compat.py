@@ -36,3 +36,13 @@ def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
         or opt._optimizer_step_post_hooks
         or _optimizer_module._global_optimizer_post_hooks
     )
+
+
+def unhooked_step(cls: type) -> Callable[..., Any]:
+    """``cls.step`` without the wrapper torch.optim puts around each class's step (hooks and
+    the profiler; it marks it ``hooked`` and keeps the step it wraps as ``__wrapped__``)."""
+    step: Callable[..., Any] = cls.step  # type: ignore[attr-defined]
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        inner: Callable[..., Any] = step.__wrapped__
+        return inner
+    return step

@@ -5,53 +5,26 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
 import torch
-from optguard import DEFAULT_RECOMPILE_LIMIT, Locals, native
-from optkernels import Backend, BackendError, get_backend
-from opttrace import closure_reason, eager_step, trace, trace_step
+from optguard import DEFAULT_RECOMPILE_LIMIT, Locals, group_guards, native
+from optsidefx import Effect, TensorWrite
+from opttrace import trace
 
-from optcompile._torch_compat import has_step_hooks, step_post_hooks, step_pre_hooks
-from optcompile.cudagraphs import GraphedBackend, GraphedPlan
+from optcompile.cudagraphs import GraphedPlan
 from optcompile.driver import Compiled, newest, reset_all
-from optcompile.errors import CompileError
+from optcompile.errors import CompileError, NotCompilableError
+from optcompile.explanation import Explanation
+from optcompile.optimizer import _OPTIMIZERS as _OPTIMIZERS  # (tests reach the registry here)
+from optcompile.optimizer import compile_optimizer, is_compiled, registered
+from optcompile.options import BACKEND_CHOICES, Options
+
+__all__ = ["BACKEND_CHOICES", "Explanation", "compile", "explain", "reset"]
 
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 F = TypeVar("F", bound=Callable[..., Any])
-
-BACKEND_CHOICES = ("auto", "torch", "triton")
-_OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Compiled] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _backend(name: str, obj: Any) -> Backend:
-    if name not in BACKEND_CHOICES:
-        raise CompileError(f"backend={name!r} is unknown; choose one of {BACKEND_CHOICES}")
-    if name == "auto":
-        name = "triton" if _wants_triton(obj) else "torch"
-    try:
-        return get_backend(name)
-    except BackendError as exc:
-        raise CompileError(str(exc)) from exc
-
-
-def _wants_triton(obj: Any) -> bool:
-    """ "auto": the Triton kernels when there is a CUDA device, Triton can run, and (for an
-    optimizer) its params live on CUDA; otherwise the torch backend."""
-    if not torch.cuda.is_available():
-        return False
-    from optkernels.triton_backend import triton_usable
-
-    if triton_usable() is not None:
-        return False
-    if isinstance(obj, torch.optim.Optimizer):
-        return any(p.is_cuda for group in obj.param_groups for p in group["params"])
-    return True
 
 
 @overload
@@ -94,82 +67,65 @@ def compile(
     back to eager with a warning.
     ``recompile_limit``: entries kept per object before it falls back to eager.
     """
-    chosen: Backend = _backend(backend, obj)
-    if cudagraphs is not False:
-        chosen = GraphedBackend(chosen, cudagraphs)
+    options = Options(backend, cudagraphs, fullgraph, recompile_limit)
     if isinstance(obj, torch.optim.Optimizer):
-        return _compile_optimizer(obj, chosen, fullgraph, recompile_limit)
-    if callable(obj):
-        return _compile_function(obj, chosen, fullgraph, recompile_limit)
-    raise CompileError(
-        f"optcompile.compile takes a torch.optim.Optimizer or a function, "
-        f"got {type(obj).__qualname__}"
-    )
+        return compile_optimizer(obj, options)
+    _refuse_non_functions(obj)
+    return _compile_function(obj, options)
 
 
-def _compile_optimizer(opt: Opt, backend: Backend, fullgraph: bool, recompile_limit: int) -> Opt:
-    if opt in _OPTIMIZERS:
-        return opt
-    reason = closure_reason(type(opt))
-    if reason is not None and fullgraph:
-        raise CompileError(f"fullgraph=True: {reason}")
-    compiled = _OPTIMIZERS[opt] = Compiled(
-        f"{type(opt).__name__}.step",
-        lambda L: trace_step(L["opt"], capturable=backend.wants_capturable),
-        lambda L: eager_step(L["opt"]),
-        backend,
-        fullgraph,
-        recompile_limit,
-        pin_inputs=True,
-    )
-    if reason is not None:  # LBFGS: its own step (hooks, closure) stays as it is
-        compiled.fall_back(reason)
-        return opt
-    # Entries fetch their inputs through Sources and pin only what the optimizer holds anyway
-    # (params, state); what they own themselves (plans, graphs) goes with the optimizer: the
-    # finalizer releases it even if something still holds `compiled`.
-    weakref.finalize(opt, compiled.release)
-    opt.step = types.MethodType(_compiled_step, opt)  # type: ignore[method-assign]
-    return opt
+def _refuse_non_functions(obj: Any) -> None:
+    """Raise NotCompilableError for what has no tensor function to trace, saying what to
+    pass instead."""
+    name = type(obj).__qualname__
+    if isinstance(obj, torch.nn.Module):
+        raise NotCompilableError(
+            f"optcompile.compile got a torch.nn.Module ({name}); optcompile compiles "
+            "optimizer steps, not models. Pass the model's optimizer "
+            "(optcompile.compile(torch.optim.AdamW(model.parameters()))), and use "
+            "torch.compile(model) for the forward pass"
+        )
+    if isinstance(obj, type):
+        what = "an optimizer class" if issubclass(obj, torch.optim.Optimizer) else "a class"
+        raise NotCompilableError(
+            f"optcompile.compile got {what} ({obj.__qualname__}), not an instance; pass the "
+            f"optimizer itself (optcompile.compile({obj.__qualname__}(params, ...))) or a "
+            "function over tensors"
+        )
+    if isinstance(obj, types.MethodType) and isinstance(obj.__self__, torch.optim.Optimizer):
+        raise NotCompilableError(
+            f"optcompile.compile got the bound method {obj.__qualname__}; pass the optimizer "
+            "itself (optcompile.compile(opt)): its step is compiled in place"
+        )
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        raise NotCompilableError(
+            f"optcompile.compile got an LR scheduler ({name}); pass the optimizer it "
+            "schedules (optcompile.compile(scheduler.optimizer)): learning-rate changes "
+            "never retrace"
+        )
+    if not callable(obj):
+        raise NotCompilableError(
+            f"optcompile.compile takes a torch.optim.Optimizer or a function over tensors, "
+            f"got {name}"
+        )
+    try:
+        inspect.signature(obj)
+    except (TypeError, ValueError):
+        raise NotCompilableError(
+            f"optcompile.compile cannot read the signature of {name} {obj!r} (a builtin or "
+            "an extension function); wrap it in a Python function "
+            "(optcompile.compile(lambda x: fn(x)))"
+        ) from None
 
 
-def _compiled_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    """The compiled ``step``: hooks and the closure run eagerly, the update is compiled."""
-    if torch.compiler.is_compiling():  # (57 ns; a disabled function costs 300 ns a call)
-        return _step_under_dynamo(self, closure)
-    return _step(self, closure)
-
-
-def _step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any:
-    if closure is None and not has_step_hooks(self):  # the usual call: nothing else to run
-        _OPTIMIZERS[self]({"opt": self})
-        self._opt_called = True  # type: ignore[attr-defined]  # see below
-        return None
-    args: tuple[Any, ...] = (self,)
-    kwargs: dict[str, Any] = {} if closure is None else {"closure": closure}
-    for hook in step_pre_hooks(self):
-        result = hook(self, args, kwargs)
-        if result is not None:
-            args, kwargs = result
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    _OPTIMIZERS[self]({"opt": self})
-    self._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers' wrapper sets
-    for hook in step_post_hooks(self):
-        hook(self, args, kwargs)
-    return loss
-
-
-# Inside a function torch.compile traces (a training step calling opt.step()), dynamo would
-# trace this glue and the plan behind it, op by op, up to its recompile limits: the step is
-# compiled already, so dynamo is told to run it as it is (a graph break).
-_step_under_dynamo: Callable[..., Any] = torch.compiler.disable(_step)  # type: ignore[no-untyped-call]
-
-
-def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit: int) -> F:
+def _compile_function(fn: Callable[..., Any], options: Options) -> Any:
+    existing = getattr(fn, "_optcompile", None)
+    if isinstance(existing, Compiled):  # compiled before: same options, the same wrapper
+        previous: Any = fn
+        if not options.differences(previous._optcompile_options):
+            return fn
+        fn = previous.__wrapped__
+    backend = options.backend_for(fn)
     signature = inspect.signature(fn)
 
     def call(L: Locals) -> Any:
@@ -181,8 +137,8 @@ def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit:
         lambda L: trace(lambda **tracked: call(tracked), L),
         call,
         backend,
-        fullgraph,
-        recompile_limit,
+        options.fullgraph,
+        options.recompile_limit,
     )
     under_dynamo: Callable[..., Any] = torch.compiler.disable(compiled)  # type: ignore[no-untyped-call]
 
@@ -192,68 +148,21 @@ def _compile_function(fn: F, backend: Backend, fullgraph: bool, recompile_limit:
         bound.apply_defaults()
         for value in bound.arguments.values():
             # The function's trace replays opt.step(...) as a call: the optimizer's own step
-            # is compiled, with the same options.
-            if isinstance(value, torch.optim.Optimizer):
-                _compile_optimizer(value, backend, fullgraph, recompile_limit)
+            # is compiled, with the same options (unless it was compiled before).
+            if isinstance(value, torch.optim.Optimizer) and not is_compiled(value):
+                compile_optimizer(value, options)
         if torch.compiler.is_compiling():
-            return under_dynamo(bound.arguments)  # (see _step_under_dynamo)
+            return under_dynamo(bound.arguments)  # (see optimizer._step_under_dynamo)
         return compiled(bound.arguments)
 
     wrapper._optcompile = compiled  # type: ignore[attr-defined]
-    return wrapper  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class Explanation:
-    """What optcompile did with one compiled object."""
-
-    traces: int
-    retrace_reasons: list[str]
-    guards: list[str]
-    graph_code: str
-    check_code: str
-    gather_code: str
-    replay_code: str
-    backend: str
-    entries: int
-    fallback_reason: str | None
-    entry_guards: list[list[str]] = field(default_factory=list)  # per entry, newest first
-    kernel_launches_per_step: int = 0  # of the newest entry's plan
-    cudagraphs: str = "off"  # the newest entry's graph, or why it has none
-    cudagraph_recordings: int = 0  # over every entry
-    cudagraph_replays: int = 0
-    native_checks: str = ""  # optguard's C++ per-tensor checks: loaded, building, failed, off
-
-    def __str__(self) -> str:
-        older = [
-            line
-            for i, guards in enumerate(self.entry_guards[1:], start=2)
-            for line in (f"guards of entry {i} (older):", *(f"  - {g}" for g in guards))
-        ]
-        parts = [
-            f"traces: {self.traces}   entries: {self.entries}   backend: {self.backend}"
-            f"   kernel launches per step: {self.kernel_launches_per_step}",
-            f"fallback: {self.fallback_reason or 'none'}",
-            f"CUDA graphs: {self.cudagraphs}",
-            f"native per-tensor checks: {self.native_checks}",
-            "retrace reasons:",
-            *(f"  - {r}" for r in self.retrace_reasons or ["(none)"]),
-            f"guards of the newest entry ({len(self.guards)}):",
-            *(f"  - {g}" for g in self.guards),
-            *older,
-            "check code:",
-            self.check_code,
-            "graph code:",
-            self.graph_code,
-            "replay code:",
-            self.replay_code,
-        ]
-        return "\n".join(parts)
+    wrapper._optcompile_options = options  # type: ignore[attr-defined]
+    return wrapper
 
 
 def _compiled_of(obj: Any) -> Compiled:
-    if isinstance(obj, torch.optim.Optimizer) and obj in _OPTIMIZERS:
-        return _OPTIMIZERS[obj]
+    if isinstance(obj, torch.optim.Optimizer) and is_compiled(obj):
+        return registered(obj)
     compiled = getattr(obj, "_optcompile", None)
     if isinstance(compiled, Compiled):
         return compiled
@@ -263,8 +172,11 @@ def _compiled_of(obj: Any) -> Compiled:
     )
 
 
-def explain(obj: Any) -> Explanation:
-    """Report traces, retrace reasons, guards and generated code of a compiled object."""
+def explain(obj: Any, verbose: bool = False) -> Explanation:
+    """Report what optcompile did with a compiled object: traces, retrace reasons, fallback,
+    backend, launches per step, CUDA graph state, guards grouped by kind (``str()`` is a
+    summary of at most 40 lines; ``verbose=True`` makes it the full text; the fields always
+    hold it)."""
     compiled = _compiled_of(obj)
     entry = newest(compiled)
     plans = [e.value.plan for e in compiled.cache.entries]
@@ -275,6 +187,7 @@ def explain(obj: Any) -> Explanation:
         status = entry.plan.status()
     else:
         status = "off (cudagraphs=False)"
+    graph = entry.traced.graph if entry else None
     return Explanation(
         traces=compiled.stats.traces,
         retrace_reasons=list(compiled.stats.retrace_reasons),
@@ -292,7 +205,19 @@ def explain(obj: Any) -> Explanation:
         cudagraph_recordings=sum(p.recordings for p in graphed),
         cudagraph_replays=sum(p.replays for p in graphed),
         native_checks=native.status(),
+        name=compiled.name,
+        recompile_limit=compiled.cache.limit,
+        eager=compiled.stats.eager_for_good,
+        guard_groups=group_guards(entry.traced.guards.guards) if entry else [],
+        graph_ops=sum(1 for n in graph.nodes if n.op == "call_function") if graph else 0,
+        graph_inputs=len(entry.traced.input_sources) if entry else 0,
+        side_effects=_replayed(entry.replay.effects) if entry else 0,
+        verbose=verbose,
     )
+
+
+def _replayed(effects: tuple[Effect, ...]) -> int:
+    return sum(1 for e in effects if not isinstance(e, TensorWrite))  # writes are in the graph
 
 
 def reset() -> None:

@@ -20,6 +20,7 @@ from optcudagraph import Graphed, tree_manager
 from optkernels import Backend, Plan
 from torch import fx
 
+from optcompile import logs
 from optcompile.errors import CompileError
 
 
@@ -70,7 +71,9 @@ class GraphedPlan:
             plan: Any = self.plan
             manager = tree_manager(plan.device)
             self.graphed = manager.graphed(plan.launch, "optimizer step", warmup=0)
-        elif self.mode is True:
+        else:
+            logs.cudagraphs.info("optimizer step runs without a CUDA graph: %s", self.reason)
+        if self.reason is not None and self.mode is True:
             raise CompileError(
                 f"cudagraphs=True, but this step cannot be recorded as a CUDA graph: "
                 f"{self.reason}. Use cudagraphs='auto' to run it without one"

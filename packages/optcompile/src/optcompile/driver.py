@@ -19,7 +19,7 @@ import contextlib
 import gc
 import signal
 import threading
-import warnings
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,7 +41,8 @@ from optkernels import Backend, Plan, use_native_addresses
 from optsidefx import Replay, generate_replay
 from opttrace import TRACE_LOCK, TracedStep, TraceError, clear_cache
 
-from optcompile.errors import FallbackWarning
+from optcompile import logs
+from optcompile.errors import FallbackWarning, warn_user
 
 # The backends' per-call address checks use optguard's C++ loops once they are built.
 native.when_loaded(use_native_addresses)
@@ -182,6 +183,7 @@ class Compiled:
             self.stats.failed_traces += 1
             self.fall_back(f"tracing failed{where}: {exc.reason}", for_good=False)
             return None
+        start = time.perf_counter()
         entry = lower(traced, self.backend, self.pin_inputs)
         self._drop_superseded(traced)
         self.cache.add(compile_check(traced.guards), entry)
@@ -189,6 +191,7 @@ class Compiled:
         self.stats.fallback_reason = None
         if reason is not None:
             self.stats.retrace_reasons.append(reason)
+        logs.entry_added(self, traced, reason, time.perf_counter() - start)
         return entry
 
     def _drop_superseded(self, traced: TracedStep) -> None:
@@ -205,14 +208,11 @@ class Compiled:
         miss traces again), saying why once (a FallbackWarning)."""
         self.stats.fallback_reason = reason
         self.stats.eager_for_good = self.stats.eager_for_good or for_good
+        later = "" if for_good else " (a later call traces again)"
+        logs.recompiles.info("%s runs eagerly%s: %s", self.name, later, reason)
         if not self.stats.warned:
             self.stats.warned = True
-            later = "" if for_good else " (a later call traces again)"
-            warnings.warn(
-                f"optcompile: {self.name} runs eagerly{later}: {reason}",
-                FallbackWarning,
-                stacklevel=5,
-            )
+            warn_user(f"optcompile: {self.name} runs eagerly{later}: {reason}", FallbackWarning)
 
     def reset(self) -> None:
         self.cache.clear()

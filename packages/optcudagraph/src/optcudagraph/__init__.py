@@ -25,3 +25,5 @@ __all__ = [
     "reset_managers",
     "tree_manager",
 ]
+
+__version__ = "0.1.0"

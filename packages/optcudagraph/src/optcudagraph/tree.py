@@ -22,6 +22,7 @@ use of them raises an error naming the graph, instead of returning the newer dat
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ from optcudagraph import _torch_compat as compat
 from optcudagraph.errors import CUDAGraphError
 
 DEFAULT_MAX_RERECORDS = 4
+
+log = logging.getLogger("optcompile.cudagraphs")
 
 
 @dataclass
@@ -241,6 +244,7 @@ class Graphed:
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
+        log.info("%s runs without CUDA graphs from now on: %s", self.name, reason)
         self._drop("it was dropped (the function now runs without CUDA graphs)")
 
     def _drop(self, why: str) -> None:
@@ -262,6 +266,7 @@ class Graphed:
         self.node = node
         self.recordings += 1
         manager.recordings.append(Recording(node.graph_id, self.name, node.generation, reason))
+        log.info("%s: graph #%d on %s: %s", self.name, node.graph_id, manager.device, reason)
         # Recording does not run the work: this call's replay does.
         graph.replay()
         node.replays += 1

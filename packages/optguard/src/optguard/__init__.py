@@ -45,6 +45,7 @@ from optguard.sources import (
     ancestors,
     variable_name,
 )
+from optguard.summary import GuardGroup, count_kinds, group_guards, guard_kind
 
 __all__ = [
     "DEFAULT_RECOMPILE_LIMIT",
@@ -64,6 +65,7 @@ __all__ = [
     "FloatGuard",
     "GlobalSource",
     "Guard",
+    "GuardGroup",
     "GuardSet",
     "GuardSetBuilder",
     "GuardedCache",
@@ -88,7 +90,12 @@ __all__ = [
     "build_function",
     "compile_check",
     "compile_fetch",
+    "count_kinds",
     "first_failure",
+    "group_guards",
+    "guard_kind",
     "overlapping",
     "variable_name",
 ]
+
+__version__ = "0.1.0"

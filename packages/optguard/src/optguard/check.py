@@ -7,6 +7,7 @@ name the first that fails, with its old and new value.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ from optguard.codegen import SourceCode, build_function
 from optguard.fast import FastCheck, build_fast_check
 from optguard.guards import MISSING, Guard, describe_failure
 from optguard.sources import Locals
+from optguard.summary import count_kinds
+
+log = logging.getLogger("optcompile.guards")
 
 CheckFn = Callable[[Locals], bool]
 
@@ -109,6 +113,7 @@ class CompiledCheck:
             self.fast = build_fast_check(self.guards.guards, L)
             if self.fast is None:
                 self.fast_note = "off: not available with this torch"
+            log.debug("fast tier %s", "built" if self.fast is not None else self.fast_note)
         except Exception as exc:  # never let the fast tier break a correct check
             self.fast, self.fast_note = None, f"off: {type(exc).__name__}: {exc}"
 
@@ -134,6 +139,10 @@ def compile_check(guards: GuardSet, fast: bool = True) -> CompiledCheck:
     body.emit("return True")
     lines = ["    try:", *body.lines, "    except Exception:", "        return False"]
     fn, code = build_function("check", "L", lines, body.constants)
+    if log.isEnabledFor(logging.INFO):
+        kinds = ", ".join(f"{count} {kind}" for kind, count in count_kinds(guards.guards))
+        log.info("check compiled: %d guards (%s)", len(guards), kinds or "none")
+        log.debug("%s", code)
     return CompiledCheck(guards, fn, code, fast)
 
 

@@ -22,3 +22,5 @@ __all__ = [
     "get_backend",
     "use_native_addresses",
 ]
+
+__version__ = "0.1.0"

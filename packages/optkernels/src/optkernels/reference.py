@@ -13,12 +13,15 @@ copies of its inputs, so the result is eager's to the bit.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 from torch import fx
+
+log = logging.getLogger("optcompile.kernels")
 
 Load = Callable[[list[Any]], Any]
 
@@ -131,4 +134,6 @@ class TorchBackend:
     wants_capturable = False
 
     def compile(self, gm: fx.GraphModule) -> TorchPlan:
-        return TorchPlan(gm)
+        plan = TorchPlan(gm)
+        log.info("torch backend: %d ATen op launches per step", plan.kernel_launches_per_step)
+        return plan

@@ -8,6 +8,7 @@ inside the same plan. ``describe()`` says which.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from optkernels.layouts import layouts
 from optkernels.reference import TorchPlan
 from optkernels.split import Split, split_unfused
 from optkernels.staging import Staging
+
+log = logging.getLogger("optcompile.kernels")
 
 
 def triton_usable() -> str | None:
@@ -581,4 +584,10 @@ class TritonBackend:
             raise BackendError(f"backend='triton' cannot run here: {reason}")
 
     def compile(self, gm: fx.GraphModule) -> TritonPlan:
-        return TritonPlan(gm)
+        plan = TritonPlan(gm)
+        if log.isEnabledFor(logging.INFO):
+            text = plan.describe()
+            notes = [line[2:] for line in text.splitlines() if line.startswith("# ")]
+            log.info("triton backend: %s", "; ".join(notes[:3]) or text.splitlines()[0])
+            log.debug("%s", text)
+        return plan

@@ -44,3 +44,5 @@ __all__ = [
     "append_writebacks",
     "generate_replay",
 ]
+
+__version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,8 @@ from optsidefx.ledger import (
     Return,
     TensorWrite,
 )
+
+log = logging.getLogger("optcompile.sidefx")
 
 ReplayFn = Callable[[Locals, Sequence[torch.Tensor]], Any]
 
@@ -81,4 +84,5 @@ def generate_replay(effects: Sequence[Effect]) -> Replay:
             raise SideEffectError(f"unknown effect {e!r}")
     code.emit(f"return {result}")
     fn, text = build_function("replay", "L, outs", code.lines, code.constants)
+    log.debug("replay of %d effects:\n%s", len(effects), text)
     return Replay(tuple(effects), fn, text)

@@ -31,3 +31,5 @@ __all__ = [
     "trace",
     "trace_step",
 ]
+
+__version__ = "0.1.0"

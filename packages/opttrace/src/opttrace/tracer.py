@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import time
 import traceback
@@ -41,6 +42,8 @@ from opttrace._torch_compat import compiling, lazy_graph_module
 from opttrace.context import TraceContext
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder
+
+log = logging.getLogger("optcompile.graph")
 
 
 @dataclass(frozen=True)
@@ -102,9 +105,23 @@ def _trace(
 ) -> TracedStep:
     recorder = Recorder()
     try:
-        return _record(fn, inputs, capturable, float64_state, recorder)
+        traced = _record(fn, inputs, capturable, float64_state, recorder)
     finally:
         recorder.detach_hooks()
+    if log.isEnabledFor(logging.INFO):
+        ops = sum(1 for n in traced.graph.nodes if n.op == "call_function")
+        log.info(
+            "traced %s in %.3f s: %d ops over %d inputs, %d guards, %d side effects%s",
+            getattr(fn, "__qualname__", "a function"),
+            traced.seconds,
+            ops,
+            len(traced.input_sources),
+            len(traced.guards),
+            len(traced.effects),
+            " (capturable path)" if capturable else "",
+        )
+        log.debug("%s", traced.graph_module.code.strip())
+    return traced
 
 
 def _record(

@@ -1,0 +1,217 @@
+"""The compiled optimizer: the same object, its class swapped for a compiled subclass.
+
+``compile(opt)`` sets ``opt.__class__`` to a subclass of its class (made once per class,
+named like it) whose ``step`` runs the compiled update; nothing is added to the instance's
+public attributes, so the optimizer looks as it did to everything that reads them
+(``state_dict()``, LR schedulers, torch's own tests). ``torch.optim`` does the same kind of
+thing: it wraps each class's ``step`` once, for its hooks and the profiler.
+
+The options the optimizer was compiled with live on the instance (``_optcompile_options``);
+its Compiled (entries, statistics) lives in a registry and is built on first use. A
+``copy.deepcopy``, ``copy.copy`` or ``pickle`` of a compiled optimizer is rebuilt as a
+compiled optimizer of the same class with the same options (``__reduce_ex__``): its first
+step traces its own entries.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from opttrace import closure_reason, eager_step, trace_step
+
+from optcompile import logs
+from optcompile._torch_compat import (
+    has_step_hooks,
+    step_post_hooks,
+    step_pre_hooks,
+    unhooked_step,
+)
+from optcompile.driver import Compiled
+from optcompile.errors import CompileError
+from optcompile.options import Options
+
+OPTIONS_ATTR = "_optcompile_options"
+
+_OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Compiled] = (
+    weakref.WeakKeyDictionary()
+)
+_CLASSES: dict[type, type] = {}  # optimizer class -> its compiled subclass
+_REGISTERING = threading.RLock()
+
+
+def compile_optimizer(opt: torch.optim.Optimizer, options: Options) -> torch.optim.Optimizer:
+    """Make ``opt`` a compiled optimizer (in place) with ``options``; see the module."""
+    old = opt.__dict__.get(OPTIONS_ATTR)
+    if isinstance(old, Options) and is_compiled(opt):
+        if options.differences(old):
+            _recompile(opt, old, options)
+        return opt
+    base = type(opt)
+    reason = closure_reason(base)
+    if reason is not None and options.fullgraph:
+        raise CompileError(f"fullgraph=True: {reason}")
+    options.backend_for(opt)  # a backend that cannot run here is refused now, not at step()
+    opt.__class__ = compiled_class(base)
+    opt.__dict__[OPTIONS_ATTR] = options
+    _rewrap_scheduler_step(opt)
+    registered(opt)
+    return opt
+
+
+def is_compiled(obj: Any) -> bool:
+    """Whether ``obj`` is an optimizer made by ``compile_optimizer`` (or copied from one)."""
+    return "_optcompile_base" in type(obj).__dict__
+
+
+def registered(opt: torch.optim.Optimizer) -> Compiled:
+    """The Compiled of a compiled optimizer, built on first use (a copy's is built here)."""
+    compiled = _OPTIMIZERS.get(opt)
+    if compiled is None:
+        with _REGISTERING:  # two threads stepping a fresh copy build one Compiled
+            compiled = _OPTIMIZERS.get(opt)
+            if compiled is None:
+                compiled = _OPTIMIZERS[opt] = _build(opt, opt.__dict__[OPTIONS_ATTR])
+    return compiled
+
+
+def _build(opt: torch.optim.Optimizer, options: Options) -> Compiled:
+    backend = options.backend_for(opt)
+    base: type = type(opt).__dict__["_optcompile_base"]
+    compiled = Compiled(
+        f"{base.__name__}.step",
+        lambda L: trace_step(L["opt"], capturable=backend.wants_capturable),
+        lambda L: eager_step(L["opt"]),
+        backend,
+        options.fullgraph,
+        options.recompile_limit,
+        pin_inputs=True,
+    )
+    reason = closure_reason(base)
+    if reason is not None:  # LBFGS: its own step (hooks, closure) runs; explain() says why
+        compiled.fall_back(reason)
+    # Entries fetch their inputs through Sources and pin only what the optimizer holds anyway
+    # (params, state); what they own themselves (plans, graphs) goes with the optimizer: the
+    # finalizer releases it even if something still holds `compiled`.
+    weakref.finalize(opt, compiled.release)
+    return compiled
+
+
+def _recompile(opt: torch.optim.Optimizer, old: Options, new: Options) -> None:
+    """``compile()`` again with other options: the old entries go, the next step traces."""
+    new.backend_for(opt)
+    previous = _OPTIMIZERS.pop(opt, None)
+    opt.__dict__[OPTIONS_ATTR] = new
+    compiled = registered(opt)
+    dropped = len(previous.cache.entries) if previous is not None else 0
+    if previous is not None:
+        previous.release()
+    logs.recompiles.info(
+        "%s: compile() with new options (%s): %d entr%s dropped, the next step traces",
+        compiled.name,
+        ", ".join(new.differences(old)),
+        dropped,
+        "y" if dropped == 1 else "ies",
+    )
+
+
+def compiled_class(base: type) -> type:
+    """The compiled subclass of optimizer class ``base`` (one per class, named like it)."""
+    if "_optcompile_base" in base.__dict__:
+        return base
+    cls = _CLASSES.get(base)
+    if cls is None:
+        raw = unhooked_step(base)
+
+        def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+            if torch.compiler.is_compiling():  # (57 ns; a disabled function costs 300 ns)
+                return _step_under_dynamo(self, closure)
+            return _step(self, closure)
+
+        step.__doc__ = raw.__doc__
+        step.__qualname__ = f"{base.__qualname__}.step"
+        # torch.optim's mark of a step that runs the hooks itself: torch does not wrap it
+        # again (on unpickling), and opttrace finds the step to trace behind it.
+        step.hooked = True  # type: ignore[attr-defined]
+        step.__wrapped__ = raw  # type: ignore[attr-defined]
+        namespace = {
+            "step": step,
+            "__reduce_ex__": _reduce_ex,
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "_optcompile_base": base,
+            "_optcompile_own_step": closure_reason(base) is not None,
+        }
+        cls = _CLASSES[base] = type(base.__name__, (base,), namespace)
+    return cls
+
+
+def _step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any:
+    """The compiled ``step``: hooks and the closure run eagerly, the update is compiled."""
+    compiled = _OPTIMIZERS.get(self)
+    if compiled is None:
+        compiled = registered(self)
+    if type(self).__dict__["_optcompile_own_step"]:
+        base = type(self).__dict__["_optcompile_base"]
+        return base.step(self, closure)
+    if closure is None and not has_step_hooks(self):  # the usual call: nothing else to run
+        compiled({"opt": self})
+        return None
+    args: tuple[Any, ...] = (self,)
+    kwargs: dict[str, Any] = {} if closure is None else {"closure": closure}
+    for hook in step_pre_hooks(self):
+        result = hook(self, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    compiled({"opt": self})
+    for hook in step_post_hooks(self):
+        hook(self, args, kwargs)
+    return loss
+
+
+# Inside a function torch.compile traces (a training step calling opt.step()), dynamo would
+# trace this glue and the plan behind it, op by op, up to its recompile limits: the step is
+# compiled already, so dynamo is told to run it as it is (a graph break).
+_step_under_dynamo: Callable[..., Any] = torch.compiler.disable(_step)  # type: ignore[no-untyped-call]
+
+
+def _reduce_ex(self: torch.optim.Optimizer, protocol: Any) -> tuple[Any, ...]:
+    """Copies and pickles rebuild a compiled optimizer: same class, same options, its own
+    entries (traced on its first step). The state is what the optimizer's class pickles."""
+    base = type(self).__dict__["_optcompile_base"]
+    return (_rebuild, (base, self.__dict__[OPTIONS_ATTR]), self.__getstate__())
+
+
+def _rebuild(base: type[torch.optim.Optimizer], options: Options) -> torch.optim.Optimizer:
+    """An empty compiled optimizer of class ``base``; pickle and copy then set its state."""
+    opt = base.__new__(base)
+    opt.__class__ = compiled_class(base)
+    opt.__dict__[OPTIONS_ATTR] = options
+    return opt
+
+
+def _rewrap_scheduler_step(opt: torch.optim.Optimizer) -> None:
+    """An LR scheduler made before ``compile`` wrapped the eager step on the instance: wrap
+    the compiled one the same way (it tells the scheduler that the step was called)."""
+    step = opt.__dict__.get("step")
+    if step is None or not getattr(step, "_wrapped_by_lr_sched", False):
+        return
+    ref = weakref.ref(opt)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        assert target is not None  # the wrapper lives on the optimizer itself
+        target._opt_called = True  # type: ignore[attr-defined]
+        return type(target).step(target, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.__dict__["step"] = wrapper

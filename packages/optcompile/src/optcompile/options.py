@@ -1,0 +1,79 @@
+"""The options of ``compile()``, checked once and kept with what they compiled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from optguard import DEFAULT_RECOMPILE_LIMIT
+from optkernels import Backend, BackendError, get_backend
+
+from optcompile.cudagraphs import GraphedBackend
+from optcompile.errors import CompileError
+
+BACKEND_CHOICES = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user asked ``compile()`` for, as given (``backend="auto"`` stays "auto", so a
+    copy unpickled on another machine decides there). Picklable: a compiled optimizer keeps
+    its Options, and its copies compile with them."""
+
+    backend: str = "auto"
+    cudagraphs: str | bool = "auto"
+    fullgraph: bool = False
+    recompile_limit: int = DEFAULT_RECOMPILE_LIMIT
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKEND_CHOICES:
+            raise CompileError(
+                f"backend={self.backend!r} is unknown; choose one of {BACKEND_CHOICES}"
+            )
+        mode = self.cudagraphs
+        if not (mode is True or mode is False or (isinstance(mode, str) and mode == "auto")):
+            raise CompileError(
+                f"cudagraphs must be one of 'auto', True, False; got {self.cudagraphs!r}"
+            )
+        if not isinstance(self.fullgraph, bool):
+            raise CompileError(f"fullgraph must be True or False; got {self.fullgraph!r}")
+        limit = self.recompile_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise CompileError(f"recompile_limit must be an int >= 1; got {limit!r}")
+
+    def backend_for(self, obj: Any) -> Backend:
+        """The backend these options pick for ``obj`` (CUDA graphs wrapped around it)."""
+        name = self.backend
+        if name == "auto":
+            name = "triton" if _wants_triton(obj) else "torch"
+        try:
+            chosen: Backend = get_backend(name)
+        except BackendError as exc:
+            raise CompileError(str(exc)) from exc
+        if self.cudagraphs is not False:
+            chosen = GraphedBackend(chosen, self.cudagraphs)
+        return chosen
+
+    def differences(self, other: Options) -> list[str]:
+        """``name old -> new`` for each option that differs from ``other`` (the older)."""
+        return [
+            f"{name} {getattr(other, name)!r} -> {getattr(self, name)!r}"
+            for name in ("backend", "cudagraphs", "fullgraph", "recompile_limit")
+            if getattr(self, name) != getattr(other, name)
+            or type(getattr(self, name)) is not type(getattr(other, name))
+        ]
+
+
+def _wants_triton(obj: Any) -> bool:
+    """ "auto": the Triton kernels when there is a CUDA device, Triton can run, and (for an
+    optimizer) its params live on CUDA; otherwise the torch backend."""
+    if not torch.cuda.is_available():
+        return False
+    from optkernels.triton_backend import triton_usable
+
+    if triton_usable() is not None:
+        return False
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(p.is_cuda for group in obj.param_groups for p in group["params"])
+    return True
