@@ -8,6 +8,8 @@ match, the step is recorded exactly once and replayed after that.
 
 from __future__ import annotations
 
+import io
+
 import optcompile
 import pytest
 import torch
@@ -128,3 +130,46 @@ def test_a_deleted_optimizer_takes_its_graph_with_it():
     del graphed, opt, schedules
     gc.collect()
     assert gone() is None
+
+
+class _ReplacingMomentum(torch.optim.Optimizer):
+    """Momentum kept by storing a new tensor each step (``buf = buf * m + g``)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-2, "momentum": 0.9})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = torch.zeros_like(p)
+                state["buf"] = state["buf"] * group["momentum"] + p.grad
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+def test_a_state_tensor_replaced_each_step_stays_correct_with_graphs():
+    """The stored buffer is a new tensor each call (a graph output): no address guard holds
+    it, the plan reads its address each call."""
+    model, reference, opt, eager, schedules = _pair(_ReplacingMomentum)
+    for step in range(STEPS):
+        _step((model, reference), (opt, eager), schedules, step)
+    _assert_same(model, reference, opt, eager)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and report.traces == 2, report.retrace_reasons
+
+
+def test_checkpoint_reloads_stay_compiled_and_correct_with_graphs():
+    model, reference, opt, eager, schedules = _pair(CASES["AdamW"])
+    for step in range(3):
+        _step((model, reference), (opt, eager), schedules, step)
+    buffer = io.BytesIO()
+    torch.save(eager.state_dict(), buffer)
+    for step in range(3, 23):
+        for o in (opt, eager):
+            o.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+        _step((model, reference), (opt, eager), schedules, step)
+    _assert_same(model, reference, opt, eager)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None and report.entries <= 2, report.retrace_reasons
