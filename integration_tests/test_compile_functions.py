@@ -334,3 +334,20 @@ def test_a_compiled_function_called_under_torch_compile_runs_as_it_is():
     assert optcompile.explain(compiled).traces == 1
     assert not [w for w in caught if "Dynamo" in str(w.message)]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_in_place_op_rounds_to_its_tensors_dtype_where_the_functional_form_promotes(dtype):
+    """``x.mul_(b)`` with x a 0-dim half tensor and b a 0-dim float32 stores a rounded
+    value in eager; ``mul(x, b)``, which the trace records, is float32: the later ops ran on
+    the unrounded value (AdamW with tensor betas on a 0-dim bf16 param drifted an ulp)."""
+
+    def update(x: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> None:
+        x.mul_(b).addcmul_(g, g, value=0.05)
+
+    x = torch.tensor(0.0908203125, dtype=dtype)
+    b, g = torch.tensor(0.95), torch.tensor(-0.6953125, dtype=dtype)
+    eager_x, compiled_x = x.clone(), x.clone()
+    update(eager_x, b, g)
+    optcompile.compile(update, backend="torch")(compiled_x, b, g)
+    assert compiled_x.dtype == dtype and torch.equal(compiled_x, eager_x)

@@ -322,13 +322,41 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
         out_specs = [specs] if isinstance(specs, Spec) else list(specs)
         node = self._record(functional, pure_args, pure_kwargs)
+        promoted = self._promoted(functional, pure_args, pure_kwargs, out_specs)
         if len(targets) == 1:
-            self._rebind(targets[0], node, out_specs[0])
+            self._rebind(targets[0], self._cast_back(node, promoted[0], targets[0]), out_specs[0])
             return targets[0]
         for i, (target, spec) in enumerate(zip(targets, out_specs, strict=True)):
-            item = self.call(operator.getitem, (node, i))
+            item = self._cast_back(self.call(operator.getitem, (node, i)), promoted[i], target)
             self._rebind(target, item, spec)
         return tuple(targets)
+
+    def _promoted(
+        self, functional: Any, args: Sequence[Any], kwargs: dict[str, Any], specs: list[Spec]
+    ) -> list[torch.dtype | None]:
+        """Per written tensor, the dtype the functional form computes where it differs from
+        the tensor's own (``x.mul_(b)``, x a 0-dim bfloat16 and b a 0-dim float32: ``mul``
+        gives float32), else None. Only then is it worth inferring."""
+        dtypes = {s.dtype for s in specs}
+        others = {
+            a.dtype for a in (*args, *kwargs.values()) if isinstance(a, TracedTensor | torch.Tensor)
+        }
+        if others <= dtypes:
+            return [None] * len(specs)
+        found = meta.infer(functional, _specs(args), _specs_kw(kwargs))
+        found_specs = [found] if isinstance(found, Spec) else list(found)
+        return [
+            f.dtype if f.dtype != s.dtype else None for f, s in zip(found_specs, specs, strict=True)
+        ]
+
+    def _cast_back(self, node: fx.Node, computed: torch.dtype | None, target: Any) -> fx.Node:
+        """An in-place op stores its result in the tensor's dtype: round it as eager does."""
+        if computed is None:
+            return node
+        written = _written_tensor(None, target)
+        spec = Spec(tuple(written.shape), tuple(written.stride()), computed)
+        node.meta["val"] = TracedTensor(self, spec, written.device)
+        return self.call(aten._to_copy.default, (node,), {"dtype": written.dtype})
 
     def _read_scalar(self, t: Any) -> symbolic.SymScalar:
         """A tensor's value used as a Python number (``.item()``, a 0-dim tensor passed
