@@ -81,7 +81,8 @@ def test_a_graphed_step_matches_eager_over_ten_steps_with_one_recording(name):
 
 def test_a_moved_parameter_is_caught_by_its_data_pointer_guard_and_recorded_anew():
     """Params and state are static inputs: each hit checks their addresses (one C++ loop),
-    and a moved one sends the call to a new trace and recording, never to a stale table."""
+    and a moved one sends the call to a new trace and recording, never to a stale table.
+    The new entry differs from the old only in addresses: it replaces it (and its graph)."""
     model, reference, opt, eager, schedules = _pair(CASES["AdamW"])
     for step in range(3):
         _step((model, reference), (opt, eager), schedules, step)
@@ -94,7 +95,8 @@ def test_a_moved_parameter_is_caught_by_its_data_pointer_guard_and_recorded_anew
     _assert_same(model, reference, opt, eager)
     report = optcompile.explain(opt)
     assert report.traces == 2 and "data pointer" in report.retrace_reasons[0]
-    assert report.cudagraph_recordings == 2
+    assert report.entries == 1 and report.cudagraph_recordings == 1, report.cudagraphs
+    assert report.cudagraph_replays == 2  # steps 4 and 5 (step 3 traced, recorded at 4)
 
 
 def test_a_step_with_an_op_the_kernels_cannot_take_runs_without_a_graph_and_says_why():
