@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +173,39 @@ def test_match_with_pointers_sees_a_moved_item(module):
     params[1].data = params[1].data.clone()  # same object and metadata, another address
     assert not module.match(spec, False, params)
     assert module.match(module.spec(params, True), False, params)  # without pointers
+
+
+# -- the build never waits on a lock ------------------------------------------------------
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_a_free_build_directory_is_claimed_and_torchs_stale_lock_removed(tmp_path: Path):
+    (tmp_path / "lock").write_text("")  # torch's baton, left by a process that died
+    assert native.claim(tmp_path) is None
+    assert (tmp_path / "optcompile.claim").read_text() == str(os.getpid())
+    assert not (tmp_path / "lock").exists()  # cpp_extension.load would wait on it forever
+
+
+def test_a_fresh_claim_of_another_process_is_not_waited_for(tmp_path: Path):
+    (tmp_path / "optcompile.claim").write_text("12345")
+    start = time.perf_counter()
+    reason = native.claim(tmp_path)
+    assert time.perf_counter() - start < 1.0
+    assert reason is not None and "another process is building it" in reason
+
+
+def test_a_stale_claim_left_by_a_dead_builder_is_taken_over(tmp_path: Path):
+    stale = tmp_path / "optcompile.claim"
+    stale.write_text("12345")
+    _age(stale, native.STALE_AFTER_S + 1)
+    assert native.claim(tmp_path) is None
+    assert stale.read_text() == str(os.getpid())
+
+
+def test_the_build_directory_follows_torch_extensions_dir(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert native.build_directory().parent == tmp_path

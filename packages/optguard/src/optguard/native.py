@@ -8,7 +8,9 @@ tensor through dynamo's guard tree, torch or Python, tens of µs for 200 paramet
 against the installed torch with ``torch.utils.cpp_extension.load`` (a C++ compiler and
 ninja are needed; ~15 s, once per torch and Python version: the build is cached under
 ``TORCH_EXTENSIONS_DIR``), in a daemon thread started by the first fast tier, so no call
-waits for it. Until it is loaded, or when it cannot be built, the same checks run as
+waits for it. No build ever waits on a lock: one process claims the build (``claim``);
+others meanwhile run the Python checks, and a claim left by a process that died is
+removed when stale. Until it is loaded, or when it cannot be built, the same checks run as
 before (the guard tree, ``attrgetter``, torch's compare): results never depend on it,
 only speed.
 
@@ -23,6 +25,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -106,14 +109,68 @@ def held_ptrs(tensors: list[Any], guards: Sequence[DataPtrGuard]) -> Callable[[A
     return held_match
 
 
+# A build takes ~15 s (a minute on a loaded 2-core machine); a claim older than this was
+# left by a process that died while building.
+STALE_AFTER_S = 300.0
+
+
+def build_directory() -> Path:
+    """Where the module is built and cached (one per torch and Python version)."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / _NAME
+
+
+def claim(directory: Path, stale_after: float = STALE_AFTER_S) -> str | None:
+    """Claim the build in ``directory`` for this process; None if claimed, else why not.
+
+    Never waits: torch's own build lock (``lock``, waited on with no timeout by
+    ``cpp_extension.load``) is only ever taken by the holder of our claim
+    (``optcompile.claim``, created atomically), and a claim or lock left by a process that
+    died is removed once ``stale_after`` seconds old. Another process building now means
+    this one runs the Python checks."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ours = directory / "optcompile.claim"
+    for _ in range(2):
+        try:
+            fd = os.open(ours, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                age = time.time() - ours.stat().st_mtime
+            except FileNotFoundError:
+                continue  # released meanwhile: try again
+            if age < stale_after:
+                return f"another process is building it ({ours}, {age:.0f} s old)"
+            ours.unlink(missing_ok=True)  # its builder died
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        (directory / "lock").unlink(missing_ok=True)  # torch's, left by a dead builder
+        return None
+    return f"could not claim {ours}"
+
+
 def _build() -> None:
     global _module, _status
     try:
         from torch.utils import cpp_extension
 
-        built = cpp_extension.load(
-            name=_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False
-        )
+        directory = build_directory()
+        busy = claim(directory)
+        if busy is not None:
+            _status = f"off ({busy}; this process runs the same checks in Python)"
+            return
+        try:
+            built = cpp_extension.load(
+                name=_NAME,
+                sources=[str(SOURCE)],
+                extra_cflags=["-O2"],
+                build_directory=str(directory),
+                verbose=False,
+            )
+        finally:
+            (directory / "optcompile.claim").unlink(missing_ok=True)
         built.plain(compat.plain_grad_types())
         names = ("spec", "match", "match_both", "take", "grads", "held", "held_match")
         for name in (*names, "addresses", "addresses_equal", "addresses_record"):
