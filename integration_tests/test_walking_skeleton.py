@@ -80,4 +80,8 @@ def test_demo_runs_and_matches_eager():
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK" in result.stdout
+    assert "OK: results match eager" in result.stdout
+    assert "speed-up over eager:" in result.stdout and "backend" in result.stdout
+    speedup = float(result.stdout.split("speed-up over eager: ")[1].split("x")[0])
+    # Never an unqualified OK beside a slowdown: the demo says why.
+    assert (speedup >= 1.0) != ("(but slower: see the note)" in result.stdout)
