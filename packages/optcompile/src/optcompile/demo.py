@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         f"step time, median of {args.timing_steps}: eager {eager_ms:.3f} ms, "
         f"compiled ({report.backend} backend) {compiled_ms:.3f} ms"
     )
-    speedup = eager_ms / compiled_ms
+    speedup = round(eager_ms / compiled_ms, 2)  # (as printed)
     print(f"speed-up over eager: {speedup:.2f}x")
     slower = speedup < 1.0
     if slower:
