@@ -87,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     if slower:
         print(
             "note: the compiled step is slower than eager here. The torch backend (what "
-            f"backend='auto' picks for {device.type} params) runs the traced graph op by op "
-            "and allocates every intermediate, where eager updates in place; the README's "
-            "Limitations say more. On CUDA the Triton backend fuses the step into one kernel."
+            f"backend='auto' picks for {device.type} params) runs the traced graph op by op, "
+            "interpreting each node in Python, which costs more than eager's own loop for "
+            "small tensors; the README's Limitations say more. On CUDA the Triton backend "
+            "fuses the step into one kernel."
         )
     ok = max_diff <= 1e-5 and report.traces == 1
     if not ok:

@@ -13,6 +13,7 @@ copies of its inputs, so the result is eager's to the bit.
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
 from collections.abc import Callable, Collection, Sequence
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import fx
+
+from optkernels.reinplace import reinplace
 
 log = logging.getLogger("optcompile.kernels")
 
@@ -60,6 +63,8 @@ def _as_eager_ran(node: fx.Node) -> Callable[..., Any]:
     """The callable that computes ``node`` as the op eager ran does."""
     inplace = node.meta.get("inplace")
     values = node.meta.get("val")
+    if node.target is inplace:  # (turned back in place: reinplace.py)
+        return node.target  # type: ignore[no-any-return]
     if inplace not in _ROUNDS_DIFFERENTLY_IN_PLACE or not any(
         getattr(v, "dtype", None) in _LOW_PRECISION for v in values or ()
     ):
@@ -134,6 +139,8 @@ class TorchBackend:
     wants_capturable = False
 
     def compile(self, gm: fx.GraphModule) -> TorchPlan:
-        plan = TorchPlan(gm)
+        graph = copy.deepcopy(gm.graph)  # (the entry keeps the traced graph for explain())
+        reinplace(graph)
+        plan = TorchPlan(fx.GraphModule(gm, graph))
         log.info("torch backend: %d ATen op launches per step", plan.kernel_launches_per_step)
         return plan

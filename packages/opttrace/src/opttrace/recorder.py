@@ -323,6 +323,8 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         out_specs = [specs] if isinstance(specs, Spec) else list(specs)
         node = self._record(functional, pure_args, pure_kwargs)
         promoted = self._promoted(functional, pure_args, pure_kwargs, out_specs)
+        if not any(promoted):
+            node.meta["inplace"] = func  # what eager ran: a backend may run it in place too
         if len(targets) == 1:
             self._rebind(targets[0], self._cast_back(node, promoted[0], targets[0]), out_specs[0])
             return targets[0]
