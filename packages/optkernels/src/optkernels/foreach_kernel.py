@@ -2,18 +2,20 @@
 
 Each program instance handles BLOCK elements of one lane: it reads its lane and offset from
 a block table built once from the shapes, loads the lane's tensor addresses from an int64
-address table (the only part that changes when tensors move), computes the lane program in
-float32 (as ATen's opmath does) and stores the written values in each tensor's dtype.
-Per-lane 0-dim results (step counts) are written by the lane's first block to a small
-buffer and copied into their tensors by one more launch: written in place, a later block of
-the lane could read the new count instead of the old. Python scalars (lr, betas, and the
-arithmetic on them) are evaluated on the host per call and read from a small device buffer.
+address table (the only part that changes when tensors move), computes the lane program as
+ATen computes each op (see ``kernel_source``) and stores the written values in each tensor's
+dtype. Per-lane 0-dim results (step counts) are written by the lane's first block to a small
+float64 buffer and copied into their tensors by one more launch: written in place, a later
+block of the lane could read the new count instead of the old. Python scalars (lr, betas,
+and the arithmetic on them) are evaluated on the host per call and read from a small float64
+device buffer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from optkernels._triton_compat import Kernel
+from optkernels.dtypes import COMPARE, OpDtypes, compute_dtype, op_dtypes
 from optkernels.host import HOST_ROWS, scalar_slot
 from optkernels.lanes import LaneOp, LaneProgram
 
@@ -34,6 +37,7 @@ _TL_DTYPES = {
     torch.float64: "tl.float64",
     torch.bool: "tl.int8",  # one byte each, read as ``!= 0`` (a mask a prelude computed)
 }
+_NARROW = (torch.float16, torch.bfloat16)
 
 
 class KernelError(Exception):
@@ -48,10 +52,50 @@ def _round(expr: str, dtype: torch.dtype) -> str:
     return f"({expr}).to({_TL_DTYPES[dtype]}).to(tl.float32)"
 
 
-def _store_cast(expr: str, dtype: torch.dtype) -> str:
+def _convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
+    """``expr``, a value of dtype ``src`` held in its compute dtype, as a value of dtype
+    ``dst`` held in dst's compute dtype: rounded where ``dst`` cannot hold it, as ATen casts
+    a tensor operand to an op's dtype (float64 goes through float32 to a narrower type, as
+    torch's conversions do)."""
+    if src is dst or torch.bool in (src, dst):
+        return expr
+    if compute_dtype(src) is not compute_dtype(dst):
+        expr = f"({expr}).to({_TL_DTYPES[compute_dtype(dst)]})"
+    return _round(expr, dst) if dst in _NARROW else expr
+
+
+def _store_cast(expr: str, src: torch.dtype, dtype: torch.dtype) -> str:
+    """``expr`` (dtype ``src`` in its compute dtype) as a ``dtype`` value to store."""
+    if dtype is torch.bool:
+        return f"{expr}.to(tl.int8)"
+    if src is torch.float64 and dtype in _NARROW:
+        expr = f"({expr}).to(tl.float32)"  # (the interpreter casts float64 to bfloat16 wrongly)
     if dtype is torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
-        return f"_bf16({expr}).to(tl.bfloat16)"  # already representable: exact
-    return f"{expr}.to({_TL_DTYPES[dtype]})"
+        return f"_bf16({expr}).to(tl.bfloat16)"  # rounded to nearest even, then exact
+    return f"({expr}).to({_TL_DTYPES[dtype]})"
+
+
+class _Scalars:
+    """The Python scalars a kernel reads (float64 in the ``scalars`` buffer), loaded once at
+    its top and converted once to each compute dtype an op reads them in."""
+
+    def __init__(self, program: LaneProgram) -> None:
+        self.program = program
+        self.lines: list[str] = []
+        self.names: set[str] = set()
+
+    def ref(self, index: int, compute: torch.dtype) -> str:
+        slot = scalar_slot(index, self.program)
+        name = f"s{slot}"
+        if name not in self.names:
+            self.names.add(name)
+            self.lines.append(f"    {name} = tl.load(scalars + {slot})")
+        if compute is torch.float64:
+            return name
+        if f"{name}_f32" not in self.names:
+            self.names.add(f"{name}_f32")
+            self.lines.append(f"    {name}_f32 = {name}.to(tl.float32)")
+        return f"{name}_f32"
 
 
 def kernel_source(
@@ -60,12 +104,28 @@ def kernel_source(
     name: str,
     host: dict[int, int | None] | None = None,
     dynamic: Sequence[bool] | None = None,
+    lane: int = 0,
 ) -> str:
-    """Triton source of the kernel for ``program`` whose inputs have ``dtypes``. ``host``
-    maps vars computed on the host to their column in the ``host_vals`` buffer, or to None
-    where the kernel does not read them (host.host_reads). Input
-    ``k``'s addresses come from the static table ``ptrs`` (addresses the guards fix: params,
-    state) or, where ``dynamic[k]``, from ``dptrs`` (grads: new tensors every step)."""
+    """Triton source of the kernel for ``program`` whose inputs have ``dtypes``, for lanes
+    whose ops record the same result dtypes as lane ``lane``'s. ``host`` maps vars computed
+    on the host to their column in the ``host_vals`` buffer, or to None where the kernel does
+    not read them (host.host_reads). Input ``k``'s addresses come from the static table
+    ``ptrs`` (addresses the guards fix: params, state) or, where ``dynamic[k]``, from
+    ``dptrs`` (grads: new tensors every step).
+
+    Each op computes as ATen's does: in the compute dtype of its result dtype (float32 for
+    float16/bfloat16/float32, float64 for float64), its tensor operands first cast to its
+    dtype (a 0-dim float32 count used with bfloat16 tensors is rounded to bfloat16, as
+    TensorIterator does), its Python scalars (lr, betas, eps; a ``.item()``; values the host
+    computed, which the torch backend holds as CPU scalars) read in the compute dtype, not
+    rounded to a float16 tensor's dtype, and its result rounded to its dtype. So eager's
+    infinities and NaNs (a float16 ``(1 - beta2) * g * g`` that underflows) come out the
+    same. Expressions have the shape of ATen's CUDA functors (``a + alpha * b``,
+    ``self + value * (t1 * t2)``), which the GPU compiles to the same fused multiply-adds;
+    the interpreter rounds their products separately (a one-ulp float32 difference, seen in
+    a narrower dtype only where it flips a rounding). ATen's CPU kernels differ from its
+    CUDA ones by such ulps too: they round ``add``'s alpha and scalar to the tensor's dtype,
+    and read a 0-dim tensor divided or multiplied by unrounded."""
     host = host or {}
     dynamic = list(dynamic) if dynamic is not None else [False] * len(program.inputs)
     columns = table_columns(dynamic)
@@ -91,61 +151,81 @@ def kernel_source(
             raise KernelError(f"dtype {dtype} of a lane input")
         tl_type = _TL_DTYPES[dtype]
         lines.append(f"    p{k} = tl.load({columns[k]}).to(tl.pointer_type({tl_type}))")
-    # Eager materializes each foreach result in its tensors' dtype: rounding every value to
-    # that dtype after each op (and computing in float32 between) gives eager's numbers.
-    # Operands are first cast to the op's result dtype (a 0-dim float32 count used with
-    # bfloat16 tensors is rounded to bfloat16, as TensorIterator does), Python scalars are not.
-    var_dtype: dict[int, torch.dtype] = {}
-    small = {op.out: op.small for op in program.ops}
+    scalars = _Scalars(program)
+    body: list[str] = []
+    resolved = op_dtypes(program, lane)
+    value_dtype: dict[int, torch.dtype] = {}  # what each var's Triton value holds
+    numbers: set[int] = set()  # vars ATen reads as Python numbers (see _operand)
     for op in program.ops:
         if op.out in host:
             column = host[op.out]
             if column is not None:
                 # (a comparison the host made, RAdam's rect > 5, comes as 0.0/1.0: a where
                 # takes it back as a bool)
-                truth = op.op in _COMPARE
-                var_dtype[op.out] = torch.bool if truth else torch.float32
+                truth = op.op in COMPARE
+                value_dtype[op.out] = torch.bool if truth else torch.float64
+                if not truth:
+                    numbers.add(op.out)
                 load = f"tl.load(host_vals + {HOST_ROWS} + row + {column})"
-                lines.append(f"    v{op.out} = {load}{' != 0' if truth else ''}")
+                body.append(f"    v{op.out} = {load}{' != 0' if truth else ''}")
             continue
         if op.op == "input":
             dtype = dtypes[op.args[0]]
             expr = _load(op, dtype)
         else:
-            lanes = op.lane_vars
-            values = [v for v in lanes if var_dtype[v] is not torch.bool]
-            if op.op == "where":
-                values = [v for v in lanes[1:] if var_dtype[v] is not torch.bool]
-            big = [var_dtype[v] for v in values if not small[v]]
-            dtype = _promote(big or [var_dtype[v] for v in values] or [torch.float32])
-            rounded = {  # (a where's condition stays a bool)
-                v: _round(f"v{v}", dtype)
-                for v in lanes
-                if var_dtype[v] not in (dtype, torch.bool)
-                and dtype not in (torch.float32, torch.float64)
-            }
-            expr = _expr(op, program, rounded)
-            if op.op in _COMPARE:
-                dtype = torch.bool
-            elif dtype not in (torch.float32, torch.float64):
-                expr = _round(expr, dtype)
-        var_dtype[op.out] = dtype
-        lines.append(f"    v{op.out} = {expr}")
+            dtype, expr = _lower(op, resolved[op.out], program, value_dtype, numbers, scalars)
+        if op.op == "item":
+            numbers.add(op.out)
+        value_dtype[op.out] = dtype
+        body.append(f"    v{op.out} = {expr}")
+    lines += scalars.lines + body
     for var, k in program.writes:
         if program.input_small[k] and host:
             continue  # written on the host
         if program.input_small[k]:
             j = small_writes.index((var, k))
+            value = _convert(f"v{var}", value_dtype[var], torch.float64)
             lines.append(
-                f"    tl.store(small_out + lane * {len(small_writes)} + {j}, v{var}, mask=first)"
+                f"    tl.store(small_out + lane * {len(small_writes)} + {j}, {value}, mask=first)"
             )
         else:
-            stored = _store_cast(f"v{var}", dtypes[k])
+            stored = _store_cast(f"v{var}", value_dtype[var], dtypes[k])
             lines.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
     if small_writes and not host:
         copies = _small_kernel(dtypes, name, small_writes, table_columns(dynamic, "lanes"))
         lines += ["", "", *copies]
     return "\n".join(lines) + "\n"
+
+
+def _lower(
+    op: LaneOp,
+    dtypes: OpDtypes,
+    program: LaneProgram,
+    value_dtype: dict[int, torch.dtype],
+    numbers: set[int],
+    scalars: _Scalars,
+) -> tuple[torch.dtype, str]:
+    """The dtype of ``op``'s value and its Triton expression (in that dtype's compute dtype):
+    operands cast to the op's common dtype, computed in its compute dtype, the result
+    rounded to the result dtype (a Python number, ``.item()``, is held in float64)."""
+    refs = {v: _operand(v, value_dtype[v], dtypes.common, v in numbers) for v in op.lane_vars}
+    compute = compute_dtype(dtypes.common)
+    expr = _expr(op, program, refs, compute, scalars)
+    if dtypes.result is torch.bool:
+        return torch.bool, expr
+    result = dtypes.result or torch.float64
+    return result, _convert(expr, compute, result)
+
+
+def _operand(var: int, dtype: torch.dtype, common: torch.dtype, number: bool) -> str:
+    """Lane value ``var`` as an operand of an op computing at ``common``: a tensor operand
+    is cast to it; a Python number (an ``.item()``, a value the host computed) is read as
+    ATen reads a scalar, in the op's compute dtype."""
+    if dtype is torch.bool:
+        return f"v{var}"
+    if number:
+        return _convert(f"v{var}", dtype, compute_dtype(common))
+    return _convert(f"v{var}", dtype, common)
 
 
 def table_columns(dynamic: Sequence[bool], lane: str = "lane") -> list[str]:
@@ -178,30 +258,24 @@ def _small_kernel(
     ]
     for j, (_, k) in enumerate(small_writes):
         tl_type = _TL_DTYPES[dtypes[k]]
+        value = _store_cast(f"x{j}", torch.float64, dtypes[k])
         lines += [
             f"    a{j} = tl.load({columns[k]}, mask=m, other=0)",
             f"    x{j} = tl.load(small_out + lanes * {len(small_writes)} + {j}, mask=m, other=0)",
-            f"    tl.store(a{j}.to(tl.pointer_type({tl_type})), x{j}.to({tl_type}), mask=m)",
+            f"    tl.store(a{j}.to(tl.pointer_type({tl_type})), {value}, mask=m)",
         ]
     return lines
-
-
-def _promote(dtypes: list[torch.dtype]) -> torch.dtype:
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        out = torch.promote_types(out, d)
-    return out
 
 
 _OMITTED = "<omitted>"  # what _ref gives for a None argument (no valid Triton expression)
 
 
-def _ref(arg: Any, program: LaneProgram, rounded: dict[int, str]) -> str:
+def _ref(arg: Any, refs: dict[int, str], compute: torch.dtype, scalars: _Scalars) -> str:
     kind = arg[0]
     if kind == "lane":
-        return rounded.get(arg[1], f"v{arg[1]}")
+        return refs[arg[1]]
     if kind == "scalar":
-        return f"tl.load(scalars + {scalar_slot(arg[1], program)})"
+        return scalars.ref(arg[1], compute)
     if kind == "const":
         value = arg[1]
         if value is None:
@@ -215,43 +289,57 @@ def _ref(arg: Any, program: LaneProgram, rounded: dict[int, str]) -> str:
 
 
 def _load(op: LaneOp, dtype: torch.dtype) -> str:
-    """Lane input ``k``'s value: in float32 (the ops compute in it), or a bool (one byte
-    each, a mask a prelude computed)."""
+    """Lane input ``k``'s value: in its compute dtype, or a bool (one byte each, a mask a
+    prelude computed)."""
     (k,) = op.args
     load = f"tl.load(p{k})" if op.small else f"tl.load(p{k} + offs, mask=mask, other=0)"
-    return f"({load} != 0)" if dtype is torch.bool else f"{load}.to(tl.float32)"
+    if dtype is torch.bool:
+        return f"({load} != 0)"
+    return load if dtype is torch.float64 else f"{load}.to(tl.float32)"
 
 
-def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
-    a = [_ref(x, program, rounded) for x in op.args]
-    kw = {k: _ref(v, program, rounded) for k, v in op.kwargs}
+def _expr(
+    op: LaneOp,
+    program: LaneProgram,
+    refs: dict[int, str],
+    compute: torch.dtype,
+    scalars: _Scalars,
+) -> str:
+    """``op`` as a Triton expression over its operands (``refs``: lane values already in
+    ``compute``, the op's compute dtype)."""
+    a = [_ref(x, refs, compute, scalars) for x in op.args]
+    kw = {k: _ref(v, refs, compute, scalars) for k, v in op.kwargs}
     name = op.op
+    wide = compute is torch.float64
     if name != "clamp" and (_OMITTED in a or _OMITTED in kw.values()):
         raise KernelError(f"constant None as an operand of {name}")
-    if name in ("add", "sub"):
-        other = a[1]
+    # ATen's functors compute ``a + b * c`` as one fused multiply-add (nvcc contracts them,
+    # and so does Triton on a GPU): written as tl.fma, the interpreter rounds them once too.
+    if name in ("add", "sub"):  # self + alpha * other
         alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
-        if alpha is not None:
-            other = f"({other} * {alpha})"
-        return f"({a[0]} {'+' if name == 'add' else '-'} {other})"
+        if alpha is None:
+            return f"({a[0]} {'+' if name == 'add' else '-'} {a[1]})"
+        return f"tl.fma({a[1] if name == 'add' else f'(-{a[1]})'}, {alpha}, {a[0]})"
     if name == "mul":
         return f"({a[0]} * {a[1]})"
     if name == "div":
-        return f"tl.div_rn({a[0]}, {_full(a[1], a[0])})"
-    if name in ("addcmul", "addcdiv"):
+        return _div(a[0], a[1], wide)
+    if name in ("addcmul", "addcdiv"):  # self + value * (t1 * t2), self + value * (t1 / t2)
         value = kw.get("value", a[3] if len(a) > 3 else "1.0")
-        if name == "addcmul":  # ATen: self + value * t1 * t2, left to right
-            return f"({a[0]} + {value} * {a[1]} * {a[2]})"
-        return f"({a[0]} + {value} * tl.div_rn({a[1]}, {a[2]}))"
-    if name == "lerp":
+        product = f"({a[1]} * {a[2]})" if name == "addcmul" else _div(a[1], a[2], wide)
+        return f"tl.fma({value}, {product}, {a[0]})"
+    if name == "lerp":  # exact at both ends; |weight| < 0.5 picks the formula
         s, e, w = a[0], a[1], a[2]
-        return f"tl.where({w} < 0.5, {s} + {w} * ({e} - {s}), {e} - ({e} - {s}) * (1.0 - {w}))"
+        near, far = f"tl.fma({w}, {e} - {s}, {s})", f"tl.fma({s} - {e}, 1.0 - {w}, {e})"
+        if _is_literal(w):
+            return near if abs(float(w)) < 0.5 else far
+        return f"tl.where(tl.abs({w}) < 0.5, {near}, {far})"
     if name == "sqrt":
-        return f"tl.sqrt_rn({a[0]})"
+        return _sqrt(a[0], wide)
     if name == "rsqrt":
-        return f"tl.div_rn(1.0, tl.sqrt_rn({a[0]}))"
+        return _div("1.0", _sqrt(a[0], wide), wide)
     if name == "reciprocal":
-        return f"tl.div_rn({_full('1.0', a[0])}, {a[0]})"
+        return _div("1.0", a[0], wide)
     if name == "neg":
         return f"(-{a[0]})"
     if name == "abs":
@@ -260,16 +348,20 @@ def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
         x = a[0]  # torch.sign(nan) is 0, like sign(0)
         return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, tl.zeros_like({x})))"
     if name in ("exp", "log"):
+        if wide:
+            return f"tl.{name}({a[0]})"
         return f"tl.{name}({a[0]}.to(tl.float64)).to(tl.float32)"
-    if name == "pow":
-        return f"_pow({_full(a[0], a[1])}, {_full(a[1], a[0])})"
+    if name == "pow":  # computed in float64 (see _PRELUDE)
+        out = f"_pow({_full(a[0], a[1])}, {_full(a[1], a[0])})"
+        return out if wide else f"{out}.to(tl.float32)"
     if name in ("maximum", "minimum"):
         fn = "tl.maximum" if name == "maximum" else "tl.minimum"
         return f"{fn}({a[0]}, {_full(a[1], a[0])}, propagate_nan=tl.PropagateNan.ALL)"
-    if name == "rsub":
+    if name == "rsub":  # other - alpha * self
         alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
-        scaled = f"({a[0]} * {alpha})" if alpha is not None else a[0]
-        return f"({a[1]} - {scaled})"
+        if alpha is None:
+            return f"({a[1]} - {a[0]})"
+        return f"tl.fma((-{a[0]}), {alpha}, {a[1]})"
     if name == "clamp":
         low = kw.get("min", a[1] if len(a) > 1 else _OMITTED)
         high = kw.get("max", a[2] if len(a) > 2 else _OMITTED)
@@ -281,12 +373,16 @@ def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
         return out
     if name == "where":
         return f"tl.where({a[0]}, {_full(a[1], a[2])}, {_full(a[2], a[1])})"
-    if name in _COMPARE:
+    if name in COMPARE:
         return f"({a[0]} {_COMPARE[name]} {a[1]})"
-    if name == "identity":
+    if name in ("identity", "item"):
         return a[0]
-    if name == "full":
-        return f"({a[0]} + 0.0)"
+    if name == "full":  # a 0-dim tensor holding the value
+        if not _is_literal(a[0]):
+            return f"({a[0]} - 0.0)"
+        number = float(a[0])  # (tl.full makes any zero +0.0: a negative value is negated)
+        full = f"tl.full([], {abs(number)!r}, {_TL_DTYPES[compute]})"
+        return f"(-{full})" if math.copysign(1.0, number) < 0 else full
     if name == "copy":
         return _full(a[1], a[0])
     if name == "zero":
@@ -299,12 +395,27 @@ def _expr(op: LaneOp, program: LaneProgram, rounded: dict[int, str]) -> str:
 _COMPARE = {"gt": ">", "lt": "<", "ge": ">=", "le": "<=", "eq": "==", "ne": "!="}
 
 
+def _div(x: str, y: str, wide: bool) -> str:
+    """``x / y`` rounded to nearest, as ATen divides (``/`` is IEEE division in float64 on a
+    GPU; ``tl.div_rn`` takes float32 only)."""
+    if wide:
+        return f"({x} / {y})"
+    return f"tl.div_rn({_full(x, y)}, {_full(y, x)})"
+
+
+def _sqrt(x: str, wide: bool) -> str:
+    """The correctly rounded square root (``tl.sqrt_rn`` takes float32 only; ``tl.sqrt`` of
+    a float64 is correctly rounded)."""
+    return f"tl.sqrt({x})" if wide else f"tl.sqrt_rn({x})"
+
+
 def _full(value: str, like: str) -> str:
     """``value`` broadcast to ``like``'s shape (never through arithmetic on ``like``, which
-    would carry its NaNs and infinities into the result)."""
+    would carry its NaNs and infinities into the result; ``value - 0`` keeps a -0.0, where
+    ``0 + value`` would make it +0.0)."""
     if _is_literal(like):
         return value
-    return f"(tl.zeros_like({like}) + {value})"
+    return f"({value} - tl.zeros_like({like}))"
 
 
 def _is_literal(expr: str) -> bool:
@@ -315,7 +426,9 @@ def _is_literal(expr: str) -> bool:
     return True
 
 
-# pow in float64 then rounded: as accurate as powf, and it runs under TRITON_INTERPRET.
+# pow in float64 (rounded to float32 for a float32 op: as accurate as powf), through exp and
+# log so that it runs under TRITON_INTERPRET (which has no libdevice). A float64 op gets it
+# to about |e * log(b)| float64 ulps (a bias correction's beta ** step: a few).
 _PRELUDE = """import triton
 import triton.language as tl
 
@@ -333,7 +446,7 @@ def _pow(b, e):
     zero = tl.where(e64 > 0, 0.0, tl.where(e64 == 0, 1.0, float("inf")))
     out = tl.where(b64 == 0, zero, out)
     out = tl.where(e64 == 0, 1.0, out)
-    return out.to(tl.float32)
+    return out
 
 
 @triton.jit

@@ -99,14 +99,17 @@ def host_function(
     lanes hold the same step count: the usual case).
 
     numpy, not torch: an op on 200 values costs ~1 µs instead of ~5 µs, and ~15 of them run
-    per call for Adam's bias corrections; types follow torch's for these ops (float32 values
-    with Python scalars stay float32); run it under ``np.errstate(all="ignore")`` so overflow
-    and division by zero give inf/nan as in torch, without warnings. Uniform lanes are
-    computed with Python floats (float64, like eager's capturable=False path; ~50 ns an op,
-    and no float32 denormals, which made ``0.9 ** step`` cost ~7 µs per call on 200 lanes
-    once it underflows). There a Python error (division by zero, overflow, sqrt of a
-    negative) raises ArithmeticError or ValueError: the caller then takes the array path,
-    which gives torch's inf/nan."""
+    per call for Adam's bias corrections. Both forms compute in float64, as eager's
+    capturable=False path computes these values with Python floats (float32 lost ~1e-5 of
+    ``1 - 0.999 ** step`` to cancellation, and a float64 parameter's step would have used
+    it): the arrays are read as float64 (the caller casts the written 0-dim values back to
+    their dtype), so both forms give the same numbers. Run it under
+    ``np.errstate(all="ignore")`` so overflow and division by zero give inf/nan as in torch,
+    without warnings. Uniform lanes take Python floats (~50 ns an op, and no float32
+    denormals, which made ``0.9 ** step`` cost ~7 µs per call on 200 lanes once it
+    underflows). There a Python error (division by zero, overflow, sqrt of a negative)
+    raises ArithmeticError or ValueError: the caller then takes the array path, which gives
+    torch's inf/nan."""
     ops = {op.out: op for op in program.ops}
     table = _HOST_SCALAR if uniform else _HOST
     constants: list[Any] = []
@@ -127,9 +130,11 @@ def host_function(
         op = ops[var]
         if op.op == "input":
             value = f"small[{op.args[0]}]"
+            if not uniform:
+                value = f"np.asarray({value}, dtype=np.float64)"
         elif op.op == "full":  # a constant for every lane (``scalar_tensor(0.0)``)
             number = f"float({ref(op.args[0])})"
-            value = number if uniform else f"np.full(lanes, {number}, dtype=np.float32)"
+            value = number if uniform else f"np.full(lanes, {number}, dtype=np.float64)"
         else:
             kwargs = [(k, v) for k, v in op.kwargs if v[0] != "ignore"]
             inline = _INLINE.get(op.op) if uniform and not kwargs else None
@@ -194,6 +199,7 @@ _HOST: dict[str, Any] = {
     "maximum": lambda a, kw: np.maximum(a[0], a[1]),
     "minimum": lambda a, kw: np.minimum(a[0], a[1]),
     "identity": lambda a, kw: a[0],
+    "item": lambda a, kw: a[0],
     "copy": lambda a, kw: _like(a[0], a[1]),
     "zero": lambda a, kw: np.zeros_like(a[0]),
     "ones": lambda a, kw: np.ones_like(a[0]),
@@ -281,6 +287,7 @@ _HOST_SCALAR: dict[str, Any] = {
     "maximum": _nan_aware(max),
     "minimum": _nan_aware(min),
     "identity": lambda a, kw: a[0],
+    "item": lambda a, kw: a[0],
     "copy": lambda a, kw: a[1],
     "zero": lambda a, kw: 0.0,
     "ones": lambda a, kw: 1.0,

@@ -12,7 +12,7 @@ refused with the reason, and the caller runs them another way.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -36,11 +36,21 @@ class LaneOp:
     args: tuple[Any, ...]
     kwargs: tuple[tuple[str, Any], ...]
     small: bool  # every lane's value is a 0-dim tensor
+    # The dtype of the op's result as the graph records it, per lane (one entry: the same for
+    # every lane; none: not recorded, as in a hand-built graph). A kernel computes each lane
+    # at its recorded dtype: a 0-dim float16 parameter's for-loop ops promote to float32.
+    dtypes: tuple[torch.dtype, ...] = ()
 
     @property
     def lane_vars(self) -> list[int]:
         """The lane values this op reads (none for an input)."""
         return [] if self.op == "input" else lane_vars(self.args, self.kwargs)
+
+    def dtype(self, lane: int) -> torch.dtype | None:
+        """The recorded dtype of lane ``lane``'s result, or None."""
+        if not self.dtypes:
+            return None
+        return self.dtypes[lane] if len(self.dtypes) > 1 else self.dtypes[0]
 
 
 def lane_vars(args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...]) -> list[int]:
@@ -104,8 +114,9 @@ _SINGLE = {
     "detach": "identity",
     "alias": "identity",
     # A 0-dim lane value used as a Python number (Adagrad's for-loop ``-clr``): the lane
-    # keeps it as a per-lane value, nothing leaves the device.
-    "_local_scalar_dense": "identity",
+    # keeps it as a per-lane value, nothing leaves the device; ops read it as ATen reads a
+    # Python scalar (in their compute dtype, not rounded to a float16 tensor's dtype).
+    "_local_scalar_dense": "item",
     "scalar_tensor": "full",
     "ones_like": "ones",
     "zeros_like": "zero",
@@ -239,7 +250,7 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
         column = tuple(lane[j] for lane in inputs_per_lane)
         program.inputs.append(column)
         program.input_small.append(all(n.meta["val"].dim() == 0 for n in column))
-    _lower_component(program, lanes[0], inputs_per_lane[0], scalar_ref)
+    _lower_component(program, lanes, inputs_per_lane[0], scalar_ref)
     _check_numels(program)
     return program
 
@@ -296,10 +307,13 @@ def _signature(
 
 def _lower_component(
     program: LaneProgram,
-    component: list[fx.Node],
+    lanes: list[list[fx.Node]],
     placeholders: list[fx.Node],
     scalar_ref: dict[fx.Node, Any],
 ) -> None:
+    """Lane 0's component as the program; the other lanes' (same ops, by _signature) give
+    each op's per-lane result dtypes."""
+    component = lanes[0]
     var_of: dict[fx.Node, int] = {}
     for j, node in enumerate(placeholders):
         var_of[node] = program.num_vars
@@ -317,7 +331,7 @@ def _lower_component(
             return ("const", a)
         raise NotLanes(f"argument {a!r} of a per-tensor op")
 
-    for node in component:
+    for position, node in enumerate(component):
         target = node.target
         if target is aten.copy_.default:
             dst, src = node.args
@@ -337,9 +351,32 @@ def _lower_component(
         )
         val = node.meta.get("val")
         small = base == "_local_scalar_dense" or (isinstance(val, torch.Tensor) and val.dim() == 0)
+        dtypes = _lane_dtypes([lane[position] for lane in lanes])
         var_of[node] = program.num_vars
-        program.ops.append(LaneOp(program.num_vars, _SINGLE[base], overload, args, kwargs, small))
+        program.ops.append(
+            LaneOp(program.num_vars, _SINGLE[base], overload, args, kwargs, small, dtypes)
+        )
         program.num_vars += 1
+
+
+def _result_dtypes(node: fx.Node) -> tuple[torch.dtype, ...]:
+    """The dtypes ``node``'s metadata records for its result: one per tensor (a foreach op's
+    list gives one per lane); none where it records no tensors."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return (val.dtype,)
+    if isinstance(val, list | tuple) and val and all(isinstance(t, torch.Tensor) for t in val):
+        return tuple(t.dtype for t in val)
+    return ()
+
+
+def _lane_dtypes(nodes: list[fx.Node]) -> tuple[torch.dtype, ...]:
+    """One recorded result dtype per lane for ``nodes`` (one node per lane), or none when
+    some node records none."""
+    dtypes = [_result_dtypes(n) for n in nodes]
+    if not all(len(d) == 1 for d in dtypes):
+        return ()
+    return tuple(d[0] for d in dtypes)
 
 
 _IGNORED_KWARGS = ("dtype", "device", "layout", "pin_memory", "memory_format", "non_blocking")
@@ -353,7 +390,8 @@ class _Builder:
         self.value: dict[fx.Node, Any] = {}  # node -> ("lanes", var) | ("scalar", i) | ...
         self.small: dict[int, bool] = {}
         self.copies: dict[fx.Node, tuple[int, int]] = {}  # target placeholder -> (var, lane)
-        self.groups: list[list[Any]] = []  # per-item op groups: [key, var, members so far]
+        # per-item op groups: [key, var, members so far, their recorded result dtypes]
+        self.groups: list[list[Any]] = []
         self.free: dict[Any, int] = {}  # lane-independent per-item values -> their var
 
     def visit(self, node: fx.Node) -> None:
@@ -408,7 +446,7 @@ class _Builder:
         op = _FOREACH[base[len("_foreach_") :]]
         args = tuple(self._arg(a) for a in node.args)
         kwargs = tuple(sorted((k, self._arg(v)) for k, v in node.kwargs.items()))
-        self.value[node] = ("lanes", self._emit((op, overload, args, kwargs)))
+        self.value[node] = ("lanes", self._emit((op, overload, args, kwargs), _result_dtypes(node)))
 
     def _per_item(self, node: fx.Node, base: str, overload: str) -> None:
         """A single-tensor op applied to item i of lane lists (``[torch.where(r > 5, ...)
@@ -426,7 +464,7 @@ class _Builder:
                 if v[0] == "scalar":
                     return v
                 if v[0] == "free":
-                    return ("lane", self._free_var(v[1]))
+                    return ("lane", self._free_var(v[1], v[2]))
                 raise NotLanes(f"{a.name} ({v[0]}) cannot be an argument of a per-item op")
             if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
                 return ("ignore", a)
@@ -440,35 +478,36 @@ class _Builder:
         )
         key = (_SINGLE[base], overload, args, kwargs)
         if not index:  # same for every lane (a constant such as scalar_tensor(0.0))
-            self.value[node] = ("free", key)
+            self.value[node] = ("free", key, _result_dtypes(node))
             return
         if len(index) != 1:
             raise NotLanes(f"{node.name} mixes items of different lanes")
         (i,) = index
         if i == 0:
             var = self._emit(key)
-            self.groups.append([key, var, 1])
+            self.groups.append([key, var, 1, [_result_dtypes(node)]])
             self.value[node] = ("peritem", var, 0)
             return
         for group in reversed(self.groups):
             if group[0] == key and group[2] == i:
                 group[2] += 1
+                group[3].append(_result_dtypes(node))
                 self.value[node] = ("peritem", group[1], i)
                 return
         raise NotLanes(f"{node.name}: per-item ops are not the same for every lane")
 
-    def _emit(self, key: Any) -> int:
+    def _emit(self, key: Any, dtypes: tuple[torch.dtype, ...] = ()) -> int:
         op, overload, args, kwargs = key
         small = all(self.small[v] for v in lane_vars(args, kwargs))
         var = self.program.num_vars
         self.program.num_vars += 1
         self.small[var] = small
-        self.program.ops.append(LaneOp(var, op, overload, args, kwargs, small))
+        self.program.ops.append(LaneOp(var, op, overload, args, kwargs, small, dtypes))
         return var
 
-    def _free_var(self, key: Any) -> int:
+    def _free_var(self, key: Any, dtypes: tuple[torch.dtype, ...]) -> int:
         if key not in self.free:
-            self.free[key] = self._emit(key)
+            self.free[key] = self._emit(key, dtypes)
         return self.free[key]
 
     def _kind(self, a: Any) -> str:
@@ -534,8 +573,14 @@ class _Builder:
             raise NotLanes("the graph has no foreach ops")
         program = self.program
         program.lanes = self.lanes
-        if any(members != self.lanes for _, _, members in self.groups):
+        if any(members != self.lanes for _, _, members, _ in self.groups):
             raise NotLanes("a per-item op is applied to only some lanes")
+        # A per-item op's lanes are separate nodes: their recorded dtypes, lane by lane.
+        position = {op.out: j for j, op in enumerate(program.ops)}
+        for _, var, _, recorded in self.groups:
+            if all(len(d) == 1 for d in recorded):
+                j = position[var]
+                program.ops[j] = replace(program.ops[j], dtypes=tuple(d[0] for d in recorded))
         # Each written lane value must go to one input list, lane by lane.
         by_var: dict[int, dict[int, fx.Node]] = {}
         for dst, (var, lane) in self.copies.items():

@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 from optkernels.addresses import AddressCheck
+from optkernels.dtypes import op_dtypes
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import BLOCK, KernelError, kernel_source, load_kernel
 from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
@@ -46,8 +47,8 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _aligned(count: int) -> int:
-    """``count`` float32 values rounded up to 16 bytes (what Triton assumes of pointers)."""
-    return -(-count // 4) * 4
+    """``count`` float64 values rounded up to 16 bytes (what Triton assumes of pointers)."""
+    return -(-count // 2) * 2
 
 
 class _Group:
@@ -74,7 +75,7 @@ class _Group:
         self.name = "foreach_" + "_".join(str(d).replace("torch.", "") for d in dtypes)
         if host:
             self.name += "_host"
-        self.source = kernel_source(program, dtypes, self.name, host, dynamic)
+        self.source = kernel_source(program, dtypes, self.name, host, dynamic, lanes[0])
         self.kernel = load_kernel(self.source, self.name)
         has_small = any(program.input_small[k] for _, k in program.writes)
         self.small_kernel = (
@@ -157,10 +158,14 @@ class _Part:
         self._build(program)
 
     def _build(self, program: LaneProgram, host: bool = False) -> None:
-        by_dtypes: dict[tuple[torch.dtype, ...], list[int]] = {}
+        # One kernel per dtype signature: the inputs' dtypes and what each op computes in
+        # and returns (they differ between lanes of one input dtype where a 0-dim float16
+        # parameter's ops promote to float32: dtypes.op_dtypes).
+        by_dtypes: dict[tuple[Any, ...], list[int]] = {}
         for lane in range(program.lanes):
             dtypes = tuple(nodes[lane].meta["val"].dtype for nodes in program.inputs)
-            by_dtypes.setdefault(dtypes, []).append(lane)
+            ops = tuple(sorted(op_dtypes(program, lane).items()))
+            by_dtypes.setdefault((dtypes, ops), []).append(lane)
         self.host_order = host_vars(program) if host else []
         self.host_read = host_reads(program, self.host_order)
         columns = {v: j for j, v in enumerate(self.host_read)}
@@ -174,10 +179,11 @@ class _Part:
         ]
         self.groups = [
             _Group(program, lanes, d, self.index, dynamic, host_cols, self.guarded)
-            for d, lanes in by_dtypes.items()
+            for (d, _), lanes in by_dtypes.items()
         ]
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
-        self.launches = len(self.groups) + (1 if small_writes and not host else 0)
+        # (each group's kernel, and its copy of the 0-dim results where the kernel makes them)
+        self.launches = len(self.groups) * (2 if small_writes and not host else 1)
         self._tables: dict[int, tuple[torch.Tensor, ...]] = {}
         self._small_writes = [(v, k) for v, k in program.writes if program.input_small[k]]
         # One device buffer for the scalar inputs and, in host mode, each group's host vals
@@ -229,7 +235,7 @@ class _Part:
             if group.small_out is None:  # its shape is fixed: one buffer for every call
                 group.small_out = torch.empty(
                     (len(group.lanes), max(len(self._small_writes), 1)),
-                    dtype=torch.float32,
+                    dtype=torch.float64,
                     device=device,
                 )
         staging.end()
@@ -245,7 +251,9 @@ class _Part:
                 length = HOST_ROWS + len(group.lanes) * width
                 starts.append((group, size, length))
                 size += _aligned(length)
-        values, host = self.staging.stage(self.values, (size,), torch.float32, self.device)
+        # float64: a float64 op reads lr, betas and the host's bias corrections at full
+        # precision (ops of narrower dtypes convert them as ATen converts a Python scalar)
+        values, host = self.staging.stage(self.values, (size,), torch.float64, self.device)
         if values is not self.values:  # new: views of it for the kernels
             self.values = values
             self.scalars = values[: max(len(scalar_values), 1)]

@@ -1,0 +1,74 @@
+"""Which dtype each op of a lane program computes in and returns, as ATen decides.
+
+An ATen op on tensors casts its tensor operands to a common dtype (type promotion, where 0-dim
+tensors give way to the others and Python numbers do not count), computes in that dtype's
+"opmath" type (float32 for float16, bfloat16 and float32; float64 for float64) and stores its
+result in the output's dtype: the common one, or for an in-place op (which the traced graph
+records as the op's result dtype) its ``self``'s. Both depend on the lane: a 0-dim float16
+parameter's ``p / bias_correction`` promotes to float32 where a larger one stays float16.
+``op_dtypes`` gives them for one lane, from the graph's dtypes and shapes; lanes that agree
+share a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from optkernels.lanes import LaneProgram
+
+COMPARE = frozenset({"gt", "lt", "ge", "le", "eq", "ne"})
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ATen computes an op of ``dtype`` in (its opmath type)."""
+    return torch.float64 if dtype is torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class OpDtypes:
+    """One op of one lane: its operands are cast to ``common``, it computes in
+    ``compute_dtype(common)`` and its result is a ``result`` (None: a Python number, an
+    ``.item()``; torch.bool: a comparison)."""
+
+    common: torch.dtype
+    result: torch.dtype | None
+
+
+def op_dtypes(program: LaneProgram, lane: int) -> dict[int, OpDtypes]:
+    """Per var of ``program`` (inputs included), its dtypes in lane ``lane``."""
+    out: dict[int, OpDtypes] = {}
+    dim0: dict[int, bool] = {}  # the lane's value is a 0-dim tensor (or a number)
+    for op in program.ops:
+        if op.op == "input":
+            val = program.inputs[op.args[0]][lane].meta["val"]
+            out[op.out] = OpDtypes(val.dtype, val.dtype)
+            dim0[op.out] = val.dim() == 0
+            continue
+        lanes = op.lane_vars
+        operands = lanes[1:] if op.op == "where" else lanes  # (a where's condition: a bool)
+        tensors = [v for v in operands if out[v].result not in (None, torch.bool)]
+        dim0[op.out] = all(dim0[v] for v in lanes)
+        big = [out[v].result for v in tensors if not dim0[v]]
+        promoted = _promote(big or [out[v].result for v in tensors])
+        recorded = op.dtype(lane)
+        if op.op == "item":
+            out[op.out] = OpDtypes(torch.float64, None)
+        elif op.op in COMPARE:
+            out[op.out] = OpDtypes(promoted or torch.float32, torch.bool)
+        elif op.op == "copy":  # the source is cast to the destination's dtype
+            result = recorded or out[lanes[0]].result or torch.float32
+            out[op.out] = OpDtypes(result, result)
+        else:
+            common = promoted or recorded or torch.float32
+            out[op.out] = OpDtypes(common, recorded or common)
+    return out
+
+
+def _promote(dtypes: list[torch.dtype | None]) -> torch.dtype | None:
+    result: torch.dtype | None = None
+    for d in dtypes:
+        if d is not None:
+            result = d if result is None else torch.promote_types(result, d)
+    return result
