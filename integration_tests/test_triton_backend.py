@@ -17,7 +17,6 @@ import opttrace
 import pytest
 import torch
 from optcompile.api import _OPTIMIZERS
-from optkernels import reference
 from optkernels.host import scalar_function
 from optkernels.triton_backend import TritonPlan
 from step_optimizers import (
@@ -202,43 +201,6 @@ def _plan(opt):
 def _unwrap(plan):
     """The backend's plan inside optcompile's CUDA-graph wrapper."""
     return getattr(plan, "plan", plan)
-
-
-@pytest.mark.parametrize(
-    ("name", "dtype"),
-    [
-        *((name, dtype) for name in sorted(FUSED) for dtype in (torch.bfloat16, torch.float16)),
-        ("AdamW weight decay", torch.float32),
-    ],
-)
-def test_low_precision_kernels_match_the_torch_backend_on_the_same_graph(name, dtype, monkeypatch):
-    """Kernels compute in float32 and round each op's result to the tensors' dtype, as
-    ATen's foreach ops do on CUDA; the torch backend runs the same traced graphs op by op
-    (those that create the state on the first step, then the steady one). (On the CPU,
-    ATen's in-place ``_foreach_mul_`` rounds its scalar to the dtype first, and the torch
-    backend follows that, running such ops in place as eager does; CUDA's does not, nor do
-    the kernels: the reference here is the graph's functional ops.)"""
-    monkeypatch.setattr(reference, "_ROUNDS_DIFFERENTLY_IN_PLACE", set())
-    monkeypatch.setattr(reference, "reinplace", lambda graph: 0)
-    make = FUSED[name]
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE, dtype)) for s in SHAPES]
-    others = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = optcompile.compile(make(params), backend="triton")
-    other = optcompile.compile(make(others), backend="torch")
-    for _ in range(3):
-        for p, q in zip(params, others, strict=True):
-            grad = torch.randn(p.shape, generator=gen).to(DEVICE, dtype)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        opt.step()
-        other.step()
-    assert optcompile.explain(opt).backend == "triton"
-    # ATen's CPU kernels fuse some products into FMAs (add with alpha, lerp); the kernels
-    # here round them separately: a one-ulp float32 difference can flip a rounding to the
-    # dtype. Three steps stay within four ulps of the dtype at the values' scale (about 1).
-    # (RAdam in float16 gives NaN where a grad's square underflows: eager does the same.)
-    ulp = torch.finfo(dtype).eps
-    _assert_close(params, opt, others, other, rtol=4 * ulp, atol=4 * ulp, equal_nan=True)
 
 
 def test_new_grad_tensors_each_step_update_the_address_table_only():

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from optkernels import Backend
 from opttrace import closure_reason, eager_step, trace_step
 
 from optcompile import logs
@@ -83,7 +84,7 @@ def _build(opt: torch.optim.Optimizer, options: Options) -> Compiled:
     base: type = type(opt).__dict__["_optcompile_base"]
     compiled = Compiled(
         f"{base.__name__}.step",
-        lambda L: trace_step(L["opt"], capturable=backend.wants_capturable),
+        lambda L: trace_step(L["opt"], capturable=_traces_capturable(backend, L["opt"])),
         lambda L: eager_step(L["opt"]),
         backend,
         options.fullgraph,
@@ -98,6 +99,39 @@ def _build(opt: torch.optim.Optimizer, options: Options) -> Compiled:
     # finalizer releases it even if something still holds `compiled`.
     weakref.finalize(opt, compiled.release)
     return compiled
+
+
+# torch.optim steps whose capturable path rounds otherwise than eager's default one in
+# float16 (every torch.optim optimizer with a capturable flag was compared): Adam and AdamW
+# divide eps and the denominator by the step size (where eager's denominator underflows to
+# 0 and its update is inf or NaN, this one stays finite; past 65504 it overflows where
+# eager's update is finite), Adamax and NAdam apply their bias corrections as float16
+# tensor ops. RAdam, RMSprop, Adadelta, Rprop and ASGD agree with eager to an ulp.
+_FLOAT16_CAPTURABLE_ROUNDS_OTHERWISE = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+)
+
+
+def _traces_capturable(backend: Backend, opt: torch.optim.Optimizer) -> bool:
+    """Whether to trace ``opt``'s capturable path: where the backend wants it (its kernels
+    keep every value on the device), except for the optimizers above with float16
+    parameters in a group with ``capturable=False``: their step traces eager's path, which
+    the torch backend runs (the kernels do not take its Python arithmetic on ``.item()``
+    values; explain() shows it). ``capturable=True`` fuses them, with eager's capturable
+    results."""
+    if not backend.wants_capturable:
+        return False
+    return not (
+        isinstance(opt, _FLOAT16_CAPTURABLE_ROUNDS_OTHERWISE)
+        and any(
+            group.get("capturable") is False
+            and any(p.dtype is torch.float16 for p in group["params"])
+            for group in opt.param_groups
+        )
+    )
 
 
 def _recompile(opt: torch.optim.Optimizer, old: Options, new: Options) -> None:

@@ -432,7 +432,10 @@ class _Builder:
             return
         if getattr(target, "__module__", None) == "_operator" or target in (min, max, abs):
             if any(self._kind(a) not in ("scalar", "const") for a in node.args):
-                raise NotLanes(f"{node.name} mixes Python arithmetic with tensors")
+                raise NotLanes(
+                    f"{node.name} mixes Python arithmetic with tensors (a value read with "
+                    ".item(), as a capturable=False path does)"
+                )
             self.value[node] = ("scalar", -1 - len(self.program.scalar_nodes))
             self.program.scalar_nodes.append(node)
             return

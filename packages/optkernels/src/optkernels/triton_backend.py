@@ -434,6 +434,13 @@ class TritonPlan:
                     self.parts = []  # the whole graph stays on the torch backend
                 else:
                     self.split, self.prelude = split, TorchPlan(split.prelude)
+            if not self.parts and _reads_numbers(gm):
+                self.reason = (
+                    "the step computes with tensor values read as Python numbers (.item(): "
+                    "an optimizer's capturable=False path, which optcompile traces for "
+                    "float16 Adam, AdamW, Adamax and NAdam; capturable=True fuses them)"
+                    f": {self.reason}"
+                )
 
     def _lower(self, gm: fx.GraphModule, host_small: bool | None) -> list[_Part]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -578,6 +585,15 @@ class TritonPlan:
                 + self.prelude.describe()
             )
         return "\n\n".join([*sections, *(g.source for g in self.groups)])
+
+
+def _reads_numbers(gm: fx.GraphModule) -> bool:
+    """Whether Python arithmetic in ``gm`` uses a tensor's value (``.item()``)."""
+    return any(
+        node.target is torch.ops.aten._local_scalar_dense.default
+        and any(getattr(user.target, "__module__", None) == "_operator" for user in node.users)
+        for node in gm.graph.nodes
+    )
 
 
 class TritonBackend:

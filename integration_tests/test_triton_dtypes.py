@@ -1,0 +1,206 @@
+"""backend="triton" in float64, float16 and bfloat16: against eager, and against the torch
+backend running the same traced graph on copies of the same inputs.
+
+The kernels compute each op as ATen's CUDA kernels do (optkernels.foreach_kernel): on a GPU
+they match the torch backend bitwise in float16 and bfloat16. ATen's CPU kernels, which the
+torch backend runs here under TRITON_INTERPRET=1, differ from its CUDA ones by an ulp in
+places (they round ``add``'s alpha and scalar to the tensor's dtype, read a 0-dim tensor
+they divide or multiply by unrounded, and associate addcmul and addcdiv otherwise), and an
+ulp of a float16 intermediate can move a result by a few ulps of its tensor's largest value;
+infinities and NaNs must match exactly everywhere.
+"""
+
+from __future__ import annotations
+
+import optcompile
+import opttrace
+import pytest
+import torch
+from optcompile.api import _OPTIMIZERS
+from optkernels import TorchPlan, reference
+from optkernels.triton_backend import TritonPlan
+from test_triton_backend import DEVICE, FUSED, LOOP_FUSED
+
+CASES = {**FUSED, **{f"{name} (for-loop)": make for name, make in LOOP_FUSED.items()}}
+# (A 0-dim parameter of a foreach step: the torch backend computes its lane of an
+# out-of-place foreach op in float32 where eager's in-place op and the graph keep float16.)
+SHAPES = [(7,), (300,), (3, 5)]
+ON_GPU = DEVICE == "cuda"
+
+
+def _params(dtype, seed=0, shapes=SHAPES):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE, dtype)) for s in shapes]
+
+
+def _grads(params, scale, gen):
+    return [(torch.randn(p.shape, generator=gen) * scale).to(DEVICE, p.dtype) for p in params]
+
+
+def _capturable(opt, value):
+    """Set every group's ``capturable`` option (where the optimizer has one)."""
+    for group in opt.param_groups:
+        if "capturable" in group:
+            group["capturable"] = value
+    return opt
+
+
+def _assert_same(mine, theirs, ulps):
+    """Infinities (with their signs) and NaNs where the other has them; finite values within
+    ``ulps`` of the dtype at the scale of the tensor's largest value."""
+    for a, b in zip(mine, theirs, strict=True):
+        a, b = a.detach(), b.detach()
+        torch.testing.assert_close(a.isnan(), b.isnan())
+        torch.testing.assert_close(a.isinf() & (a > 0), b.isinf() & (b > 0))
+        torch.testing.assert_close(a.isinf() & (a < 0), b.isinf() & (b < 0))
+        finite = a.isfinite() & b.isfinite()
+        if finite.any():
+            scale = float(b[finite].abs().max().double())
+            atol = ulps * torch.finfo(a.dtype).eps * max(scale, torch.finfo(a.dtype).tiny)
+            torch.testing.assert_close(a[finite], b[finite], rtol=0, atol=atol)
+
+
+def _state_tensors(opt, params):
+    return [t for p in params for t in (p, *opt.state[p].values()) if torch.is_tensor(t)]
+
+
+@pytest.fixture
+def functional_reference(monkeypatch):
+    """The torch backend runs some foreach nodes as the in-place op eager ran (whose CPU
+    kernel rounds its scalar to float16 first); the kernels implement the graph's
+    functional ops, as CUDA computes both: compare against those."""
+    monkeypatch.setattr(reference, "_ROUNDS_DIFFERENTLY_IN_PLACE", set())
+    monkeypatch.setattr(reference, "reinplace", lambda graph: 0)
+
+
+def _same_graph_steps(make, dtype, scale, steps=3, shapes=SHAPES):
+    """The compiled step's graph run by the kernels (in place, on the optimizer's tensors)
+    and by the torch backend on copies of the same inputs, step by step; yields the two
+    results of every floating tensor the graph takes."""
+    params = _params(dtype, shapes=shapes)
+    opt = optcompile.compile(_capturable(make(params), True), backend="triton")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the first call creates the state; the second traces the steady step
+        for p, g in zip(params, _grads(params, scale, gen), strict=True):
+            p.grad = g
+        opt.step()
+    entry = _OPTIMIZERS[opt].cache.entries[0].value
+    gm = entry.traced.graph_module
+    plan, reference = TritonPlan(gm), TorchPlan(gm)
+    assert plan.parts, plan.reason
+    for _ in range(steps):
+        for p, g in zip(params, _grads(params, scale, gen), strict=True):
+            p.grad = g
+        inputs = entry.gather({"opt": opt})
+        copies = [x.clone() if torch.is_tensor(x) else x for x in inputs]
+        plan(inputs)
+        reference(copies)
+        written = [i for i, x in enumerate(inputs) if torch.is_tensor(x) and x.is_floating_point()]
+        yield [inputs[i] for i in written], [copies[i] for i in written]
+
+
+# float16 with gradients whose squares underflow (1e-6: (1 - beta2) * g * g is 1e-15) and
+# overflow (1e4); bfloat16 has float32's range.
+LOW_PRECISION = [
+    *((torch.float16, scale) for scale in (1e-6, 1.0, 1e4)),
+    (torch.bfloat16, 1.0),
+]
+
+
+@pytest.mark.usefixtures("functional_reference")
+@pytest.mark.parametrize(("dtype", "scale"), LOW_PRECISION, ids=lambda x: str(x))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_low_precision_kernels_match_the_torch_backend_on_the_same_graph(name, dtype, scale):
+    """Every fused optimizer (its capturable path: what the kernels run) in float16 and
+    bfloat16: bitwise on a GPU, the same infinities and NaNs here."""
+    for mine, theirs in _same_graph_steps(CASES[name], dtype, scale):
+        _assert_same(mine, theirs, ulps=0 if ON_GPU else 4)
+
+
+@pytest.mark.usefixtures("functional_reference")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_float64_kernels_match_the_torch_backend_on_the_same_graph(name):
+    """float64 lanes compute in float64, lr and betas included (a float32 kernel was off by
+    ~1e-7 relative); the bias corrections of float32 step counts stay float32, as in the
+    graph."""
+    for mine, theirs in _same_graph_steps(CASES[name], torch.float64, 1.0):
+        for a, b in zip(mine, theirs, strict=True):
+            ulps = 4 if a.dtype is torch.float64 else 1
+            _assert_same([a], [b], ulps=ulps)
+
+
+# Eager computes these 0-dim states in float32 tensor arithmetic (NAdam's mu_product,
+# ASGD's eta) where the host computes them in float64: an ulp of float32 apart.
+_FLOAT32_STATE = {"NAdam", "ASGD"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if not n.startswith("SGD")))
+def test_float64_steps_with_host_step_counts_match_eager_to_float64_precision(name):
+    """With capturable=False (step counts on the CPU, where the host computes the bias
+    corrections: forced here where the kernels run on the CPU too), float64 parameters and
+    state match eager's to float64 rounding: the host's values reach the kernels as float64
+    (they were staged as float32, ~9 digits lost per step)."""
+    make = CASES[name]
+    params = _params(torch.float64, seed=2)
+    copies = [[torch.nn.Parameter(p.detach().clone()) for p in params] for _ in range(2)]
+    opt = optcompile.compile(_capturable(make(params), False), backend="triton")
+    other, eager = (_capturable(make(c), False) for c in copies)
+    gen = torch.Generator().manual_seed(3)
+    for p, g in zip(params, _grads(params, 1.0, gen), strict=True):
+        p.grad = g
+    opt.step()
+    entry = _OPTIMIZERS[opt].cache.entries[0].value
+    plan = TritonPlan(entry.traced.graph_module, host_small=True)
+    for step in range(4):
+        for q, r, g in zip(*copies, _grads(params, 1.0, gen), strict=True):
+            q.grad, r.grad = g, g.clone()
+        if step == 0:
+            opttrace.init_state(other)  # (eager's state for the params with grads)
+        plan(entry.gather({"opt": other}))
+        eager.step()
+    assert plan.host and plan.parts
+    rtol = 2e-6 if name.split(" ")[0] in _FLOAT32_STATE else 1e-13
+    mine, theirs = _state_tensors(other, copies[0]), _state_tensors(eager, copies[1])
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=1e-15)
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e-6, 1e4], ids=["1e-8", "1e-6", "1e4"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_float16_steps_give_eagers_infinities_and_nans(name, scale):
+    """float16 with gradients whose squares underflow or overflow, compiled against eager
+    (with the optimizers' default capturable=False here: Adam, AdamW, Adamax and NAdam then
+    trace eager's own path, since their capturable one rounds otherwise in float16; the
+    others are fused)."""
+    make = CASES[name]
+    params = _params(torch.float16, seed=4)
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = optcompile.compile(make(params), backend="triton")
+    eager = make(reference)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for p, q, g in zip(params, reference, _grads(params, scale, gen), strict=True):
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        eager.step()
+    _assert_same(_state_tensors(opt, params), _state_tensors(eager, reference), ulps=4)
+    eager_path = any(g.get("capturable") is False for g in opt.param_groups) and isinstance(
+        opt, torch.optim.Adam | torch.optim.AdamW | torch.optim.Adamax | torch.optim.NAdam
+    )
+    report = optcompile.explain(opt)
+    if eager_path:
+        assert report.graph_code.startswith("# not fused (the step computes with tensor values")
+    else:
+        assert "@triton.jit" in report.graph_code
+
+
+@pytest.mark.usefixtures("functional_reference")
+@pytest.mark.parametrize("name", ["Adam", "AdamW weight decay"])
+def test_a_0dim_float16_parameter_of_a_for_loop_step_gets_a_kernel_of_its_own(name):
+    """A 0-dim float16 parameter's for-loop ops with 0-dim float32 bias corrections promote
+    to float32 (the graph records it, as eager computes it), where a larger parameter's stay
+    float16: its lane gets its own kernel (under the float16 kernel its update was off by
+    hundreds of ulps where eps mattered)."""
+    steps = _same_graph_steps(LOOP_FUSED[name], torch.float16, 1e-4, shapes=[(7,), ()])
+    for mine, theirs in steps:
+        _assert_same(mine, theirs, ulps=0 if ON_GPU else 4)
