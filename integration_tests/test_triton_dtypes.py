@@ -73,7 +73,7 @@ def functional_reference(monkeypatch):
     monkeypatch.setattr(reference, "reinplace", lambda graph: 0)
 
 
-def _same_graph_steps(make, dtype, scale, steps=3, shapes=SHAPES):
+def _same_graph_steps(make, dtype, scale, steps=3, shapes=SHAPES, skip_host=False):
     """The compiled step's graph run by the kernels (in place, on the optimizer's tensors)
     and by the torch backend on copies of the same inputs, step by step; yields the two
     results of every floating tensor the graph takes."""
@@ -95,6 +95,11 @@ def _same_graph_steps(make, dtype, scale, steps=3, shapes=SHAPES):
         copies = [x.clone() if torch.is_tensor(x) else x for x in inputs]
         plan(inputs)
         reference(copies)
+        if skip_host and plan.host:
+            pytest.skip(
+                "step counts on the CPU: the host computes their bias corrections in float64 "
+                "as eager does, not in float32 as the graph's ops (see the host test below)"
+            )
         written = [i for i, x in enumerate(inputs) if torch.is_tensor(x) and x.is_floating_point()]
         yield [inputs[i] for i in written], [copies[i] for i in written]
 
@@ -122,11 +127,13 @@ def test_low_precision_kernels_match_the_torch_backend_on_the_same_graph(name, d
 def test_float64_kernels_match_the_torch_backend_on_the_same_graph(name):
     """float64 lanes compute in float64, lr and betas included (a float32 kernel was off by
     ~1e-7 relative); the bias corrections of float32 step counts stay float32, as in the
-    graph."""
-    for mine, theirs in _same_graph_steps(CASES[name], torch.float64, 1.0):
+    graph. (On a GPU those agree to an ulp of float32: CUDA's powf, which ATen calls, is not
+    correctly rounded everywhere; the kernels' pow is. The host test below holds float64
+    to 1e-13 there.)"""
+    wide = 4 * 2**29 if ON_GPU else 4  # float64 ulps: 4 float32 ulps on a GPU
+    for mine, theirs in _same_graph_steps(CASES[name], torch.float64, 1.0, skip_host=True):
         for a, b in zip(mine, theirs, strict=True):
-            ulps = 4 if a.dtype is torch.float64 else 1
-            _assert_same([a], [b], ulps=ulps)
+            _assert_same([a], [b], ulps=wide if a.dtype is torch.float64 else 1)
 
 
 # Eager computes these 0-dim states in float32 tensor arithmetic (NAdam's mu_product,

@@ -426,9 +426,10 @@ def _is_literal(expr: str) -> bool:
     return True
 
 
-# pow in float64 (rounded to float32 for a float32 op: as accurate as powf), through exp and
-# log so that it runs under TRITON_INTERPRET (which has no libdevice). A float64 op gets it
-# to about |e * log(b)| float64 ulps (a bias correction's beta ** step: a few).
+# pow in float64 through exp and log, so that it runs under TRITON_INTERPRET (which has no
+# libdevice): rounded to float32 for a float32 op, correctly in nearly every case (CUDA's
+# powf, which ATen calls, is not always: a float32 bias correction can differ by an ulp); a
+# float64 op gets it to about |e * log(b)| float64 ulps (beta ** step: a few).
 _PRELUDE = """import triton
 import triton.language as tl
 
