@@ -70,7 +70,6 @@ def functional_reference(monkeypatch):
     kernel rounds its scalar to float16 first); the kernels implement the graph's
     functional ops, as CUDA computes both: compare against those."""
     monkeypatch.setattr(reference, "_ROUNDS_DIFFERENTLY_IN_PLACE", set())
-    monkeypatch.setattr(reference, "reinplace", lambda graph: 0)
 
 
 def _same_graph_steps(make, dtype, scale, steps=3, shapes=SHAPES, skip_host=False):
