@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from optkernels.backend import Plan
+from optkernels.lanes import NotLanes
 from optkernels.reinplace import reinplace
 
 log = logging.getLogger("optcompile.kernels")
@@ -83,8 +85,9 @@ class TorchPlan:
 
     backend = "torch"
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, reason: str | None = None) -> None:
         self.gm = gm
+        self.reason = reason  # why the torch backend did not batch this graph (if it tried)
         slots: dict[fx.Node, int] = {}
         self._inputs: list[int] = []
         self._constants: list[tuple[int, Any]] = []
@@ -129,18 +132,36 @@ class TorchPlan:
         return tuple(out) if isinstance(out, list | tuple) else (out,)
 
     def describe(self) -> str:
-        return self.gm.code.strip()
+        if self.reason is None:
+            return self.gm.code.strip()
+        return f"# torch backend, node by node (not batched: {self.reason})\n" + self.gm.code.strip()
 
 
 class TorchBackend:
-    """Backend that executes graphs with torch ops (no fusion, any device)."""
+    """Backend that executes graphs with torch ops (no fusion, any device).
+
+    A graph whose ops repeat over lanes (parameters) runs batched, one call per op over all
+    lanes (``batched.BatchedPlan``); any other graph node by node (``TorchPlan``)."""
 
     name = "torch"
     wants_capturable = False
 
-    def compile(self, gm: fx.GraphModule) -> TorchPlan:
-        graph = copy.deepcopy(gm.graph)  # (the entry keeps the traced graph for explain())
-        reinplace(graph)
-        plan = TorchPlan(fx.GraphModule(gm, graph))
-        log.info("torch backend: %d ATen op launches per step", plan.kernel_launches_per_step)
-        return plan
+    def compile(self, gm: fx.GraphModule) -> Plan:
+        from optkernels.batched import BatchedPlan  # imports this module
+        from optkernels.families import families
+
+        try:
+            program = families(gm.graph)
+        except NotLanes as exc:
+            graph = copy.deepcopy(gm.graph)  # (the entry keeps the traced graph for explain())
+            reinplace(graph)
+            plan = TorchPlan(fx.GraphModule(gm, graph), reason=str(exc))
+            log.info(
+                "torch backend: node by node (%s), %d ATen op launches per step",
+                exc,
+                plan.kernel_launches_per_step,
+            )
+            return plan
+        batched = BatchedPlan(gm, program)
+        log.info("torch backend: batched over lanes, %d calls per step", len(program.ops))
+        return batched
