@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
@@ -21,7 +22,8 @@ import torch
 from torch import fx
 
 from optkernels.families import Arg, BatchedOp, Families, is_python
-from optkernels.reference import _as_eager_ran
+from optkernels.inplace import reinplace
+from optkernels.reference import _LOW_PRECISION, _as_eager_ran
 
 aten = torch.ops.aten
 Env = list[Any]
@@ -74,28 +76,39 @@ class BatchedPlan:
         self._template: list[Any] = []  # env slots after the inputs: constants, then results
         for node in program.constants:
             self._loc[node] = (self._new_slot(getattr(gm, str(node.target))), None)
-        self._input_columns: dict[tuple[int, ...], int] = {}
-        self._fill: list[tuple[int, Callable[[Env], Any]]] = []  # input columns, each call
-        self._steps: list[tuple[int, Callable[[Env], Any]]] = []
-        self._lines: list[str] = []
-        for op in program.ops:
-            slot = self._new_slot(None)
-            self._steps.append((slot, self._runner(op, slot)))
+        slots = [self._new_slot(None) for _ in program.ops]
+        for slot, op in zip(slots, program.ops, strict=True):
             if op.kind == "family":
                 self._length[slot] = op.lanes
                 for i, node in enumerate(op.nodes):
                     self._loc[node] = (slot, i)
-            else:
-                (node,) = op.nodes
-                self._loc[node] = (slot, None)
-                if op.kind == "foreach":
-                    self._length[slot] = len(node.meta["val"])
-                    for user in node.users:
-                        if user.target is operator.getitem:
-                            self._loc[user] = (slot, user.args[1])  # type: ignore[assignment]
-        self._writes = self._writeback()
+                continue
+            (node,) = op.nodes
+            self._loc[node] = (slot, None)
+            if op.kind == "foreach":
+                self._length[slot] = len(node.meta["val"])
+                for user in node.users:
+                    if user.target is operator.getitem:
+                        self._loc[user] = (slot, user.args[1])  # type: ignore[assignment]
+        forms = [_foreach_form(op) if op.kind == "family" else None for op in program.ops]
+        self.inplace, dropped = reinplace(
+            program,
+            self._loc,
+            slots,
+            fresh=lambda k: program.ops[k].kind == "foreach" or forms[k] is not None,
+            can=lambda k: _can_run_in_place(program.ops[k], forms[k]),
+        )
+        self._input_columns: dict[tuple[int, ...], int] = {}
+        self._fill: list[tuple[int, Callable[[Env], Any]]] = []  # input columns, each call
+        self._steps: list[tuple[int, Callable[[Env], Any]]] = []
+        self._lines: list[str] = []
+        for k, (slot, op) in enumerate(zip(slots, program.ops, strict=True)):
+            self._steps.append((slot, self._runner(op, forms[k], k in self.inplace)))
+        self.writes = [w for i, w in enumerate(program.writes) if i not in dropped]
+        self._writes = self._writeback(self.writes)
         self._output = self._value(("seq", tuple, (_structure(program.output),)))
-        self.kernel_launches_per_step = sum(
+        # The per-tensor kernels run are the graph's, less the writes made no-ops.
+        self.kernel_launches_per_step = -len(dropped) + sum(
             1
             for n in gm.graph.nodes
             if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
@@ -164,30 +177,78 @@ class BatchedPlan:
 
     # -- runners -------------------------------------------------------------------------
 
-    def _runner(self, op: BatchedOp, slot: int) -> Callable[[Env], Any]:
+    def _runner(self, op: BatchedOp, form: Form | None, inplace: bool) -> Callable[[Env], Any]:
+        node = op.nodes[0]
         if op.kind != "family":
-            target = _as_eager_ran(op.nodes[0]) if op.kind == "foreach" else op.target
             args = self._value(("seq", tuple, op.args))
-            names = [k for k, _ in op.kwargs]
-            values = [self._value(a) for _, a in op.kwargs]
-            self._describe(slot, op, op.kind)
-            if not names:
-                return lambda env: target(*args(env))
-            return lambda env: target(*args(env), **dict(zip(names, (v(env) for v in values))))
+            kwargs = self._kwargs(op.kwargs)
+            if op.kind == "shared":
+                return lambda env: op.target(*args(env), **kwargs(env))
+            if inplace:
+                self._lines.append(f"#   {node.name}: {_inplace_op(node)} (in place)")
+                return _in_place(_inplace_op(node), args, kwargs)
+            self._lines.append(f"#   {node.name}: {op.target}")
+            target = _as_eager_ran(node)
+            return lambda env: target(*args(env), **kwargs(env))
         loop = self._loop(op)
+        head = f"#   {node.name} x{op.lanes}: {op.target}"
         if op.target is aten._local_scalar_dense.default:
-            self._describe(slot, op, "read")
+            self._lines.append(f"{head} (.item() per lane)")
             return self._read(op)
-        if not _is_tensor(op.nodes[0]):
-            self._describe(slot, op, "scalar")
+        if not _is_tensor(node):
+            self._lines.append(f"{head} (per lane, once if all lanes agree)")
             return self._scalar(op, loop)
-        foreach = _foreach_form(op, self, loop)
-        if foreach is not None:
-            runner, name = foreach
-            self._describe(slot, op, name)
-            return runner
-        self._describe(slot, op, "loop")
+        if form is not None:
+            suffix = "_" if inplace else ""
+            how = f"_foreach_{form.name}{suffix}.{form.overload}"
+            self._lines.append(f"{head} ({how}{' (in place)' if inplace else ''})")
+            return self._call(form, inplace)
+        self._lines.append(f"{head} (loop)")
         return loop
+
+    def _kwargs(self, kwargs: tuple[tuple[str, Arg], ...]) -> Callable[[Env], dict[str, Any]]:
+        if not kwargs:
+            return lambda env: {}
+        names = [k for k, _ in kwargs]
+        values = [self._value(a) for _, a in kwargs]
+        return lambda env: {k: v(env) for k, v in zip(names, values, strict=True)}
+
+    def _call(self, form: Form, inplace: bool) -> Callable[[Env], Any]:
+        """The foreach call of ``form`` (in place: on its first tensor list, returned)."""
+        packet = getattr(aten, f"_foreach_{form.name}{'_' if inplace else ''}")
+        tensors = [
+            self._value(a) if a[0] == "column" else _repeat(self._value(a), form.lanes)
+            for a in form.tensors
+        ]
+        kwargs = self._kwargs(form.kwargs)
+        if form.overload == "ScalarAndTensor":
+            base = self._value(form.scalar)  # type: ignore[arg-type]
+            (exponents,) = tensors
+            return lambda env: packet.ScalarAndTensor(base(env), exponents(env))
+        if form.scalar is None:
+            fn = getattr(packet, form.overload)
+            call = lambda env: fn(*(f(env) for f in tensors), **kwargs(env))  # noqa: E731
+        elif form.scalar[0] != "column":
+            value, one = self._value(form.scalar), packet.Scalar
+            call = lambda env: one(*(f(env) for f in tensors), value(env))  # noqa: E731
+        else:
+            column, one, per_lane = self._column(form.scalar[1]), packet.Scalar, packet.ScalarList
+
+            def call(env: Env) -> Any:
+                values = column(env)
+                if isinstance(values, Same):
+                    return one(*(f(env) for f in tensors), values.value)
+                return per_lane(*(f(env) for f in tensors), values)
+
+        if not inplace:
+            return call
+        first = tensors[0]
+
+        def run(env: Env) -> Any:
+            call(env)
+            return first(env)
+
+        return run
 
     def _loop(self, op: BatchedOp) -> Callable[[Env], Any]:
         """``[target(lane's args) for each lane]``."""
@@ -253,9 +314,8 @@ class BatchedPlan:
 
         return read
 
-    def _writeback(self) -> Callable[[Env], None] | None:
+    def _writeback(self, writes: list[tuple[fx.Node, fx.Node]]) -> Callable[[Env], None] | None:
         """One ``_foreach_copy_`` of every written value into its input, in graph order."""
-        writes = self.program.writes
         if not writes:
             return None
         dsts = self._column(tuple(dst for dst, _ in writes))
@@ -281,20 +341,13 @@ class BatchedPlan:
             out = self._output(env)[0]
         return tuple(out) if isinstance(out, list | tuple) else (out,)
 
-    def _describe(self, slot: int, op: BatchedOp, how: str) -> None:
-        node = op.nodes[0]
-        if op.kind == "family":
-            self._lines.append(f"#   {node.name} x{op.lanes}: {op.target} ({how})")
-        elif op.kind == "foreach":
-            self._lines.append(f"#   {node.name}: {op.target}")
-
     def describe(self) -> str:
-        writes = len(self.program.writes)
-        lanes = self.program.largest
+        written = len(self.program.writes)
         header = [
             f"# torch backend, batched over lanes: {len(self.program.ops)} calls per step "
-            f"(families of up to {lanes} lanes) instead of one per node, "
-            f"then {writes} writeback(s) in one _foreach_copy_:",
+            f"(families of up to {self.program.largest} lanes), {len(self.inplace)} of them "
+            f"in place; {len(self.writes)} of {written} writeback(s) left, in one "
+            "_foreach_copy_:",
             *self._lines,
         ]
         return "\n".join(header) + "\n" + self.gm.code.strip()
@@ -319,70 +372,118 @@ _UNARY = {
 }  # fmt: skip
 
 
-def _foreach_form(
-    op: BatchedOp, plan: BatchedPlan, loop: Callable[[Env], Any]
-) -> tuple[Callable[[Env], Any], str] | None:
-    """The family ``op`` as one foreach call, and its name; None where torch has no foreach
-    op of the same semantics for these argument kinds."""
+@dataclass(frozen=True)
+class Form:
+    """A family as one call of ``_foreach_{name}``: ``overload`` "List"/"default" (tensor
+    lists, ``kwargs``), "Scalar" (then ``.Scalar`` or ``.ScalarList`` by whether ``scalar``
+    is one number or one per lane) or "ScalarAndTensor" (``scalar`` first)."""
+
+    name: str
+    overload: str
+    lanes: int
+    tensors: tuple[Arg, ...]
+    scalar: Arg | None = None
+    kwargs: tuple[tuple[str, Arg], ...] = ()
+
+
+def _foreach_form(op: BatchedOp) -> Form | None:
+    """The family ``op`` as one foreach call; None where torch has no foreach op of the same
+    semantics for these argument kinds."""
     name, _, overload = op.target.__name__.partition(".")
     kinds = [_kind(a) for a in op.args]
     kw = dict(op.kwargs)
-    lanes = op.lanes
-
-    def tensors(args: Sequence[Arg]) -> list[Load]:
-        out = []
-        for a in args:
-            load = plan._value(a)
-            out.append(load if a[0] == "column" else _repeat(load, lanes))
-        return out
-
-    def packet(suffix: str) -> Any:
-        return getattr(getattr(aten, f"_foreach_{name}"), suffix, None)
-
+    lanes, args = op.lanes, op.args
+    tensor_args = len(kinds) == 2 and all(k in ("T", "t") for k in kinds) and "T" in kinds
+    scalar_second = len(kinds) == 2 and kinds[0] == "T" and kinds[1] in ("c", "S")
     if name in _UNARY and overload == "default" and kinds == ["T"] and not kw:
-        return _call(packet("default"), tensors(op.args)), f"_foreach_{name}"
-    t_args = all(k in ("T", "t") for k in kinds) and "T" in kinds
+        return Form(name, "default", lanes, args)
     if name in ("add", "sub", "mul", "div") and overload in ("Tensor", "Scalar"):
-        alpha = kw.get("alpha")
-        if set(kw) - {"alpha"} or (alpha is not None and _kind(alpha) != "c"):
+        alpha = kw.pop("alpha", None)
+        if kw or (alpha is not None and _kind(alpha) != "c"):
             return None
-        if t_args and len(kinds) == 2:
-            extra = {"alpha": plan._value(alpha)} if alpha is not None else {}
-            return _call(packet("List"), tensors(op.args), extra), f"_foreach_{name}.List"
-        if kinds[0] == "T" and kinds[1] in ("c", "S") and alpha is None:
-            return _scalar_call(name, plan, op.args[:1], op.args[1], loop, lanes)
+        if tensor_args:
+            extra = (("alpha", alpha),) if alpha is not None else ()
+            return Form(name, "List", lanes, args, kwargs=extra)
+        if scalar_second and alpha is None:
+            return Form(name, "Scalar", lanes, args[:1], args[1])
         return None
-    if name in ("maximum", "minimum") and overload == "default" and t_args and not kw:
-        return _call(packet("List"), tensors(op.args)), f"_foreach_{name}.List"
-    if name in ("clamp_min", "clamp_max") and not kw:
-        if overload == "Tensor" and t_args:
-            return _call(packet("List"), tensors(op.args)), f"_foreach_{name}.List"
-        if overload == "default" and kinds[0] == "T" and kinds[1] in ("c", "S"):
-            return _scalar_call(name, plan, op.args[:1], op.args[1], loop, lanes)
+    if name in ("addcmul", "addcdiv") and overload == "default":
+        return _addc_form(op)
+    if kw:
         return None
-    if name == "pow" and not kw:
-        if overload == "Tensor_Tensor" and t_args:
-            return _call(packet("List"), tensors(op.args)), "_foreach_pow.List"
-        if overload == "Tensor_Scalar" and kinds[0] == "T" and kinds[1] in ("c", "S"):
-            return _scalar_call(name, plan, op.args[:1], op.args[1], loop, lanes)
-        if overload == "Scalar" and kinds == ["c", "T"]:
-            base = plan._value(op.args[0])
-            (exponents,) = tensors(op.args[1:])
-            pow_ = aten._foreach_pow.ScalarAndTensor
-            return (lambda env: pow_(base(env), exponents(env))), "_foreach_pow.ScalarAndTensor"
+    if name in ("maximum", "minimum") and overload == "default" and tensor_args:
+        return Form(name, "List", lanes, args)
+    if name in ("clamp_min", "clamp_max", "pow"):
+        if overload in ("Tensor", "Tensor_Tensor") and tensor_args:
+            return Form(name, "List", lanes, args)
+        if overload in ("default", "Tensor_Scalar") and scalar_second:
+            return Form(name, "Scalar", lanes, args[:1], args[1])
+        if name == "pow" and overload == "Scalar" and kinds == ["c", "T"]:
+            return Form(name, "ScalarAndTensor", lanes, args[1:], args[0])
         return None
-    if name == "lerp" and not kw:
-        if overload == "Tensor" and t_args:
-            return _call(packet("List"), tensors(op.args)), "_foreach_lerp.List"
-        if overload == "Scalar" and kinds[:2] == ["T", "T"] and kinds[2] in ("c", "S"):
-            return _scalar_call(name, plan, op.args[:2], op.args[2], loop, lanes)
+    if name == "lerp" and len(kinds) == 3 and kinds[:2] == ["T", "T"]:
+        if overload == "Tensor" and kinds[2] in ("T", "t"):
+            return Form(name, "List", lanes, args)
+        if overload == "Scalar" and kinds[2] in ("c", "S"):
+            return Form(name, "Scalar", lanes, args[:2], args[2])
         return None
-    if name in ("addcmul", "addcdiv") and overload == "default" and kinds == ["T", "T", "T"]:
-        value = kw.pop("value", ("const", 1))
-        if kw or _kind(value) not in ("c", "S"):
-            return None
-        return _scalar_call(name, plan, op.args, value, loop, lanes)
     return None
+
+
+def _addc_form(op: BatchedOp) -> Form | None:
+    """``addcmul``/``addcdiv(self, t1, t2, value=v)`` as ``_foreach_addc*.Scalar``."""
+    kinds = [_kind(a) for a in op.args]
+    kw = dict(op.kwargs)
+    value = kw.pop("value", ("const", 1))
+    if kinds != ["T", "T", "T"] or kw or _kind(value) not in ("c", "S"):
+        return None
+    name = op.target.__name__.partition(".")[0]
+    return Form(name, "Scalar", op.lanes, op.args, value)
+
+
+def _can_run_in_place(op: BatchedOp, form: Form | None) -> bool:
+    """Whether ``op`` has an in-place foreach form on its first argument that rounds as the
+    op the graph records (the in-place op eager ran, for a foreach node that has one)."""
+    if op.kind == "foreach":
+        node = op.nodes[0]
+        if node.meta.get("inplace") is not None:
+            return True
+        name, _, overload = op.target.__name__.partition(".")
+        packet = getattr(aten, f"{name}_", None)
+        if packet is None or overload not in packet.overloads():
+            return False
+        values = node.meta.get("val") or ()
+        return not (
+            name == "_foreach_mul"
+            and overload in ("Scalar", "ScalarList")
+            and any(getattr(v, "dtype", None) in _LOW_PRECISION for v in values)
+        )
+    if op.kind != "family" or form is None or form.overload == "ScalarAndTensor":
+        return False
+    packet = getattr(aten, f"_foreach_{form.name}_", None)
+    needed = ("Scalar", "ScalarList") if form.overload == "Scalar" else (form.overload,)
+    if packet is None or not all(o in packet.overloads() for o in needed):
+        return False
+    low = any(getattr(n.meta.get("val"), "dtype", None) in _LOW_PRECISION for n in op.nodes)
+    return not (form.name == "mul" and form.overload == "Scalar" and low)
+
+
+def _inplace_op(node: fx.Node) -> Any:
+    """The in-place form of a foreach node's op (what eager ran, if recorded)."""
+    recorded = node.meta.get("inplace")
+    if recorded is not None:
+        return recorded
+    name, _, overload = node.target.__name__.partition(".")  # type: ignore[union-attr]
+    return getattr(getattr(aten, f"{name}_"), overload)
+
+
+def _in_place(fn: Any, args: Load, kwargs: Callable[[Env], dict[str, Any]]) -> Load:
+    def run(env: Env) -> Any:
+        values = args(env)
+        fn(*values, **kwargs(env))
+        return values[0]
+
+    return run
 
 
 def _kind(arg: Arg) -> str:
@@ -403,44 +504,3 @@ def _kind(arg: Arg) -> str:
 
 def _repeat(load: Load, lanes: int) -> Load:
     return lambda env: [load(env)] * lanes
-
-
-def _call(fn: Any, loads: list[Load], kwargs: dict[str, Load] | None = None) -> Load:
-    if not kwargs:
-        if len(loads) == 1:
-            (only,) = loads
-            return lambda env: fn(only(env))
-        return lambda env: fn(*(f(env) for f in loads))
-    names, values = list(kwargs), list(kwargs.values())
-    return lambda env: fn(
-        *(f(env) for f in loads), **{k: v(env) for k, v in zip(names, values, strict=True)}
-    )
-
-
-def _scalar_call(
-    name: str,
-    plan: BatchedPlan,
-    tensor_args: Sequence[Arg],
-    scalar: Arg,
-    loop: Callable[[Env], Any],
-    lanes: int,
-) -> tuple[Callable[[Env], Any], str]:
-    """``_foreach_{name}.Scalar(tensors..., s)`` for one number, ``.ScalarList`` for a number
-    per lane (the loop where torch has no such overload)."""
-    packet = getattr(aten, f"_foreach_{name}")
-    one, per_lane = packet.Scalar, getattr(packet, "ScalarList", None)
-    loads = [plan._value(a) for a in tensor_args]
-    if scalar[0] != "column":
-        value = plan._value(scalar)
-        return (lambda env: one(*(f(env) for f in loads), value(env))), f"_foreach_{name}.Scalar"
-    column = plan._column(scalar[1])
-
-    def run(env: Env) -> Any:
-        values = column(env)
-        if isinstance(values, Same):
-            return one(*(f(env) for f in loads), values.value)
-        if per_lane is None:
-            return loop(env)
-        return per_lane(*(f(env) for f in loads), values)
-
-    return run, f"_foreach_{name}.Scalar/ScalarList"
