@@ -137,9 +137,9 @@ class BatchedPlan:
                     self._fill.append((slot, lambda env: list(getter(env))))
             return operator.itemgetter(slot)
         (slot, _), *rest = locs
-        if [i for _, i in locs] == list(range(len(nodes))) and all(s == slot for s, _ in rest):
-            if self._length.get(slot) == len(nodes):
-                return operator.itemgetter(slot)  # a whole column, in order
+        whole = self._length.get(slot) == len(nodes) and all(s == slot for s, _ in rest)
+        if whole and [i for _, i in locs] == list(range(len(nodes))):
+            return operator.itemgetter(slot)  # a whole column, in order
         return lambda env: [env[s] if i is None else env[s][i] for s, i in locs]
 
     def _node(self, node: fx.Node) -> Load:
@@ -225,12 +225,19 @@ class BatchedPlan:
             base = self._value(form.scalar)  # type: ignore[arg-type]
             (exponents,) = tensors
             return lambda env: packet.ScalarAndTensor(base(env), exponents(env))
+        call: Callable[[Env], Any]
         if form.scalar is None:
             fn = getattr(packet, form.overload)
-            call = lambda env: fn(*(f(env) for f in tensors), **kwargs(env))  # noqa: E731
+
+            def call(env: Env) -> Any:
+                return fn(*(f(env) for f in tensors), **kwargs(env))
+
         elif form.scalar[0] != "column":
             value, one = self._value(form.scalar), packet.Scalar
-            call = lambda env: one(*(f(env) for f in tensors), value(env))  # noqa: E731
+
+            def call(env: Env) -> Any:
+                return one(*(f(env) for f in tensors), value(env))
+
         else:
             column, one, per_lane = self._column(form.scalar[1]), packet.Scalar, packet.ScalarList
 
@@ -487,8 +494,8 @@ def _in_place(fn: Any, args: Load, kwargs: Callable[[Env], dict[str, Any]]) -> L
 
 
 def _kind(arg: Arg) -> str:
-    """"T": a column of tensors, "S": a column of per-lane numbers, "t": one tensor for every
-    lane, "c": one number (or constant) for every lane, "x": anything else."""
+    """The kind of an argument: "T" a column of tensors, "S" a column of per-lane numbers,
+    "t" one tensor for every lane, "c" one number (or constant) for every lane, "x" other."""
     tag = arg[0]
     if tag == "column":
         return "T" if all(_is_tensor(n) for n in arg[1]) else "S"

@@ -214,7 +214,9 @@ def _functional_results(op: BatchedOp) -> list[tuple[Any, ...]] | None:
         if key not in cache:
             with torch.no_grad():
                 out = op.target(*args, **kwargs)
-            cache[key] = [_layout(t) for t in out] if isinstance(out, list | tuple) else [_layout(out)]
+            cache[key] = (
+                [_layout(t) for t in out] if isinstance(out, list | tuple) else [_layout(out)]
+            )
         result: list[tuple[Any, ...]] = cache[key]
         return result
 

@@ -134,7 +134,8 @@ class TorchPlan:
     def describe(self) -> str:
         if self.reason is None:
             return self.gm.code.strip()
-        return f"# torch backend, node by node (not batched: {self.reason})\n" + self.gm.code.strip()
+        header = f"# torch backend, node by node (not batched: {self.reason})"
+        return header + "\n" + self.gm.code.strip()
 
 
 class TorchBackend:
