@@ -63,51 +63,122 @@ def reinplace(
     ``slots[k]``: op k's result slot; ``fresh(k)``: whether op k, run functionally, returns
     new tensors (a foreach call; a loop may return views of what it reads); ``can(k)``:
     whether op k has an in-place form that rounds like the op the graph records."""
+    state = _Storages(program, loc, slots)
     ops = program.ops
-    written = {loc[dst][0] for dst, _ in program.writes}
-    order = {slot: k for k, slot in enumerate(slots)}  # result slot -> op index
-    lengths = {slot: _length(op) for slot, op in zip(slots, ops, strict=True)}
     reads = [{loc[n][0] for n in op_nodes(op)} for op in ops]
-    final = {loc[src][0] for _, src in program.writes}
-    final |= {loc[n][0] for n in _output_nodes(program.output)}
-    later: list[set[int]] = []  # slots read after op k
-    seen = set(final)
+    later: list[set[int]] = []  # the slots read after op k (by ops, writes, outputs)
+    seen = {loc[src][0] for _, src in program.writes}
+    seen |= {loc[n][0] for n in _output_nodes(program.output)}
     for k in reversed(range(len(ops))):
         later.append(set(seen))
         seen |= reads[k]
     later.reverse()
-    # The storages a slot's tensors live in (an input's own slot is its storage), and per
-    # lane the input slot a result's tensor is after in-place ops (None: the plan's own).
-    storages: dict[int, frozenset[int]] = {}
-    for node in (*program.placeholders, *program.constants):
-        storages[loc[node][0]] = frozenset((loc[node][0],))
-    lanes_of: dict[int, tuple[int | None, ...]] = {}
-    owned: set[int] = set()
     inplace: set[int] = set()
     dropped: set[int] = set()
     for k, op in enumerate(ops):
         slot = slots[k]
-        target = _target(op, loc, written, lengths, owned, storages, lanes_of) if can(k) else None
+        target = state.overwritten(op) if can(k) else None
         if target is not None:
-            held, lanes = target
-            stale = [s for s in later[k] if order.get(s, -1) < k and storages[s] & held]
+            held, lanes, firsts = target
+            old = [s for s in later[k] if state.order.get(s, -1) < k and state.holds(s, held)]
             others = {loc[n][0] for n in op_nodes(op, skip_first=True)}
-            writes = _self_writes(slot, lanes, program, loc)
-            if not stale and not _reads(storages, others, held) and writes is not None:
+            writes = state.self_writes(slot, lanes)
+            if (
+                not old
+                and not any(state.holds(s, held) for s in others)
+                and writes is not None
+                and _fits(op, firsts, state.memo)
+            ):
                 inplace.add(k)
                 dropped |= writes
-                storages[slot] = held
-                lanes_of[slot] = lanes
-                owned.add(slot)
+                state.result(slot, held, lanes)
                 continue
         if not any(isinstance(v, torch.Tensor) for v in _values(op.nodes[0])):
-            storages[slot] = frozenset()  # numbers
+            state.storages[slot] = frozenset()  # numbers
         elif fresh(k):
-            storages[slot] = frozenset((slot,))
-            owned.add(slot)
+            state.result(slot, frozenset((slot,)), None)
         else:  # a loop's results may be views of what it reads
-            storages[slot] = frozenset().union(*(storages[s] for s in reads[k]))
+            state.storages[slot] = frozenset().union(*(state.storages[s] for s in reads[k]))
     return inplace, dropped
+
+
+class _Storages:
+    """Where the tensors of each slot live, as ops run in place: ``storages`` (an input's
+    own slot is its storage), ``lanes_of`` (per lane, the input slot a result's tensor is;
+    None: the plan's own) and ``owned`` (slots of tensors the plan may overwrite)."""
+
+    def __init__(self, program: Families, loc: dict[fx.Node, Loc], slots: list[int]) -> None:
+        self.loc = loc
+        self.order = {slot: k for k, slot in enumerate(slots)}  # result slot -> op index
+        self.lengths = {slot: _length(op) for slot, op in zip(slots, program.ops, strict=True)}
+        self.written = {loc[dst][0] for dst, _ in program.writes}
+        self.storages: dict[int, frozenset[int]] = {}
+        for node in (*program.placeholders, *program.constants):
+            self.storages[loc[node][0]] = frozenset((loc[node][0],))
+        self.lanes_of: dict[int, tuple[int | None, ...]] = {}
+        self.owned: set[int] = set()
+        self.by_source: dict[int, list[tuple[int, int, int | None]]] = {}
+        for w, (dst, src) in enumerate(program.writes):
+            s, i = loc[src]
+            self.by_source.setdefault(s, []).append((w, loc[dst][0], i))
+        self.memo: dict[fx.Node, tuple[Any, Any]] = {}
+
+    def holds(self, slot: int, held: frozenset[int]) -> bool:
+        return bool(self.storages.get(slot, frozenset()) & held)
+
+    def result(self, slot: int, held: frozenset[int], lanes: tuple[int | None, ...] | None) -> None:
+        self.storages[slot] = held
+        if lanes is not None:
+            self.lanes_of[slot] = lanes
+        self.owned.add(slot)
+
+    def overwritten(
+        self, op: BatchedOp
+    ) -> tuple[frozenset[int], tuple[int | None, ...], list[Any]] | None:
+        """What op would overwrite in place: the storages, per lane the input slot each is,
+        and each lane's first argument; None when its first argument is not a whole column
+        of tensors the plan may overwrite."""
+        loc = self.loc
+        first = op.args[0] if op.args and op.kind != "shared" else None
+        if first is None:
+            return None
+        if first[0] == "node" and op.kind == "foreach":  # a whole earlier foreach result
+            slot = loc[first[1]][0]
+            firsts = _values(first[1])
+        elif first[0] == "column":
+            nodes = first[1]
+            locs = [loc[n] for n in nodes]
+            firsts = [n.meta.get("val") for n in nodes]
+            if all(i is None for _, i in locs):  # inputs: each overwritten by the step anyway
+                slots = tuple(s for s, _ in locs)
+                if len(set(slots)) != len(slots) or not all(s in self.written for s in slots):
+                    return None
+                return frozenset(slots), slots, firsts
+            slot = locs[0][0]
+            if locs != [(slot, i) for i in range(len(locs))]:
+                return None
+            if self.lengths.get(slot) != len(locs):
+                return None
+        else:
+            return None
+        if slot not in self.owned:
+            return None
+        lanes = self.lanes_of.get(slot, (None,) * len(firsts))
+        return self.storages[slot], lanes, firsts
+
+    def self_writes(self, slot: int, lanes: tuple[int | None, ...]) -> set[int] | None:
+        """The writes of the result in ``slot`` whose tensors are, per lane, the inputs
+        ``lanes`` (None: the plan's own tensor) that copy a tensor onto itself; None when
+        one would copy an input into another input."""
+        dropped = set()
+        for w, dst, i in self.by_source.get(slot, []):
+            lane = lanes[i if i is not None else 0]
+            if lane is None:
+                continue  # the result lives in the plan's own tensor: the write copies it
+            if lane != dst:
+                return None
+            dropped.add(w)
+        return dropped
 
 
 def _length(op: BatchedOp) -> int:
@@ -119,101 +190,54 @@ def _values(node: fx.Node) -> list[Any]:
     return list(val) if isinstance(val, list | tuple) else [val]
 
 
-def _target(
-    op: BatchedOp,
-    loc: dict[fx.Node, Loc],
-    written: set[int],
-    lengths: dict[int, int],
-    owned: set[int],
-    storages: dict[int, frozenset[int]],
-    lanes_of: dict[int, tuple[int | None, ...]],
-) -> tuple[frozenset[int], tuple[int | None, ...]] | None:
-    """The storages op would overwrite and, per lane, the input slot each is (None: the
-    plan's own tensor); None when its first argument is not a whole column the op may
-    overwrite, or its results do not fit there."""
-    first = op.args[0] if op.args and op.kind != "shared" else None
-    if first is None:
-        return None
-    if first[0] == "node" and op.kind == "foreach":  # a whole earlier foreach result
-        slot = loc[first[1]][0]
-        firsts = _values(first[1])
-    elif first[0] == "column":
-        nodes = first[1]
-        locs = [loc[n] for n in nodes]
-        firsts = [n.meta.get("val") for n in nodes]
-        if all(i is None for _, i in locs):  # inputs: each overwritten by the step anyway
-            slots = tuple(s for s, _ in locs)
-            if len(set(slots)) != len(slots) or not all(s in written for s in slots):
-                return None
-            return _fits(op, firsts, frozenset(slots), slots)
-        slot = locs[0][0]
-        if [loc for loc in locs] != [(slot, i) for i in range(len(locs))]:
-            return None
-        if lengths.get(slot) != len(locs):
-            return None
-    else:
-        return None
-    if slot not in owned:
-        return None
-    return _fits(op, firsts, storages[slot], lanes_of.get(slot, (None,) * len(firsts)))
-
-
-def _fits(
-    op: BatchedOp, firsts: list[Any], held: frozenset[int], lanes: tuple[int | None, ...]
-) -> tuple[frozenset[int], tuple[int | None, ...]] | None:
-    """``(held, lanes)`` when each lane's result, as the graph's op computes it, has its
-    first argument's dtype, shape and strides (what an in-place op writes), else None."""
-    results = _functional_results(op)
+def _fits(op: BatchedOp, firsts: list[Any], memo: dict[fx.Node, tuple[Any, Any]]) -> bool:
+    """Whether each lane's result, as the graph's op computes it, has its first argument's
+    dtype, shape and strides (what an in-place op writes)."""
+    results = _functional_results(op, memo)
     if results is None or len(results) != len(firsts):
-        return None
-    for out, first in zip(results, firsts, strict=True):
-        if not isinstance(first, torch.Tensor) or out != _layout(first):
-            return None
-    return held, lanes
+        return False
+    return all(
+        isinstance(first, torch.Tensor) and out == _layout(first)
+        for out, first in zip(results, firsts, strict=True)
+    )
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.dtype, tuple(t.shape), t.stride())
 
 
-def _functional_results(op: BatchedOp) -> list[tuple[Any, ...]] | None:
+def _functional_results(
+    op: BatchedOp, memo: dict[fx.Node, tuple[Any, Any]]
+) -> list[tuple[Any, ...]] | None:
     """Each lane's result layout (dtype, shape, strides) as the graph's functional op makes
     it, found by running it on meta tensors: ``meta["val"]`` cannot tell, since for a node
     recorded from an in-place op it describes the written tensor (``a.div_(b)`` keeps a's
     dtype where ``div(a, b)`` may promote). None if that fails."""
     cache: dict[Any, Any] = {}
 
-    def example(a: Any, lane: int | None) -> Any:
-        if isinstance(a, fx.Node):
-            val = a.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                return torch.empty_strided(
-                    tuple(val.shape), val.stride(), dtype=val.dtype, device="meta"
-                )
-            return val
-        return a
-
     def build(arg: Arg, lane: int | None) -> Any:
+        """The argument's example value for ``lane`` (None: the whole list), and its key."""
         tag = arg[0]
         if tag == "const":
-            return arg[1]
+            return arg[1], (type(arg[1]), repr(arg[1]))
         if tag == "node":
-            if op.kind == "foreach" and isinstance(arg[1].meta.get("val"), list | tuple):
-                return [_empty(v) for v in arg[1].meta["val"]]
-            return example(arg[1], lane)
+            return _example(arg[1], memo)
         if tag == "column":
-            if lane is None:
-                return [example(n, None) for n in arg[1]]
-            return example(arg[1][lane], lane)
-        return arg[1](build(a, lane) for a in arg[2])
+            if lane is not None:
+                return _example(arg[1][lane], memo)
+            values, keys = zip(*(_example(n, memo) for n in arg[1]), strict=True)
+            return list(values), keys
+        values, keys = zip(*(build(a, lane) for a in arg[2]), strict=True) if arg[2] else ((), ())
+        return arg[1](values), keys
 
     def run(lane: int | None) -> Any:
-        args = [build(a, lane) for a in op.args]
+        args, keys = zip(*(build(a, lane) for a in op.args), strict=True) if op.args else ((), ())
         kwargs = {k: build(a, lane) for k, a in op.kwargs}
-        key = _key((args, kwargs))
+        key = (keys, tuple(v[1] for v in kwargs.values()))
         if key not in cache:
+            values = {k: v[0] for k, v in kwargs.items()}
             with torch.no_grad():
-                out = op.target(*args, **kwargs)
+                out = op.target(*_on_meta(args), **_on_meta(values))
             cache[key] = (
                 [_layout(t) for t in out] if isinstance(out, list | tuple) else [_layout(out)]
             )
@@ -228,41 +252,32 @@ def _functional_results(op: BatchedOp) -> list[tuple[Any, ...]] | None:
         return None
 
 
-def _empty(val: Any) -> Any:
-    return torch.empty_strided(tuple(val.shape), val.stride(), dtype=val.dtype, device="meta")
+def _example(node: fx.Node, memo: dict[fx.Node, tuple[Any, Any]]) -> tuple[Any, Any]:
+    """A node's example value (its trace's fake tensor, a Python number) and a key that
+    tells apart what can change an op's result layout."""
+    found = memo.get(node)
+    if found is not None:
+        return found
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        key: Any = _layout(val)
+    elif isinstance(val, list | tuple):
+        key = tuple(_layout(v) if isinstance(v, torch.Tensor) else type(v) for v in val)
+    else:
+        key = type(val)
+    memo[node] = found = (val, key)
+    return found
 
 
-def _key(a: Any) -> Any:
+def _on_meta(a: Any) -> Any:
+    """``a`` with each tensor (a trace's fake value) replaced by an empty meta tensor."""
     if isinstance(a, torch.Tensor):
-        return _layout(a)
+        return torch.empty_strided(tuple(a.shape), a.stride(), dtype=a.dtype, device="meta")
     if isinstance(a, list | tuple):
-        return (type(a), tuple(_key(x) for x in a))
+        return type(a)(_on_meta(x) for x in a)
     if isinstance(a, dict):
-        return tuple((k, _key(v)) for k, v in a.items())
-    return (type(a), repr(a))
-
-
-def _reads(storages: dict[int, frozenset[int]], slots: set[int], held: frozenset[int]) -> bool:
-    return any(storages.get(s, frozenset()) & held for s in slots)
-
-
-def _self_writes(
-    slot: int, lanes: tuple[int | None, ...], program: Families, loc: dict[fx.Node, Loc]
-) -> set[int] | None:
-    """The writes of the result in ``slot`` that become copies of a tensor onto itself; None
-    when one would copy an input the result now lives in into another input."""
-    dropped = set()
-    for w, (dst, src) in enumerate(program.writes):
-        s, i = loc[src]
-        if s != slot:
-            continue
-        lane = lanes[i if i is not None else 0]
-        if lane is None:
-            continue  # the result lives in the plan's own tensor: the write copies it
-        if lane != loc[dst][0]:
-            return None
-        dropped.add(w)
-    return dropped
+        return {k: _on_meta(v) for k, v in a.items()}
+    return a
 
 
 def _output_nodes(arg: Any) -> Iterator[fx.Node]:
