@@ -12,8 +12,8 @@ Unlike ``lanes.py`` (what a Triton kernel can compute) this keeps each node's ow
 the torch backend runs exactly the ops of the graph, and it takes any op: a family's op the
 plan cannot batch runs in a loop over the lanes. Running a family's nodes together reorders
 the graph, which is safe because it is functional (every read sees the inputs as they were
-at the call; the writes are its trailing ``copy_`` nodes), has no random ops and no in-place
-ops besides those writes.
+at the call; the writes are its ``copy_`` nodes, which the plan runs last: nothing may read
+an input after its write), has no random ops and no in-place ops besides those writes.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ def families(graph: fx.Graph) -> Families:
 def _kinds(nodes: list[fx.Node]) -> dict[fx.Node, str]:
     """Each node's role: "input" (a tensor placeholder or constant), "shared" (a Python scalar
     every lane reads), "foreach", "item" (an item of a foreach op's result), "write" (a
-    trailing copy_ into an input) or "lane" (per-item work)."""
+    copy_ into an input) or "lane" (per-item work)."""
     kind: dict[fx.Node, str] = {}
-    writes_started = False
+    written: set[fx.Node] = set()
     for node in nodes:
         if node.op == "placeholder":
             val = node.meta.get("val")
@@ -129,14 +129,15 @@ def _kinds(nodes: list[fx.Node]) -> dict[fx.Node, str]:
         if node.op != "call_function":
             raise NotLanes(f"{node.op} node {node.name}")
         target = node.target
+        read_after_write = written.intersection(node.all_input_nodes)
+        if read_after_write:  # the plan writes all inputs at the end
+            raise NotLanes(f"{node.name} reads {read_after_write.pop().name} after it was written")
         if target is aten.copy_.default:
             if node.args[0] not in kind or node.args[0].op != "placeholder":  # type: ignore[union-attr]
                 raise NotLanes(f"{node.name} writes to something that is not an input")
             kind[node] = "write"
-            writes_started = True
+            written.add(node.args[0])  # type: ignore[arg-type]
             continue
-        if writes_started:
-            raise NotLanes(f"{node.name} runs after the writebacks into the inputs")
         if isinstance(target, torch._ops.OpOverload):
             if target._schema.is_mutable:
                 raise NotLanes(f"{node.name} ({target}) writes to its arguments")
