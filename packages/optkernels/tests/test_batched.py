@@ -138,7 +138,7 @@ def test_for_loop_ops_run_as_one_foreach_call_each_in_place():
     assert isinstance(plan, BatchedPlan)
     text = plan.describe()
     assert text.startswith("# torch backend, batched over lanes: 4 calls per step")
-    assert "(families of up to 3 lanes)" in text
+    assert "(up to 3 lanes each)" in text
     assert "_foreach_mul_.Scalar (in place)" in text and "_foreach_add_.List (in place)" in text
     assert "0 of 6 writeback(s) left" in text  # every result already sits in its input
     assert "aten.mul.Tensor" in text  # the graph itself follows the plan
@@ -304,7 +304,8 @@ def test_outputs_of_a_batched_graph_are_returned():
     gm = g.done(outs)
     plan = run_both(gm, _random([2], torch.float32, 3, 3))
     result = plan([torch.ones(2)] * 3)
-    assert type(result) is tuple and len(result) == 3 and torch.equal(result[0], torch.full((2,), 3.0))
+    assert type(result) is tuple and len(result) == 3
+    assert torch.equal(result[0], torch.full((2,), 3.0))
 
 
 # Per-tensor ops and the arguments they take, each run over three lanes: "x", "y" tensors,
@@ -338,9 +339,9 @@ CASES: list[tuple[Any, tuple[str, ...], dict[str, str]]] = [
     (aten.addcmul.default, ("x", "y", "z"), {"value": "S"}),
     (aten.addcdiv.default, ("x", "y", "z"), {"value": "s"}),
     (aten.addcdiv.default, ("x", "y", "z"), {"value": "S"}),
-    *((getattr(aten, name).default, ("z",), {}) for name in ("sqrt", "rsqrt", "log", "reciprocal")),
-    *((getattr(aten, name).default, ("x",), {}) for name in ("neg", "abs", "sign", "exp", "sigmoid")),
-]  # fmt: skip
+    *((getattr(aten, op).default, ("z",), {}) for op in ("sqrt", "rsqrt", "log", "reciprocal")),
+    *((getattr(aten, op).default, ("x",), {}) for op in ("neg", "abs", "sign", "exp", "sigmoid")),
+]
 
 
 def op_graph(

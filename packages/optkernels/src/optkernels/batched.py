@@ -90,6 +90,7 @@ class BatchedPlan:
                 for user in node.users:
                     if user.target is operator.getitem:
                         self._loc[user] = (slot, user.args[1])  # type: ignore[assignment]
+        self.widest = max((self._length[s] for s in slots if s in self._length), default=1)
         forms = [_foreach_form(op) if op.kind == "family" else None for op in program.ops]
         self.inplace, dropped = reinplace(
             program,
@@ -352,8 +353,8 @@ class BatchedPlan:
         written = len(self.program.writes)
         header = [
             f"# torch backend, batched over lanes: {len(self.program.ops)} calls per step "
-            f"(families of up to {self.program.largest} lanes), {len(self.inplace)} of them "
-            f"in place; {len(self.writes)} of {written} writeback(s) left, in one "
+            f"(up to {self.widest} lanes each), {len(self.inplace)} "
+            f"of them in place; {len(self.writes)} of {written} writeback(s) left, in one "
             "_foreach_copy_:",
             *self._lines,
         ]

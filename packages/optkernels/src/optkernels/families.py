@@ -18,6 +18,7 @@ an input after its write), has no random ops and no in-place ops besides those w
 
 from __future__ import annotations
 
+import heapq
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,15 +98,68 @@ def families(graph: fx.Graph) -> Families:
     for node in nodes:
         if node.op == "call_function" and kind[node] in ("foreach", "shared"):
             keyed.append((position[node], _single_op(node, kind)))
-    # An op runs after all the nodes it reads: each member's inputs precede it in the graph,
-    # so the last member of a family comes after the last member of every family it reads.
-    keyed.sort(key=operator.itemgetter(0))
-    program.ops = [op for _, op in keyed]
+    program.ops = _schedule(keyed)
     if program.largest < 2 and not any(k == "foreach" for k in kind.values()):
         raise NotLanes(
             "no per-parameter op sequence repeats (one parameter, or each one's ops differ)"
         )
     return program
+
+
+def _schedule(keyed: list[tuple[int, BatchedOp]]) -> list[BatchedOp]:
+    """The ops in an order where each runs after those whose results it reads, as close to
+    the graph's order (``keyed``: the position of an op's last node) as that allows."""
+    producer: dict[fx.Node, int] = {}
+    for i, (_, op) in enumerate(keyed):
+        for node in op.nodes:
+            producer[node] = i
+            if op.kind == "foreach":
+                for user in node.users:  # its items
+                    producer[user] = i
+    users: list[list[int]] = [[] for _ in keyed]
+    waiting = [0] * len(keyed)
+    for i, (_, op) in enumerate(keyed):
+        deps = {producer[n] for n in _reads(op) if n in producer}
+        if i in deps:
+            raise NotLanes(
+                f"{op.nodes[0].name}: one lane's {op.target} reads another lane's "
+                "(through ops between them)"
+            )
+        for d in deps:
+            users[d].append(i)
+        waiting[i] = len(deps)
+    ready = [(key, i) for i, (key, _) in enumerate(keyed) if waiting[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(keyed[i][1])
+        for u in users[i]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (keyed[u][0], u))
+    if len(order) != len(keyed):
+        stuck = next(op for i, (_, op) in enumerate(keyed) if waiting[i])
+        raise NotLanes(f"{stuck.nodes[0].name}: lanes of one op depend on each other")
+    return order
+
+
+def _reads(op: BatchedOp) -> set[fx.Node]:
+    """The nodes ``op`` reads."""
+    found: set[fx.Node] = set()
+
+    def visit(arg: Arg) -> None:
+        if arg[0] == "node":
+            found.add(arg[1])
+        elif arg[0] == "column":
+            found.update(arg[1])
+        elif arg[0] == "seq":
+            for a in arg[2]:
+                visit(a)
+
+    for a in (*op.args, *(v for _, v in op.kwargs)):
+        visit(a)
+    return found
 
 
 def _kinds(nodes: list[fx.Node]) -> dict[fx.Node, str]:
