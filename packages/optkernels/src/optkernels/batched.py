@@ -449,38 +449,46 @@ def _addc_form(op: BatchedOp) -> Form | None:
     return Form(name, "Scalar", op.lanes, op.args, value)
 
 
+# In-place foreach ops whose CPU kernels round float16/bfloat16 differently from their
+# functional forms (a Scalar rounded to the dtype first). The node-by-node plan runs them
+# where eager did (``reference._ROUNDS_DIFFERENTLY_IN_PLACE``, ``_as_eager_ran``); elsewhere
+# the batched plan must not.
+_ROUNDS_IN_PLACE = frozenset({aten._foreach_mul_.Scalar, aten._foreach_mul_.ScalarList})
+
+
 def _can_run_in_place(op: BatchedOp, form: Form | None) -> bool:
-    """Whether ``op`` has an in-place foreach form on its first argument that rounds as the
-    op the graph records (the in-place op eager ran, for a foreach node that has one)."""
+    """Whether ``op`` has an in-place foreach form on its first argument that computes what
+    the node-by-node plan computes for it."""
+    low = any(getattr(v, "dtype", None) in _LOW_PRECISION for v in _vals(op))
     if op.kind == "foreach":
         node = op.nodes[0]
-        if node.meta.get("inplace") is not None:
-            return True
         name, _, overload = op.target.__name__.partition(".")
         packet = getattr(aten, f"{name}_", None)
         if packet is None or overload not in packet.overloads():
             return False
-        values = node.meta.get("val") or ()
-        return not (
-            name == "_foreach_mul"
-            and overload in ("Scalar", "ScalarList")
-            and any(getattr(v, "dtype", None) in _LOW_PRECISION for v in values)
-        )
+        rounds = getattr(packet, overload) in _ROUNDS_IN_PLACE and low
+        # (unless the node-by-node plan runs that very op: what eager ran)
+        return not rounds or _as_eager_ran(node) is not node.target
     if op.kind != "family" or form is None or form.overload == "ScalarAndTensor":
         return False
     packet = getattr(aten, f"_foreach_{form.name}_", None)
     needed = ("Scalar", "ScalarList") if form.overload == "Scalar" else (form.overload,)
     if packet is None or not all(o in packet.overloads() for o in needed):
         return False
-    low = any(getattr(n.meta.get("val"), "dtype", None) in _LOW_PRECISION for n in op.nodes)
-    return not (form.name == "mul" and form.overload == "Scalar" and low)
+    return not (low and any(getattr(packet, o) in _ROUNDS_IN_PLACE for o in needed))
+
+
+def _vals(op: BatchedOp) -> list[Any]:
+    """The values ``op`` computes (per lane, per item)."""
+    out = []
+    for node in op.nodes:
+        val = node.meta.get("val")
+        out.extend(val if isinstance(val, list | tuple) else [val])
+    return out
 
 
 def _inplace_op(node: fx.Node) -> Any:
-    """The in-place form of a foreach node's op (what eager ran, if recorded)."""
-    recorded = node.meta.get("inplace")
-    if recorded is not None:
-        return recorded
+    """The in-place form of a foreach node's op (what eager ran, where recorded)."""
     name, _, overload = node.target.__name__.partition(".")  # type: ignore[union-attr]
     return getattr(getattr(aten, f"{name}_"), overload)
 

@@ -1,0 +1,196 @@
+"""The torch backend batches a step over its parameters (lanes): each op the step repeats for
+every parameter runs as one foreach call (in place where eager's would be) or one loop.
+
+On the CPU a foreach op runs the per-tensor kernel on each tensor, so the batched plan must
+give the bits of the node-by-node plan, and those of eager torch.optim wherever the
+node-by-node plan does. Steps it cannot batch run node by node, and explain() says which.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import optcompile
+import optkernels.reference
+import pytest
+import torch
+from optcompile.testing import set_grads
+from optkernels import TorchPlan
+from step_optimizers import DecayMatricesOnly
+
+BATCHED = "# torch backend, batched over lanes"
+NODE_BY_NODE = "# torch backend, node by node (not batched: "
+NAMES = [
+    "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adadelta", "Adagrad", "RMSprop", "Rprop",
+    "SGD", "ASGD",
+]  # fmt: skip
+OPTIONS: dict[str, dict[str, Any]] = {"SGD": {"momentum": 0.9}, "Adadelta": {"lr": 0.5}}
+# Where the trace's graph itself is not eager's to the bit, on either plan: RAdam's foreach
+# and ASGD's for-loop paths take the capturable path (step counts on the host in eager).
+ROUNDING = {
+    ("RAdam", True, torch.float32),
+    ("RAdam", True, torch.float64),
+    ("ASGD", False, torch.float64),
+    ("ASGD", False, torch.bfloat16),
+}
+BITS = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+def mlp(dtype: torch.dtype) -> torch.nn.Module:
+    """Six parameters of five shapes: a family of six lanes per op."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+    )
+    return model.to(dtype)
+
+
+def run(
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    model: torch.nn.Module,
+    steps: list[tuple[int, ...]],
+    compiled: bool,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``make``'s optimizer (compiled on the torch backend or eager) over a copy of
+    ``model``; step i leaves the grads of the params ``steps[i]`` None."""
+    model = copy.deepcopy(model)
+    params = list(model.parameters())
+    opt = make(params)
+    if compiled:
+        opt = optcompile.compile(opt, backend="torch")
+    for i, none in enumerate(steps):
+        set_grads(model, i)
+        for j in none:
+            params[j].grad = None
+        opt.step()
+    return model, opt
+
+
+def node_by_node_run(
+    monkeypatch: pytest.MonkeyPatch, *args: Any
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``run`` compiled with the torch backend forced to its node-by-node plan."""
+    with monkeypatch.context() as m:
+        m.setattr(optkernels.reference.TorchBackend, "compile", lambda self, gm: TorchPlan(gm))
+        model, opt = run(*args, compiled=True)
+        assert not optcompile.explain(opt).graph_code.startswith(BATCHED)
+        return model, opt
+
+
+def tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The params and every state tensor, in a fixed order."""
+    out = []
+    for p in model.parameters():
+        out.append(p.detach())
+        state = opt.state[p]
+        out += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to the bit (``torch.equal`` takes 0.0 for -0.0 and NaN for unequal)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = BITS.get(a.dtype)
+    if bits is None:
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
+def check(
+    monkeypatch: pytest.MonkeyPatch,
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    model: torch.nn.Module,
+    steps: list[tuple[int, ...]],
+    bitwise_eager: bool,
+) -> str:
+    """Run ``make`` batched, node by node and eagerly; assert the batched run has the
+    node-by-node run's bits and (``bitwise_eager``) eager's, else is close to eager.
+    Returns the batched plan's description."""
+    batched = run(make, model, steps, compiled=True)
+    nodes = node_by_node_run(monkeypatch, make, model, steps)
+    eager = run(make, model, steps, compiled=False)
+    report = optcompile.explain(batched[1])
+    assert report.fallback_reason is None
+    mine, theirs, expected = tensors(*batched), tensors(*nodes), tensors(*eager)
+    assert len(mine) == len(theirs) == len(expected)
+    for i, (a, b, c) in enumerate(zip(mine, theirs, expected, strict=True)):
+        assert same_bits(a, b), (i, a, b)
+        if bitwise_eager:
+            assert same_bits(a, c), (i, a, c)
+        else:
+            torch.testing.assert_close(a, c)
+    return report.graph_code
+
+
+def make_optimizer(name: str, foreach: bool) -> Callable[[Any], torch.optim.Optimizer]:
+    cls = getattr(torch.optim, name)
+    options = {"lr": 1e-2, **OPTIONS.get(name, {})}
+    return lambda params: cls(params, foreach=foreach, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("foreach", [False, True], ids=["loop", "foreach"])
+@pytest.mark.parametrize("name", NAMES)
+def test_every_optimizer_runs_batched_with_eager_bits(monkeypatch, name, foreach, dtype):
+    code = check(
+        monkeypatch,
+        make_optimizer(name, foreach),
+        mlp(dtype),
+        [()] * 4,
+        bitwise_eager=(name, foreach, dtype) not in ROUNDING,
+    )
+    assert code.startswith(BATCHED), code[:300]
+    if not foreach:  # the for-loop's ops, six lanes each, as foreach calls
+        assert "x6: " in code and "_foreach_" in code.split("\ndef forward")[0]
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["loop", "foreach"])
+@pytest.mark.parametrize("name", NAMES)
+def test_lanes_with_different_step_counts_keep_eager_bits(monkeypatch, name, foreach):
+    # Params 1 and 3 miss some steps, so the lanes' step counts differ: the per-lane Python
+    # arithmetic on them runs per lane and the foreach ops take ScalarLists. (ASGD's for-loop
+    # trace rounds its per-step values apart from eager once the counts differ.)
+    steps = [(1,), (), (3,), (), (1, 3), ()]
+    rounding = (name, foreach) in {("RAdam", True), ("ASGD", False)}
+    code = check(
+        monkeypatch, make_optimizer(name, foreach), mlp(torch.float32), steps, not rounding
+    )
+    assert code.startswith(BATCHED), code[:300]
+
+
+def test_parameters_with_different_op_sequences_run_as_one_batch_per_sequence(monkeypatch):
+    # Weight decay on the matrices only: two families of three lanes.
+    code = check(
+        monkeypatch, lambda ps: DecayMatricesOnly(ps, lr=1e-2), mlp(torch.float32), [()] * 3, True
+    )
+    assert code.startswith(BATCHED) and "x3: aten.mul.Tensor" in code, code[:600]
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """SGD on grads divided by their global norm: every parameter's update reads all grads."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            total = torch.stack([p.grad.norm() for p in params]).norm()
+            for p in params:
+                p.add_(p.grad / (total + 1e-6), alpha=-group["lr"])
+
+
+def test_a_step_that_reads_across_parameters_runs_node_by_node(monkeypatch):
+    code = check(
+        monkeypatch, lambda ps: GlobalNormSGD(ps), mlp(torch.float32), [()] * 3, bitwise_eager=True
+    )
+    assert code.startswith(NODE_BY_NODE + "no per-parameter op sequence repeats"), code[:300]
