@@ -14,16 +14,16 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
 import torch
 from torch import fx
 
-from optkernels.families import Arg, BatchedOp, Families, is_python
+from optkernels.families import Arg, BatchedOp, Families
+from optkernels.foreach_forms import Form, can_run_in_place, foreach_form, is_tensor
 from optkernels.inplace import reinplace
-from optkernels.reference import _LOW_PRECISION, _as_eager_ran
+from optkernels.reference import _as_eager_ran
 
 aten = torch.ops.aten
 Env = list[Any]
@@ -54,10 +54,6 @@ class Same:
 
 def _as_list(values: Any) -> Any:
     return values.list() if isinstance(values, Same) else values
-
-
-def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 class BatchedPlan:
@@ -91,13 +87,13 @@ class BatchedPlan:
                     if user.target is operator.getitem:
                         self._loc[user] = (slot, user.args[1])  # type: ignore[assignment]
         self.widest = max((self._length[s] for s in slots if s in self._length), default=1)
-        forms = [_foreach_form(op) if op.kind == "family" else None for op in program.ops]
+        forms = [foreach_form(op) if op.kind == "family" else None for op in program.ops]
         self.inplace, dropped = reinplace(
             program,
             self._loc,
             slots,
             fresh=lambda k: program.ops[k].kind == "foreach" or forms[k] is not None,
-            can=lambda k: _can_run_in_place(program.ops[k], forms[k]),
+            can=lambda k: can_run_in_place(program.ops[k], forms[k]),
         )
         self._input_columns: dict[tuple[int, ...], int] = {}
         self._fill: list[tuple[int, Callable[[Env], Any]]] = []  # input columns, each call
@@ -159,7 +155,7 @@ class BatchedPlan:
             return self._node(arg[1])
         if tag == "column":
             load = self._column(arg[1])
-            if any(_is_tensor(n) for n in arg[1]):
+            if any(is_tensor(n) for n in arg[1]):
                 return load
             return lambda env: _as_list(load(env))  # a ScalarList of per-lane values
         kind, parts = arg[1], [self._value(a) for a in arg[2]]
@@ -196,7 +192,7 @@ class BatchedPlan:
         if op.target is aten._local_scalar_dense.default:
             self._lines.append(f"{head} (.item() per lane)")
             return self._read(op)
-        if not _is_tensor(node):
+        if not is_tensor(node):
             self._lines.append(f"{head} (per lane, once if all lanes agree)")
             return self._scalar(op, loop)
         if form is not None:
@@ -370,123 +366,6 @@ def _structure(arg: Any) -> Arg:
     return ("const", arg)
 
 
-# -- ATen ops as foreach ops --------------------------------------------------------------
-
-# Per-tensor unary ops whose foreach form runs them tensor by tensor.
-_UNARY = {
-    "abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "erfc", "exp", "expm1",
-    "floor", "frac", "lgamma", "log", "log10", "log1p", "log2", "neg", "reciprocal", "round",
-    "rsqrt", "sigmoid", "sign", "sin", "sinh", "sqrt", "tan", "tanh", "trunc",
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Form:
-    """A family as one call of ``_foreach_{name}``: ``overload`` "List"/"default" (tensor
-    lists, ``kwargs``), "Scalar" (then ``.Scalar`` or ``.ScalarList`` by whether ``scalar``
-    is one number or one per lane) or "ScalarAndTensor" (``scalar`` first)."""
-
-    name: str
-    overload: str
-    lanes: int
-    tensors: tuple[Arg, ...]
-    scalar: Arg | None = None
-    kwargs: tuple[tuple[str, Arg], ...] = ()
-
-
-def _foreach_form(op: BatchedOp) -> Form | None:
-    """The family ``op`` as one foreach call; None where torch has no foreach op of the same
-    semantics for these argument kinds."""
-    name, _, overload = op.target.__name__.partition(".")
-    kinds = [_kind(a) for a in op.args]
-    kw = dict(op.kwargs)
-    lanes, args = op.lanes, op.args
-    tensor_args = len(kinds) == 2 and all(k in ("T", "t") for k in kinds) and "T" in kinds
-    scalar_second = len(kinds) == 2 and kinds[0] == "T" and kinds[1] in ("c", "S")
-    if name in _UNARY and overload == "default" and kinds == ["T"] and not kw:
-        return Form(name, "default", lanes, args)
-    if name in ("add", "sub", "mul", "div") and overload in ("Tensor", "Scalar"):
-        alpha = kw.pop("alpha", None)
-        if kw or (alpha is not None and _kind(alpha) != "c"):
-            return None
-        if tensor_args:
-            extra = (("alpha", alpha),) if alpha is not None else ()
-            return Form(name, "List", lanes, args, kwargs=extra)
-        if scalar_second and alpha is None:
-            return Form(name, "Scalar", lanes, args[:1], args[1])
-        return None
-    if name in ("addcmul", "addcdiv") and overload == "default":
-        return _addc_form(op)
-    if kw:
-        return None
-    if name in ("maximum", "minimum") and overload == "default" and tensor_args:
-        return Form(name, "List", lanes, args)
-    if name in ("clamp_min", "clamp_max", "pow"):
-        if overload in ("Tensor", "Tensor_Tensor") and tensor_args:
-            return Form(name, "List", lanes, args)
-        if overload in ("default", "Tensor_Scalar") and scalar_second:
-            return Form(name, "Scalar", lanes, args[:1], args[1])
-        if name == "pow" and overload == "Scalar" and kinds == ["c", "T"]:
-            return Form(name, "ScalarAndTensor", lanes, args[1:], args[0])
-        return None
-    if name == "lerp" and len(kinds) == 3 and kinds[:2] == ["T", "T"]:
-        if overload == "Tensor" and kinds[2] in ("T", "t"):
-            return Form(name, "List", lanes, args)
-        if overload == "Scalar" and kinds[2] in ("c", "S"):
-            return Form(name, "Scalar", lanes, args[:2], args[2])
-        return None
-    return None
-
-
-def _addc_form(op: BatchedOp) -> Form | None:
-    """``addcmul``/``addcdiv(self, t1, t2, value=v)`` as ``_foreach_addc*.Scalar``."""
-    kinds = [_kind(a) for a in op.args]
-    kw = dict(op.kwargs)
-    value = kw.pop("value", ("const", 1))
-    if kinds != ["T", "T", "T"] or kw or _kind(value) not in ("c", "S"):
-        return None
-    name = op.target.__name__.partition(".")[0]
-    return Form(name, "Scalar", op.lanes, op.args, value)
-
-
-# In-place foreach ops whose CPU kernels round float16/bfloat16 differently from their
-# functional forms (a Scalar rounded to the dtype first). The node-by-node plan runs them
-# where eager did (``reference._ROUNDS_DIFFERENTLY_IN_PLACE``, ``_as_eager_ran``); elsewhere
-# the batched plan must not.
-_ROUNDS_IN_PLACE = frozenset({aten._foreach_mul_.Scalar, aten._foreach_mul_.ScalarList})
-
-
-def _can_run_in_place(op: BatchedOp, form: Form | None) -> bool:
-    """Whether ``op`` has an in-place foreach form on its first argument that computes what
-    the node-by-node plan computes for it."""
-    low = any(getattr(v, "dtype", None) in _LOW_PRECISION for v in _vals(op))
-    if op.kind == "foreach":
-        node = op.nodes[0]
-        name, _, overload = op.target.__name__.partition(".")
-        packet = getattr(aten, f"{name}_", None)
-        if packet is None or overload not in packet.overloads():
-            return False
-        rounds = getattr(packet, overload) in _ROUNDS_IN_PLACE and low
-        # (unless the node-by-node plan runs that very op: what eager ran)
-        return not rounds or _as_eager_ran(node) is not node.target
-    if op.kind != "family" or form is None or form.overload == "ScalarAndTensor":
-        return False
-    packet = getattr(aten, f"_foreach_{form.name}_", None)
-    needed = ("Scalar", "ScalarList") if form.overload == "Scalar" else (form.overload,)
-    if packet is None or not all(o in packet.overloads() for o in needed):
-        return False
-    return not (low and any(getattr(packet, o) in _ROUNDS_IN_PLACE for o in needed))
-
-
-def _vals(op: BatchedOp) -> list[Any]:
-    """The values ``op`` computes (per lane, per item)."""
-    out = []
-    for node in op.nodes:
-        val = node.meta.get("val")
-        out.extend(val if isinstance(val, list | tuple) else [val])
-    return out
-
-
 def _inplace_op(node: fx.Node) -> Any:
     """The in-place form of a foreach node's op (what eager ran, where recorded)."""
     name, _, overload = node.target.__name__.partition(".")  # type: ignore[union-attr]
@@ -500,22 +379,6 @@ def _in_place(fn: Any, args: Load, kwargs: Callable[[Env], dict[str, Any]]) -> L
         return values[0]
 
     return run
-
-
-def _kind(arg: Arg) -> str:
-    """The kind of an argument: "T" a column of tensors, "S" a column of per-lane numbers,
-    "t" one tensor for every lane, "c" one number (or constant) for every lane, "x" other."""
-    tag = arg[0]
-    if tag == "column":
-        return "T" if all(_is_tensor(n) for n in arg[1]) else "S"
-    if tag == "node":
-        val = arg[1].meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return "t"
-        return "c" if isinstance(val, bool | int | float) or is_python(arg[1]) else "x"
-    if tag == "const":
-        return "c" if isinstance(arg[1], bool | int | float) else "x"
-    return "x"
 
 
 def _repeat(load: Load, lanes: int) -> Load:

@@ -98,11 +98,14 @@ def families(graph: fx.Graph) -> Families:
     for node in nodes:
         if node.op == "call_function" and kind[node] in ("foreach", "shared"):
             keyed.append((position[node], _single_op(node, kind)))
-    program.ops = _schedule(keyed)
+    if not any(n.op == "call_function" for n in nodes):
+        raise NotLanes("the step has no tensor work")
     if program.largest < 2 and not any(k == "foreach" for k in kind.values()):
         raise NotLanes(
-            "no per-parameter op sequence repeats (one parameter, or each one's ops differ)"
+            "no per-parameter op sequence repeats (one parameter, each one's ops differ, "
+            "or they read each other's values)"
         )
+    program.ops = _schedule(keyed)
     return program
 
 
