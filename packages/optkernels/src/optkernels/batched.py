@@ -1,12 +1,13 @@
 """The torch backend's batched plan: each op a step repeats over lanes runs as one call.
 
 ``families.py`` reads the graph as BatchedOps. A family (one ATen op applied to every lane)
-runs as the ``_foreach_*`` op of the same semantics where one exists: on the CPU a foreach op
-runs the per-tensor op on each tensor, so results are those of the node-by-node plan, bit for
-bit; otherwise as a loop over the lanes inside one prepared function. Python arithmetic on
-per-lane values (a step count read with ``.item()``) runs per lane as the graph computes it,
-once when every lane holds the same value (the usual case: ``Same``). The writebacks into
-the inputs run as one ``_foreach_copy_``.
+runs as the ``_foreach_*`` op of the same semantics where one exists (``foreach_forms.py``:
+on the CPU a foreach op runs the per-tensor op on each tensor, so results are those of the
+node-by-node plan, bit for bit), otherwise as a loop over the lanes inside one prepared
+function. Python arithmetic on per-lane values (a step count read with ``.item()``) runs per
+lane as the graph computes it, once when every lane holds the same value (the usual case:
+``Same``). Ops run in place where nothing reads what they overwrite (``inplace.py``); the
+other writebacks into the inputs run as one ``_foreach_copy_``, in the graph's order.
 """
 
 from __future__ import annotations
