@@ -5,14 +5,17 @@ Writes benchmarks/results/cpu_torch_backend.md (or FILE).
 
 For each case (N parameters of shape (4,), or a small MLP) and optimizer (AdamW, SGD with
 momentum 0.9, Adagrad; default options, so eager takes its for-loop path on the CPU and the
-trace records it), four optimizers step copies of the same parameters with the same grads:
+trace records it), five optimizers step copies of the same parameters with the same grads:
 
-- ``batched``: ``optcompile.compile(opt)``, the torch backend's batched plan (this change);
-- ``node by node``: the same with the torch backend forced to its node-by-node plan
-  (``TorchPlan``, what every graph ran before: the "before" figure);
+- ``batched``: ``optcompile.compile(opt, backend="torch")``: the torch backend's batched plan;
+- ``node by node``: the same with the torch backend forced to its node-by-node plan, the
+  writes eager made in place run in place (``reference.node_by_node``: what every graph ran
+  before the batched plan);
+- ``functional``: forced to the node-by-node plan of the functional graph (``TorchPlan``:
+  what every graph ran before ``reinplace.py``);
 - ``eager for-loop`` and ``eager foreach`` (``foreach=True``): the anchors.
 
-Times are medians over ``rounds`` rounds of one ``opt.step()`` each, the four variants
+Times are medians over ``rounds`` rounds of one ``opt.step()`` each, the five variants
 interleaved within a round so that load from other processes hits them alike, with one
 torch thread; the first three steps (trace, state init, guard build) are not timed.
 """
@@ -34,6 +37,7 @@ import optcompile
 import optkernels.reference
 import torch
 from optkernels import TorchPlan
+from optkernels.reference import node_by_node
 
 RESULTS = Path(__file__).parent / "results"
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -64,31 +68,38 @@ def with_grads(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     return copies
 
 
-def node_by_node(gm: Any) -> TorchPlan:
-    return TorchPlan(gm, reason="forced by the benchmark")
+PLANS: dict[str, Callable[[Any], Any]] = {
+    "functional": lambda gm: TorchPlan(gm, reason="forced by the benchmark"),
+    "node by node": lambda gm: node_by_node(gm, reason="forced by the benchmark"),
+}
+
+
+def forced(make: Callable[[], torch.optim.Optimizer], plan: Callable[[Any], Any]) -> Any:
+    """``make()`` compiled on the torch backend with its plan forced to ``plan``."""
+    original = optkernels.reference.TorchBackend.compile
+    optkernels.reference.TorchBackend.compile = lambda self, gm: plan(gm)  # type: ignore[method-assign]
+    try:
+        opt = optcompile.compile(make(), backend="torch")
+        for _ in range(3):  # traces (and retraces) while the plan is forced
+            opt.step()
+    finally:
+        optkernels.reference.TorchBackend.compile = original  # type: ignore[method-assign]
+    return opt
 
 
 def build(params: list[torch.nn.Parameter], name: str) -> dict[str, Callable[[], Any]]:
     cls, options = OPTIMIZERS[name]
     steps: dict[str, Callable[[], Any]] = {}
     batched = optcompile.compile(cls(with_grads(params), **options), backend="torch")
-    original = optkernels.reference.TorchBackend.compile
-    optkernels.reference.TorchBackend.compile = lambda self, gm: node_by_node(gm)  # type: ignore[method-assign]
-    try:
-        nodes = optcompile.compile(cls(with_grads(params), **options), backend="torch")
-        for _ in range(3):  # traces while the torch backend is forced node by node
-            nodes.step()
-    finally:
-        optkernels.reference.TorchBackend.compile = original  # type: ignore[method-assign]
     steps["batched"] = batched.step
-    steps["node by node"] = nodes.step
+    for label, plan in PLANS.items():
+        steps[label] = forced(lambda: cls(with_grads(params), **options), plan).step
     steps["eager for-loop"] = cls(with_grads(params), **options).step
     steps["eager foreach"] = cls(with_grads(params), foreach=True, **options).step
     for step in steps.values():
         for _ in range(3):
             step()
     assert "batched over lanes" in optcompile.explain(batched).graph_code
-    assert "node by node" in optcompile.explain(nodes).graph_code
     return steps
 
 
@@ -132,17 +143,19 @@ def main() -> None:
         f"processes (load {load_start:.2f} at start, {load_end:.2f} at end); "
         f"Versions: Python {sys.version.split()[0]}, torch {torch.__version__}  ",
         "Milliseconds per `opt.step()`, median of interleaved rounds (see the script's "
-        "docstring). `node by node` is the torch backend's plan before this change (every "
-        "graph ran it); `batched` is the plan it picks now. Default options: eager takes its "
-        "for-loop path on the CPU, and so does the trace.",
+        "docstring). Before: `functional` is the node-by-node plan of the functional graph, "
+        "`node by node` the same with eager's in-place writes run in place (reinplace.py); "
+        "after: `batched`, the plan the torch backend picks for these steps. Default "
+        "options: eager takes its for-loop path on the CPU, and so does the trace.",
         "",
-        "| params | optimizer | node by node (before) | batched (after) | eager for-loop "
+        "| params | optimizer | functional | node by node | batched | eager for-loop "
         "| eager foreach | batched / for-loop | batched / foreach |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for label, name, ms in rows:
         lines.append(
-            f"| {label} | {name} | {ms['node by node']:.2f} | **{ms['batched']:.2f}** "
+            f"| {label} | {name} | {ms['functional']:.2f} | {ms['node by node']:.2f} "
+            f"| **{ms['batched']:.2f}** "
             f"| {ms['eager for-loop']:.2f} | {ms['eager foreach']:.2f} "
             f"| {ms['batched'] / ms['eager for-loop']:.2f} "
             f"| {ms['batched'] / ms['eager foreach']:.2f} |"

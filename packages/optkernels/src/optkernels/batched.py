@@ -6,8 +6,8 @@ on the CPU a foreach op runs the per-tensor op on each tensor, so results are th
 node-by-node plan, bit for bit), otherwise as a loop over the lanes inside one prepared
 function. Python arithmetic on per-lane values (a step count read with ``.item()``) runs per
 lane as the graph computes it, once when every lane holds the same value (the usual case:
-``Same``). Ops run in place where nothing reads what they overwrite (``inplace.py``); the
-other writebacks into the inputs run as one ``_foreach_copy_``, in the graph's order.
+``Same``). Ops run in place where nothing reads what they overwrite (``batched_inplace.py``);
+the other writebacks into the inputs run as one ``_foreach_copy_``, in the graph's order.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import fx
 
+from optkernels.batched_inplace import in_place_ops
 from optkernels.families import Arg, BatchedOp, Families
 from optkernels.foreach_forms import Form, can_run_in_place, foreach_form, is_tensor
-from optkernels.inplace import reinplace
 from optkernels.reference import _as_eager_ran
 
 aten = torch.ops.aten
@@ -89,7 +89,7 @@ class BatchedPlan:
                         self._loc[user] = (slot, user.args[1])  # type: ignore[assignment]
         self.widest = max((self._length[s] for s in slots if s in self._length), default=1)
         forms = [foreach_form(op) if op.kind == "family" else None for op in program.ops]
-        self.inplace, dropped = reinplace(
+        self.inplace, dropped = in_place_ops(
             program,
             self._loc,
             slots,

@@ -138,6 +138,14 @@ class TorchPlan:
         return header + "\n" + self.gm.code.strip()
 
 
+def node_by_node(gm: fx.GraphModule, reason: str | None = None) -> TorchPlan:
+    """The node-by-node plan of ``gm``, with the writes eager made in place run in place
+    (``reinplace.py``, on a copy: the entry keeps the traced graph for explain())."""
+    graph = copy.deepcopy(gm.graph)
+    reinplace(graph)
+    return TorchPlan(fx.GraphModule(gm, graph), reason=reason)
+
+
 class TorchBackend:
     """Backend that executes graphs with torch ops (no fusion, any device).
 
@@ -154,9 +162,7 @@ class TorchBackend:
         try:
             program = families(gm.graph)
         except NotLanes as exc:
-            graph = copy.deepcopy(gm.graph)  # (the entry keeps the traced graph for explain())
-            reinplace(graph)
-            plan = TorchPlan(fx.GraphModule(gm, graph), reason=str(exc))
+            plan = node_by_node(gm, reason=str(exc))
             log.info(
                 "torch backend: node by node (%s), %d ATen op launches per step",
                 exc,

@@ -1,11 +1,14 @@
-"""Which batched ops may write their result into their first argument (reinplacing).
+"""Which ops of the batched plan may write their result into their first argument.
 
 The step graph is functional: each op makes new tensors and trailing ``copy_`` nodes write
 the results into the inputs. Eager ran most of those ops in place (``p.mul_``,
 ``exp_avg.lerp_``), and the batched plan can too, where nothing reads the overwritten values
 afterwards: no allocation per op and lane, and a write whose value already sits in its input
-disappears. ``reinplace`` decides op by op, in execution order, tracking which storages each
-slot's tensors live in:
+disappears. (``reinplace.py`` does this for the node-by-node plan by rewriting the graph, for
+the ops eager ran in place; here it is decided on the BatchedOps in the order the batched plan
+runs them, for every op whose in-place foreach form computes the functional op's bits,
+intermediate results included.) ``in_place_ops`` decides op by op, tracking which storages
+each slot's tensors live in:
 
 - the first argument must be tensors the plan owns (a foreach op's fresh results, or what an
   earlier in-place op wrote) or inputs that the step overwrites anyway (every one of them is
@@ -50,7 +53,7 @@ def op_nodes(op: BatchedOp, skip_first: bool = False) -> Iterator[fx.Node]:
         yield from arg_nodes(a)
 
 
-def reinplace(
+def in_place_ops(
     program: Families,
     loc: dict[fx.Node, Loc],
     slots: list[int],
