@@ -50,7 +50,7 @@ class Form:
 def foreach_form(op: BatchedOp) -> Form | None:
     """The family ``op`` as one foreach call; None where torch has no foreach op of the same
     semantics for these argument kinds."""
-    name, _, overload = op.target.__name__.partition(".")
+    name, _, overload = getattr(op.target, "__name__", "").partition(".")
     kinds = [kind_of(a) for a in op.args]
     kw = dict(op.kwargs)
     lanes, args = op.lanes, op.args
