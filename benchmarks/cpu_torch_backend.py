@@ -1,6 +1,7 @@
 """Step time of the torch backend on the CPU: batched over lanes vs node by node vs eager.
 
-Usage: python benchmarks/cpu_torch_backend.py [--sizes 2000 10000] [--rounds 7] [--out FILE]
+Usage: python benchmarks/cpu_torch_backend.py [--sizes 2000 10000] [--rounds 7]
+       [--mlp-rounds 101] [--out FILE]
 Writes benchmarks/results/cpu_torch_backend.md (or FILE).
 
 For each case (N parameters of shape (4,), or a small MLP) and optimizer (AdamW, SGD with
@@ -15,9 +16,10 @@ trace records it), five optimizers step copies of the same parameters with the s
   what every graph ran before ``reinplace.py``);
 - ``eager for-loop`` and ``eager foreach`` (``foreach=True``): the anchors.
 
-Times are medians over ``rounds`` rounds of one ``opt.step()`` each, the five variants
-interleaved within a round so that load from other processes hits them alike, with one
-torch thread; the first three steps (trace, state init, guard build) are not timed.
+Times are medians over ``rounds`` (for the MLP ``mlp-rounds``) rounds of one ``opt.step()``
+each, the five variants interleaved within a round so that load from other processes hits
+them alike, with one torch thread; the first three steps (trace, state init, guard build)
+are not timed.
 """
 
 from __future__ import annotations
@@ -117,20 +119,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[2000, 10000])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--mlp-rounds", type=int, default=101)  # steps of about 1 ms
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_torch_backend.md")
     args = parser.parse_args()
     warnings.simplefilter("ignore", optcompile.FallbackWarning)
     # Two OpenMP threads on two cores that other processes also use wait on each other:
     # an op over 0.4M values took 1 ms or 70 ms depending on the load. One thread is steady.
     torch.set_num_threads(1)
-    cases = [(f"{n} x (4,)", lambda n=n: tiny_params(n)) for n in args.sizes]
-    cases.append(("MLP 6x256x256 (13 tensors, 0.4M values)", mlp_params))
+    cases = [(f"{n} x (4,)", lambda n=n: tiny_params(n), args.rounds) for n in args.sizes]
+    cases.append(("MLP 6x256x256 (14 tensors, 0.4M values)", mlp_params, args.mlp_rounds))
     load_start = os.getloadavg()[0]
     rows = []
-    for label, make in cases:
+    for label, make, rounds in cases:
         params = make()
         for name in OPTIMIZERS:
-            ms = measure(build(params, name), args.rounds)
+            ms = measure(build(params, name), rounds)
             rows.append((label, name, ms))
             print(label, name, {k: round(v, 2) for k, v in ms.items()}, flush=True)
     load_end = os.getloadavg()[0]
@@ -138,7 +141,8 @@ def main() -> None:
         "# Torch backend on the CPU: batched over lanes vs node by node vs eager",
         "",
         f"Command: `OPTCOMPILE_NATIVE=sync python benchmarks/cpu_torch_backend.py "
-        f"--sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds}` (repo root)  ",
+        f"--sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds} "
+        f"--mlp-rounds {args.mlp_rounds}` (repo root)  ",
         f"Device: {platform.machine()}; {os.cpu_count()} CPU cores shared with other "
         f"processes (load {load_start:.2f} at start, {load_end:.2f} at end); "
         f"Versions: Python {sys.version.split()[0]}, torch {torch.__version__}  ",
