@@ -52,20 +52,35 @@ from typing import Any
 
 import optcompile
 import torch
+from differential_cases import (
+    CUSTOM,
+    DEVICE,
+    KNOWN_BUGS,
+    LONG,
+    LONG_EXAMPLES,
+    LR,
+    LRS,
+    TORCH_OPTIMIZERS,
+    WITH_KNOWN_BUGS,
+    Case,
+    Event,
+    Group,
+    N,
+    Param,
+    T,
+    cases,
+    is_foreach,
+    materialize,
+)
 from hypothesis import HealthCheck, given, note, reject, settings
-from hypothesis import strategies as st
-from step_optimizers import ClippedAdam, ForeachLamb, SophiaLike
+
+__all__ = ["KNOWN_BUGS", "Case", "Event", "Group", "N", "Param", "T", "run_case"]
 
 optim = torch.optim
 S = torch.optim.lr_scheduler
 
 CI_EXAMPLES = 160
-LONG_EXAMPLES = int(os.environ.get("OPTCOMPILE_FUZZ_EXAMPLES", "0"))
-LONG = LONG_EXAMPLES > 0
 SEED = os.environ.get("OPTCOMPILE_FUZZ_SEED")
-WITH_KNOWN_BUGS = os.environ.get("OPTCOMPILE_FUZZ_KNOWN_BUGS") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 settings.register_profile(
     "optcompile-fuzz",
@@ -78,397 +93,67 @@ settings.register_profile(
 )
 FUZZ = settings.get_profile("optcompile-fuzz")
 
-# --------------------------------------------------------------------------- the case
+
+class Rejected(Exception):
+    """Eager torch.optim refuses the case: it says nothing about the compiler."""
 
 
-@dataclass(frozen=True)
-class T:
-    """A hyperparameter given as a 0-dim tensor (a fresh one per optimizer)."""
-
-    value: float
-
-    def make(self) -> torch.Tensor:
-        return torch.tensor(self.value)
+# --------------------------------------------------------------------------- building
 
 
-@dataclass(frozen=True)
-class Param:
-    shape: tuple[int, ...]
-    dtype: str = "float32"
-    # "contiguous" | "transposed" (dims reversed) | "strided" (every other element of a
-    # larger tensor's last dim) | "flat" (a view into one flat buffer per dtype)
-    layout: str = "contiguous"
-    grad_layout: str = "contiguous"  # | "like_param" (empty_like: the param's strides)
-
-
-@dataclass(frozen=True)
-class Group:
-    params: tuple[Param, ...]
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Case:
-    optimizer: str
-    groups: tuple[Group, ...]
-    defaults: dict[str, Any] = field(default_factory=dict)
-    steps: int = 3
-    # Per step: indices (over all params, in group order) whose grad is None at that step.
-    none_grads: tuple[tuple[int, ...], ...] = ()
-    grads_in_place: bool = False  # write new grad values into the existing grad tensors
-    scheduler: str | None = None
-    scheduler_first: bool = False  # the scheduler is attached before compile()
-    # (after step k, "fresh" | "in_place", through torch.save?): see round_trip
-    round_trip: tuple[int, str, bool] | None = None
-    backend: str = "torch"
-    cudagraphs: bool = False
-    seed: int = 0
-
-
-# --------------------------------------------------------------------------- what is drawn
-
-TORCH_OPTIMIZERS = [
-    "Adam",
-    "AdamW",
-    "NAdam",
-    "RAdam",
-    "Adamax",
-    "Adadelta",
-    "Adagrad",
-    "RMSprop",
-    "Rprop",
-    "SGD",
-    "ASGD",
-    "Adafactor",
-]
-CUSTOM = {"SophiaLike": SophiaLike, "ClippedAdam": ClippedAdam, "ForeachLamb": ForeachLamb}
-CAPTURABLE = {"Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adadelta", "RMSprop", "Rprop", "ASGD"}
-FUSED = {"Adam", "AdamW", "SGD", "Adagrad"}  # fused=True: an eager fallback (README)
-LRS = {"Adadelta": [1.0, 0.5]}  # everything else: LR
-LR = [1e-2, 1e-3, 0.1]
-BETAS = [(0.9, 0.999), (0.8, 0.9), (0.0, 0.99), (0.95, 0.95)]
-EPS = [1e-8, 1e-6]
-WEIGHT_DECAY = [0.0, 0.1]
-
-# Each option an optimizer accepts (beyond lr, foreach, capturable, fused, which every
-# optimizer draws below as it accepts them) and the values drawn for it.
-OPTIONS: dict[str, dict[str, list[Any]]] = {
-    "Adam": {
-        "betas": BETAS,
-        "eps": EPS,
-        "weight_decay": WEIGHT_DECAY,
-        "amsgrad": [False, True],
-        "maximize": [False, True],
-        "decoupled_weight_decay": [False, True],
-    },
-    "AdamW": {
-        "betas": BETAS,
-        "eps": EPS,
-        "weight_decay": [0.01, 0.0, 0.1],
-        "amsgrad": [False, True],
-        "maximize": [False, True],
-    },
-    "NAdam": {
-        "betas": BETAS,
-        "eps": EPS,
-        "weight_decay": WEIGHT_DECAY,
-        "momentum_decay": [4e-3, 1e-2],
-        "decoupled_weight_decay": [False, True],
-        "maximize": [False, True],
-    },
-    "RAdam": {
-        "betas": BETAS,  # (0.8, 0.9) takes RAdam's rect > 5 branch from step 2 on
-        "eps": EPS,
-        "weight_decay": WEIGHT_DECAY,
-        "decoupled_weight_decay": [False, True],
-        "maximize": [False, True],
-    },
-    "Adamax": {
-        "betas": BETAS,
-        "eps": EPS,
-        "weight_decay": WEIGHT_DECAY,
-        "maximize": [False, True],
-    },
-    "Adadelta": {
-        "rho": [0.9, 0.8],
-        "eps": [1e-6, 1e-5],
-        "weight_decay": WEIGHT_DECAY,
-        "maximize": [False, True],
-    },
-    "Adagrad": {
-        "lr_decay": [0.0, 0.01],
-        "weight_decay": WEIGHT_DECAY,
-        "initial_accumulator_value": [0.0, 0.1],
-        "eps": [1e-10, 1e-8],
-        "maximize": [False, True],
-    },
-    "RMSprop": {
-        "alpha": [0.99, 0.9],
-        "eps": EPS,
-        "weight_decay": WEIGHT_DECAY,
-        "momentum": [0.0, 0.5, 0.9],
-        "centered": [False, True],
-        "maximize": [False, True],
-    },
-    "Rprop": {
-        "etas": [(0.5, 1.2), (0.4, 1.5)],
-        "step_sizes": [(1e-6, 50.0), (1e-5, 1.0)],
-        "maximize": [False, True],
-    },
-    "SGD": {
-        "momentum": [0.0, 0.9, 0.5],
-        "dampening": [0.0, 0.1],
-        "weight_decay": WEIGHT_DECAY,
-        "nesterov": [False, True],
-        "maximize": [False, True],
-    },
-    "ASGD": {
-        "lambd": [1e-4, 1e-3],
-        "alpha": [0.75, 0.5],
-        "t0": [1e6, 1.0, 0.0],  # 1.0 / 0.0 start the averaging inside the run
-        "weight_decay": WEIGHT_DECAY,
-        "maximize": [False, True],
-    },
-    "Adafactor": {
-        "beta2_decay": [-0.8, -0.5],
-        "eps": [(None, 1e-3), (1e-4, 1e-2)],
-        "d": [1.0, 2.0],
-        "weight_decay": WEIGHT_DECAY,
-        "maximize": [False, True],
-    },
-    "SophiaLike": {},
-    "ClippedAdam": {},
-    "ForeachLamb": {"weight_decay": [0.01, 0.0]},
-}
-
-# Open bugs, excluded from the draw until they are fixed (OPTCOMPILE_FUZZ_KNOWN_BUGS=1
-# draws them): see _known_bug (params), _tensor_options and the warning filter in run_case.
-KNOWN_BUGS: dict[str, str] = {
-    "triton-fp64-fp16": "backend='triton' on float64/float16: the kernel computes in fp32",
-    "cpu-foreach-half": "CPU foreach on fp16/bf16: in-place vs out-of-place foreach rounding",
-    "radam-asgd-fp64": "RAdam/ASGD with capturable=False on float64 (capturable-path trace)",
-    "sgd-tensor-wd": "SGD with a Tensor weight_decay falls back",
-    "adafactor-tensor-lr": "Adafactor with a Tensor lr falls back",
-    "deepcopy-compiled": "copy.deepcopy of a compiled optimizer (never drawn here)",
-    # Found by this test:
-    "inplace-0dim-promotion": "an in-place op on a 0-dim half tensor with a 0-dim float32 "
-    "operand (a tensor hyperparameter) is traced out of place: float32, not rounded",
-    "sched-before-compile": "a scheduler attached before compile() warns 'optimizer.step() "
-    "has been overridden' on its first step (eager does not)",
-}
-
-
-def _has_tensors(options: dict[str, Any]) -> bool:
-    return any(
-        isinstance(v, T) or (isinstance(v, tuple) and T in map(type, v)) for v in options.values()
-    )
-
-
-def _known_bug(
-    optimizer: str, backend: str, dtype: str, shape: tuple[int, ...], foreach: bool, tensors: bool
-) -> str | None:
-    """The KNOWN_BUGS entry a param of ``dtype`` and ``shape`` would hit, if any."""
-    if tensors and shape == () and dtype in ("float16", "bfloat16"):
-        return "inplace-0dim-promotion"
-    if backend == "triton" and dtype in ("float64", "float16"):
-        return "triton-fp64-fp16"
-    if DEVICE == "cpu" and foreach and dtype in ("float16", "bfloat16"):
-        return "cpu-foreach-half"
-    if optimizer in ("RAdam", "ASGD") and dtype == "float64":
-        return "radam-asgd-fp64"  # (capturable=False: CPU always; on CUDA when not drawn)
-    return None
-
-
-# Shapes: small ones everywhere; larger ones (blocks straddling tensor ends) in long runs.
-SHAPES = [(3,), (), (0,), (1,), (2, 3), (3, 1, 2), (0, 3), (5,), (4, 2)]
-LONG_SHAPES = [(33,), (7, 9), (130,), (1025,), (2, 3, 4)]
+def _randn(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    if dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype).to(DEVICE)
+    return torch.randn(shape, generator=gen).to(DEVICE, dtype)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
     return int(torch.Size(shape).numel())
 
 
-TINY = [s for s in SHAPES if _numel(s) <= 8]
-DTYPES = ["float32", "float64", "bfloat16", "float16"]
-SCHEDULERS = [None, "StepLR", "CosineAnnealingLR", "OneCycleLR", "LambdaLR"]
-ROUND_TRIPS = ["fresh", "in_place"]
-
-
-def _is_foreach(name: str, foreach: bool | None) -> bool:
-    """The path eager takes: foreach=None picks foreach on CUDA, the for-loop on CPU."""
-    if name in ("ClippedAdam", "ForeachLamb"):
-        return True
-    return foreach if foreach is not None else DEVICE == "cuda"
-
-
-def _tensor_options(name: str, options: dict[str, Any], draw: Any) -> dict[str, Any]:
-    """Some hyperparameters as 0-dim tensors where torch.optim accepts them."""
-    # (not Adafactor's lr unless WITH_KNOWN_BUGS: KNOWN_BUGS["adafactor-tensor-lr"])
-    lr_ok = name != "Adafactor" or WITH_KNOWN_BUGS
-    if "lr" in options and lr_ok and draw(st.integers(0, 3)) == 0:
-        options["lr"] = T(options["lr"])
-    if name in ("Adam", "AdamW") and "betas" in options and draw(st.integers(0, 5)) == 0:
-        options["betas"] = tuple(T(b) for b in options["betas"])
-    # (KNOWN_BUGS["sgd-tensor-wd"])
-    if name == "SGD" and WITH_KNOWN_BUGS and options.get("weight_decay") and draw(st.booleans()):
-        options["weight_decay"] = T(options["weight_decay"])
-    return options
-
-
-@st.composite
-def _options(draw: Any, name: str, group: bool) -> dict[str, Any]:
-    """Constructor options (``group=False``) or a group's overrides (a sparser subset)."""
-    table = OPTIONS[name]
-    keep = st.integers(0, 3 if group else 1).map(lambda i: i == 0)
-    options = {k: draw(st.sampled_from(v)) for k, v in table.items() if draw(keep)}
-    takes_lr = name in TORCH_OPTIMIZERS or name == "ForeachLamb"  # (as an argument)
-    if (takes_lr and not group) or (group and draw(keep)):
-        options["lr"] = draw(st.sampled_from(LRS.get(name, LR)))
-    if name in TORCH_OPTIMIZERS:
-        if draw(keep):
-            options["foreach"] = draw(st.sampled_from([None, True, False]))
-        if name in CAPTURABLE and DEVICE == "cuda" and draw(keep):
-            options["capturable"] = draw(st.booleans())
-        if not group and name != "Adafactor" and draw(st.integers(0, 7)) == 0:
-            options["differentiable"] = False  # (True is an eager fallback by design)
-    if name == "SGD" and options.get("nesterov"):  # eager refuses nesterov without these
-        options["momentum"] = options.get("momentum") or 0.9
-        options["dampening"] = 0.0
-    return _tensor_options(name, options, draw)
-
-
-def _merged(defaults: dict[str, Any], group: Group) -> dict[str, Any]:
-    return {**defaults, **group.options}
-
-
-def _valid(name: str, options: dict[str, Any]) -> bool:
-    """Constructor-time rules of torch.optim (so that few cases are rejected)."""
-    # "lr as a Tensor is not supported for capturable=False and foreach=True"
-    tensor_lr = name in ("Adam", "AdamW") and isinstance(options.get("lr"), T)
-    if tensor_lr and _is_foreach(name, options.get("foreach")) and not options.get("capturable"):
-        return False
-    if name == "SGD" and options.get("nesterov"):
-        return bool(options.get("momentum")) and not options.get("dampening")
-    return not (options.get("fused") and options.get("foreach"))
-
-
-@st.composite
-def cases(draw: Any) -> Case:
-    name = draw(st.sampled_from([*TORCH_OPTIMIZERS, *CUSTOM]))
-    backend = "triton" if TRITON_OK and draw(st.integers(0, 5)) == 0 else "torch"
-    defaults = draw(_options(name, group=False))
-    if name in FUSED and draw(st.integers(0, 15)) == 0:
-        defaults["fused"] = True
-        defaults.pop("foreach", None)
-    shapes = SHAPES + (LONG_SHAPES if LONG else [])
-    if backend == "triton" and DEVICE == "cpu":
-        shapes = TINY  # the interpreter is slow
-    groups = []
-    for _ in range(draw(st.integers(1, 3))):
-        options = draw(_options(name, group=True)) if draw(st.booleans()) else {}
-        merged = {**defaults, **options}
-        if not _valid(name, merged):
-            options = {}
-            if not _valid(name, defaults):
-                reject()
-        foreach = _is_foreach(name, merged.get("foreach"))
-        params = []
-        for _ in range(draw(st.integers(1, 3))):
-            shape = draw(st.sampled_from(shapes))
-            dtype = draw(st.sampled_from(DTYPES)) if draw(st.integers(0, 2)) == 0 else "float32"
-            tensors = _has_tensors(defaults) or _has_tensors(options)
-            if _known_bug(name, backend, dtype, shape, foreach, tensors) and not WITH_KNOWN_BUGS:
-                dtype = "float32"
-            layouts = ["contiguous", "flat"]
-            if len(shape) >= 2:
-                layouts.append("transposed")
-            if len(shape) >= 1:
-                layouts.append("strided")
-            layout = layouts[0] if draw(st.integers(0, 2)) else draw(st.sampled_from(layouts))
-            grad_layout = draw(st.sampled_from(["contiguous", "like_param"]))
-            params.append(Param(shape, dtype, layout, grad_layout))
-        groups.append(Group(tuple(params), options))
-    n = sum(len(g.params) for g in groups)
-    steps = draw(st.integers(2, 7 if LONG else 5))
-    if draw(st.booleans()) and name != "SophiaLike":  # (SophiaLike steps every param)
-        none = st.lists(st.integers(0, n - 1), max_size=n, unique=True).map(
-            lambda xs: tuple(sorted(xs))
-        )
-        none_grads = tuple(draw(none) for _ in range(steps))
-    else:
-        none_grads = ((),) * steps
-    scheduler = draw(st.sampled_from(SCHEDULERS))
-    round_trip = None
-    if draw(st.booleans()):
-        kind = draw(st.sampled_from(ROUND_TRIPS))
-        round_trip = (draw(st.integers(0, steps - 2)), kind, draw(st.booleans()))
-    return Case(
-        optimizer=name,
-        groups=tuple(groups),
-        defaults=defaults,
-        steps=steps,
-        none_grads=none_grads,
-        grads_in_place=draw(st.booleans()),
-        scheduler=scheduler,
-        scheduler_first=scheduler is not None and draw(st.booleans()),
-        round_trip=round_trip,
-        backend=backend,
-        cudagraphs=backend == "triton" and DEVICE == "cuda" and draw(st.booleans()),
-        seed=draw(st.integers(0, 3)),
-    )
-
-
-# --------------------------------------------------------------------------- running a case
-
-
-class Rejected(Exception):
-    """Eager torch.optim refuses the case: it says nothing about the compiler."""
-
-
-def _materialize(value: Any) -> Any:
-    if isinstance(value, T):
-        return value.make()
-    if isinstance(value, tuple):
-        return tuple(_materialize(v) for v in value)
-    return value
+def _laid_out(shape: tuple[int, ...], layout: str, gen: torch.Generator, dtype: torch.dtype):
+    """A tensor of ``shape`` in ``layout`` ("transposed", "strided", else contiguous)."""
+    if layout == "transposed" and len(shape) >= 2:
+        return _randn(shape[::-1], gen, dtype).permute(*reversed(range(len(shape))))
+    if layout == "strided" and len(shape) >= 1:
+        return _randn((*shape[:-1], 2 * shape[-1]), gen, dtype)[..., ::2]
+    return _randn(shape, gen, dtype)
 
 
 def build_params(case: Case) -> list[torch.nn.Parameter]:
-    """The case's parameters, the same values and layouts on every call."""
+    """The case's parameters (added groups' too), the same values and layouts every call."""
     gen = torch.Generator().manual_seed(case.seed)
-    specs = [p for g in case.groups for p in g.params]
+    specs = case.param_specs()
     flat: dict[str, torch.Tensor] = {}
-    for dtype in {p.dtype for p in specs if p.layout == "flat"}:
+    for dtype in sorted({p.dtype for p in specs if p.layout == "flat"}):
         total = sum(_numel(p.shape) for p in specs if p.layout == "flat" and p.dtype == dtype)
-        flat[dtype] = torch.randn(total + 1, generator=gen).to(DEVICE, getattr(torch, dtype))
+        flat[dtype] = _randn((total + 1,), gen, getattr(torch, dtype))
     offsets = dict.fromkeys(flat, 1)  # (views start one element in: not at the base)
     params = []
     for spec in specs:
-        dtype = getattr(torch, spec.dtype)
-        shape = spec.shape
         if spec.layout == "flat":
-            start, end = offsets[spec.dtype], offsets[spec.dtype] + _numel(shape)
-            offsets[spec.dtype] = end
-            tensor = flat[spec.dtype][start:end].view(shape)
-        elif spec.layout == "transposed":
-            base = torch.randn(shape[::-1], generator=gen).to(DEVICE, dtype)
-            tensor = base.permute(*reversed(range(len(shape))))
-        elif spec.layout == "strided":
-            base = torch.randn((*shape[:-1], 2 * shape[-1]), generator=gen).to(DEVICE, dtype)
-            tensor = base[..., ::2]
+            start = offsets[spec.dtype]
+            offsets[spec.dtype] = start + _numel(spec.shape)
+            tensor = flat[spec.dtype][start : offsets[spec.dtype]].view(spec.shape)
         else:
-            tensor = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+            tensor = _laid_out(spec.shape, spec.layout, gen, getattr(torch, spec.dtype))
         params.append(torch.nn.Parameter(tensor))
     return params
 
 
-def build_optimizer(case: Case, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def _group_dict(group: Group, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+    return {"params": params, **{k: materialize(v) for k, v in group.options.items()}}
+
+
+def build_optimizer(
+    case: Case, params: list[torch.nn.Parameter], added: int = 0
+) -> torch.optim.Optimizer:
+    """The case's optimizer over its groups and the first ``added`` groups added later."""
     groups, i = [], 0
-    for group in case.groups:
-        options = {k: _materialize(v) for k, v in group.options.items()}
-        groups.append({"params": params[i : i + len(group.params)], **options})
+    for group in case.group_specs()[: len(case.groups) + added]:
+        groups.append(_group_dict(group, params[i : i + len(group.params)]))
         i += len(group.params)
-    defaults = {k: _materialize(v) for k, v in case.defaults.items()}
+    defaults = {k: materialize(v) for k, v in case.defaults.items()}
     cls = CUSTOM.get(case.optimizer) or getattr(optim, case.optimizer)
     return cls(groups, **defaults)
 
@@ -495,18 +180,25 @@ def build_scheduler(case: Case, opt: torch.optim.Optimizer) -> Any:
 def set_grads(case: Case, params: list[torch.nn.Parameter], step: int) -> None:
     """Gradients for ``step``: the same values (and layouts) on every call."""
     gen = torch.Generator().manual_seed(1000 * case.seed + step)
-    specs = [p for g in case.groups for p in g.params]
     none = case.none_grads[step] if step < len(case.none_grads) else ()
-    for i, (p, spec) in enumerate(zip(params, specs, strict=True)):
-        value = torch.randn(p.shape, generator=gen).to(DEVICE, p.dtype)
+    shared: dict[Any, torch.Tensor] = {}
+    for i, (p, spec) in enumerate(zip(params, case.param_specs(), strict=True)):
+        value = _randn(tuple(p.shape), gen, p.dtype)
+        key = (tuple(p.shape), p.dtype)
         if i in none:
             p.grad = None
         elif case.grads_in_place and p.grad is not None:
             p.grad.copy_(value)
+        elif case.share_grads and key in shared:
+            p.grad = shared[key]
         elif spec.grad_layout == "like_param":
             p.grad = torch.empty_like(p).copy_(value)
+        elif spec.grad_layout == "strided":
+            p.grad = _laid_out(tuple(p.shape), "strided", gen, p.dtype).copy_(value)
         else:
             p.grad = value
+        if p.grad is not None:
+            shared.setdefault(key, p.grad)
 
 
 @dataclass
@@ -516,24 +208,37 @@ class Side:
     params: list[torch.nn.Parameter]
     opt: torch.optim.Optimizer
     sched: Any
-    compiled: list[torch.optim.Optimizer] = field(default_factory=list)
+    compiled: list[torch.optim.Optimizer] = field(default_factory=list)  # (every one made)
+    added: int = 0  # groups added so far
+    hook_calls: list[int] = field(default_factory=list)
+    losses: list[Any] = field(default_factory=list)
 
 
-def _compile(case: Case, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    return optcompile.compile(opt, backend=case.backend, cudagraphs=case.cudagraphs)
+def _halve_grads(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(0.5)
 
 
-def make_side(case: Case, compiled: bool, params: list[torch.nn.Parameter] | None = None) -> Side:
+def make_side(
+    case: Case, compiled: bool, params: list[torch.nn.Parameter] | None = None, added: int = 0
+) -> Side:
     params = build_params(case) if params is None else params
-    opt = build_optimizer(case, params)
-    sched = None
+    opt = build_optimizer(case, params, added)
+    side = Side(params, opt, None, added=added)
     if case.scheduler_first:
-        sched = build_scheduler(case, opt)
+        side.sched = build_scheduler(case, opt)
     if compiled:
-        opt = _compile(case, opt)
+        limit = {} if case.recompile_limit is None else {"recompile_limit": case.recompile_limit}
+        opt = optcompile.compile(opt, backend=case.backend, cudagraphs=case.cudagraphs, **limit)
+        side.compiled.append(opt)
     if not case.scheduler_first:
-        sched = build_scheduler(case, opt)
-    return Side(params, opt, sched, [opt] if compiled else [])
+        side.sched = build_scheduler(case, opt)
+    if case.hooks:
+        opt.register_step_pre_hook(_halve_grads)
+        opt.register_step_post_hook(lambda *_: side.hook_calls.append(len(side.hook_calls)))
+    return side
 
 
 # torch.testing's default (rtol, atol) per dtype: what torch's test_optim allows between its
@@ -554,22 +259,34 @@ def exact(case: Case) -> bool:
     return case.optimizer not in ("RAdam", "ASGD") or bool(case.defaults.get("capturable"))
 
 
-def _close(case: Case, actual: Any, expected: Any, what: str, twin: Any = None) -> None:
+def _close(
+    case: Case, actual: Any, expected: Any, what: str, twin: Any = None, before: Any = None
+) -> None:
     """``actual`` (compiled) matches ``expected`` (eager): bitwise where ``exact(case)``,
     else within the dtype's tolerance plus how far eager's other path (``twin``: foreach
-    for a for-loop step and vice versa) is from eager here."""
+    for a for-loop step and vice versa) is from eager here.
+
+    The relative part is taken of the largest magnitude the value has had (``before``):
+    rounding errors scale with the operands, and an update that cancels most of a param (or
+    ASGD's ``ax + (p - ax)``) leaves a small result with the operands' error."""
     if isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor), f"{what}: {type(actual)} is not a tensor"
         assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} != {expected.dtype}"
         assert actual.device == expected.device, f"{what}: {actual.device} != {expected.device}"
         assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
+        if expected.is_complex():  # compared as (real, imag) pairs
+            actual, expected = torch.view_as_real(actual), torch.view_as_real(expected)
+            twin = _as_real(twin)
         if exact(case) or not expected.is_floating_point():
             equal = actual.eq(expected) | (actual.isnan() & expected.isnan())
             assert bool(equal.all()), f"{what}: not bitwise equal: {_worst(actual, expected)}"
             return
         rtol, atol = TOLERANCES.get(expected.dtype, (0.0, 0.0))
         a, e = actual.detach().double(), expected.detach().double()
-        bound = atol + rtol * e.abs()
+        scale = e.abs()
+        if isinstance(before, torch.Tensor) and before.shape == expected.shape:
+            scale = torch.maximum(scale, before)
+        bound = atol + rtol * scale
         if isinstance(twin, torch.Tensor) and twin.shape == expected.shape:
             bound = bound + (twin.detach().double() - e).abs().nan_to_num(0.0)
         ok = ((a - e).abs() <= bound) | (a == e) | (a.isnan() & e.isnan())
@@ -585,6 +302,23 @@ def _close(case: Case, actual: Any, expected: Any, what: str, twin: Any = None) 
         )
 
 
+def _as_real(t: Any) -> Any:
+    return torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() else t
+
+
+Magnitudes = dict[tuple[int, str], torch.Tensor]
+
+
+def _largest(magnitudes: Magnitudes, key: tuple[int, str], value: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude each element of ``value`` has had so far (and now)."""
+    now = _as_real(value.detach()).double().abs().nan_to_num(0.0, 0.0, 0.0)
+    seen = magnitudes.get(key)
+    if seen is not None and seen.shape == now.shape:
+        now = torch.maximum(seen, now)
+    magnitudes[key] = now
+    return now
+
+
 def _worst(actual: torch.Tensor, expected: torch.Tensor) -> str:
     diff = (actual.detach().double() - expected.detach().double()).abs().nan_to_num(float("inf"))
     if diff.numel() == 0:
@@ -594,12 +328,21 @@ def _worst(actual: torch.Tensor, expected: torch.Tensor) -> str:
     return f"got {got!r}, eager {want!r} at flat index {i} ({int((diff > 0).sum())} differ)"
 
 
-def compare(case: Case, got: Side, want: Side, when: str, twin: Side | None = None) -> None:
-    """Params, every state entry and the groups' hyperparameters match."""
+def compare(
+    case: Case,
+    got: Side,
+    want: Side,
+    when: str,
+    twin: Side | None = None,
+    magnitudes: Magnitudes | None = None,
+) -> None:
+    """Params, every state entry and the groups' hyperparameters match (``magnitudes``:
+    the largest each eager value has had, see _close; updated here)."""
     twins = twin.params if twin is not None else [None] * len(want.params)
+    seen: Magnitudes = {} if magnitudes is None else magnitudes
     for i, (p, q, r) in enumerate(zip(got.params, want.params, twins, strict=True)):
         where = f"{when}, param {i} {tuple(q.shape)} {q.dtype}"
-        _close(case, p.detach(), q.detach(), where, r)
+        _close(case, p.detach(), q.detach(), where, r, _largest(seen, (i, ""), q))
         assert p.stride() == q.stride(), f"{where}: stride {p.stride()} != {q.stride()}"
         assert (p in got.opt.state) == (q in want.opt.state), f"{where}: state exists?"
         if q in want.opt.state:
@@ -607,7 +350,9 @@ def compare(case: Case, got: Side, want: Side, when: str, twin: Side | None = No
             other = twin.opt.state.get(r, {}) if twin is not None else {}
             assert set(mine) == set(theirs), f"{where}: state keys {set(mine)} != {set(theirs)}"
             for key, value in theirs.items():
-                _close(case, mine[key], value, f"{where}, state[{key!r}]", other.get(key))
+                what = f"{where}, state[{key!r}]"
+                largest = _largest(seen, (i, key), value) if torch.is_tensor(value) else None
+                _close(case, mine[key], value, what, other.get(key), largest)
     for i, (g, h) in enumerate(zip(got.opt.param_groups, want.opt.param_groups, strict=True)):
         assert set(g) == set(h), f"{when}, group {i} keys: {set(g) ^ set(h)}"
         for key in h:
@@ -644,25 +389,41 @@ def round_trip(
     dtypes, so both sides load): "fresh" into a new optimizer and scheduler (a freshly
     compiled one from eager's state dict, a new eager one from the compiled one's),
     "in_place" into the optimizers the sides have. The twin loads eager's state."""
-    states = [_through(side.opt.state_dict(), save) for side in (eager, compiled, eager)]
-    scheds = [
-        _through(side.sched.state_dict(), save) if side.sched is not None else None
-        for side in (eager, compiled, eager)
-    ]
+    sides = (eager, compiled, eager)
+    states = [_through(side.opt.state_dict(), save) for side in sides]
+    scheds = [_through(s.sched.state_dict(), save) if s.sched else None for s in sides]
     if kind == "fresh":
-        fresh = make_side(case, compiled=True, params=compiled.params)
+        fresh = make_side(case, True, compiled.params, compiled.added)
         fresh.compiled = compiled.compiled + fresh.compiled
-        compiled, eager = fresh, make_side(case, compiled=False, params=eager.params)
+        fresh.hook_calls, fresh.losses = compiled.hook_calls, compiled.losses
+        new_eager = make_side(case, False, eager.params, eager.added)
+        new_eager.hook_calls, new_eager.losses = eager.hook_calls, eager.losses
+        compiled, eager = fresh, new_eager
         twin_case = other_path(case)
         if twin is not None and twin_case is not None:
-            twin = make_side(twin_case, compiled=False, params=twin.params)
-    sides = (compiled, eager, twin)
-    for side, state, sched in zip(sides, states, scheds, strict=True):
+            twin = make_side(twin_case, False, twin.params, twin.added)
+    for side, state, sched in zip((compiled, eager, twin), states, scheds, strict=True):
         if side is not None:
             side.opt.load_state_dict(state)
             if side.sched is not None:
                 side.sched.load_state_dict(sched)
     return compiled, eager, twin
+
+
+def apply(case: Case, event: Event, side: Side) -> None:
+    """A "set" or "add_group" event on one side."""
+    if event.kind == "set":
+        index, key, value = event.args
+        group = side.opt.param_groups[index]
+        if isinstance(group.get(key), torch.Tensor) and isinstance(value, float):
+            group[key].fill_(value)  # (as LR schedulers do)
+        else:
+            group[key] = materialize(value)
+    elif event.kind == "add_group":
+        start = sum(len(g.params) for g in case.group_specs()[: len(case.groups) + side.added])
+        params = side.params[start : start + len(event.args.params)]
+        side.opt.add_param_group(_group_dict(event.args, params))
+        side.added += 1
 
 
 # Why a compiled optimizer may run eagerly: limitations the README documents.
@@ -694,10 +455,20 @@ def _check_compiled_or_documented(opt: torch.optim.Optimizer, caught: list[Any])
 def _step(side: Side, step: int, case: Case, log: list[Any]) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        set_grads(case, side.params, step)
-        side.opt.step()
+        if case.closure:
+
+            def closure() -> torch.Tensor:
+                set_grads(case, side.params, step)
+                return torch.tensor(float(step))
+
+            side.losses.append(side.opt.step(closure))
+        else:
+            set_grads(case, side.params, step)
+            side.losses.append(side.opt.step())
         if side.sched is not None:
             side.sched.step()
+        if case.zero_grad is not None:
+            side.opt.zero_grad(set_to_none=case.zero_grad)
     log.extend(caught)
 
 
@@ -717,7 +488,7 @@ def other_path(case: Case) -> Case | None:
         return None
 
     def flip(options: dict[str, Any], inherited: Any) -> dict[str, Any]:
-        return {**options, "foreach": not _is_foreach(case.optimizer, inherited)}
+        return {**options, "foreach": not is_foreach(case.optimizer, inherited)}
 
     inherited = case.defaults.get("foreach")
     groups = tuple(
@@ -754,7 +525,8 @@ def run_case(case: Case) -> None:
             raise Rejected(f"{type(exc).__name__}: {exc}") from exc
         twin = _twin(case)
         compiled = make_side(case, compiled=True)
-        compare(case, compiled, eager, "before step 0")
+        magnitudes: Magnitudes = {}
+        compare(case, compiled, eager, "before step 0", None, magnitudes)
         for step in range(case.steps):
             try:
                 _step(eager, step, case, eager_log)
@@ -766,13 +538,24 @@ def run_case(case: Case) -> None:
                 except Exception:
                     twin = None
             _step(compiled, step, case, compiled_log)
-            compare(case, compiled, eager, f"after step {step}", twin)
-            if case.round_trip is not None and case.round_trip[0] == step:
-                _, kind, save = case.round_trip
-                got, want = compiled.opt.state_dict(), eager.opt.state_dict()
-                compare_state_dicts(case, got, want, f"state_dict after step {step}")
-                compiled, eager, twin = round_trip(case, compiled, eager, twin, kind, save)
-                compare(case, compiled, eager, f"after step {step} and {kind}", twin)
+            compare(case, compiled, eager, f"after step {step}", twin, magnitudes)
+            assert compiled.hook_calls == eager.hook_calls, "step post-hook calls"
+            _close(case, compiled.losses, eager.losses, "losses returned by step(closure)")
+            for event in (e for e in case.events if e.after == step):
+                when = f"after step {step} and {event.kind} {event.args}"
+                if event.kind == "round_trip":
+                    got, want = compiled.opt.state_dict(), eager.opt.state_dict()
+                    compare_state_dicts(case, got, want, f"state_dict {when}")
+                    compiled, eager, twin = round_trip(case, compiled, eager, twin, *event.args)
+                else:
+                    try:
+                        apply(case, event, eager)
+                    except Exception as exc:
+                        raise Rejected(f"{when}: {type(exc).__name__}: {exc}") from exc
+                    for side in (compiled, twin):
+                        if side is not None:
+                            apply(case, event, side)
+                compare(case, compiled, eager, when, twin, magnitudes)
     extra = _user_warnings(compiled_log) - _user_warnings(eager_log)
     if not WITH_KNOWN_BUGS:  # KNOWN_BUGS["sched-before-compile"]
         extra = {m for m in extra if "has been overridden after learning rate" not in m}
