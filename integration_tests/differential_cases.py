@@ -77,7 +77,8 @@ class Event:
     ``("set", (group, key, value))``: a user changes a hyperparameter (a tensor one is
     filled in place, as schedulers do); ``("add_group", Group)``: add_param_group (its params
     exist from the start, without an optimizer); ``("round_trip", (kind, through_save))``:
-    state_dict round trip, see test_differential.round_trip.
+    state_dict round trip, see test_differential.round_trip; ``(kind, param)`` for a kind in
+    PARAM_EVENTS; ``("reverse_params", group)``: the group's params list reversed in place.
     """
 
     after: int
@@ -102,7 +103,7 @@ class Case:
     scheduler_first: bool = False  # the scheduler is attached before compile()
     events: tuple[Event, ...] = ()
     backend: str = "torch"
-    cudagraphs: bool = False
+    cudagraphs: bool = False  # cudagraphs="auto" (else False)
     recompile_limit: int | None = None
     seed: int = 0
 
@@ -240,6 +241,8 @@ KNOWN_BUGS: dict[str, str] = {
     # Found by this test:
     "inplace-0dim-promotion": "an in-place op on a 0-dim half tensor with a 0-dim float32 "
     "operand (a tensor hyperparameter) is traced out of place: float32, not rounded",
+    "frozen-param-grad": "a param with requires_grad=False traced without a grad gets no "
+    "guard on .grad: given a grad later, the entry is reused and the param not updated",
     "sched-before-compile": "a scheduler attached before compile() warns 'optimizer.step() "
     "has been overridden' on its first step (eager does not)",
 }
@@ -273,6 +276,17 @@ TINY = [s for s in SHAPES if _numel(s) <= 8]
 DTYPES = ["float32", "float64", "bfloat16", "float16", "complex64"]
 SCHEDULERS = [None, "StepLR", "CosineAnnealingLR", "OneCycleLR", "LambdaLR"]
 ROUND_TRIPS = ["fresh", "in_place"]
+# Events on one param (by index) or its state: an in-place change of its values, new
+# storage (``p.data = ...``, README: retraces), requires_grad off (eager still steps it),
+# its state cleared, one state tensor zeroed in place or replaced by a copy.
+PARAM_EVENTS = [
+    "scale_param",
+    "new_param_storage",
+    "freeze_param",
+    "clear_state",
+    "zero_state",
+    "new_state_tensor",
+]
 
 
 def is_foreach(name: str, foreach: bool | None) -> bool:
@@ -395,6 +409,7 @@ def cases(draw: Any) -> Case:
     if name == "Adafactor":  # (eager divides by the numel)
         shapes = [s for s in shapes if _numel(s) > 0]
     groups = [draw(_group(name, backend, defaults, shapes)) for _ in range(draw(st.integers(1, 3)))]
+    n = sum(len(g.params) for g in groups)  # (params that added groups bring come after)
     steps = draw(st.integers(2, 7 if LONG else 5))
     scheduler = draw(st.sampled_from(SCHEDULERS))
     events = []
@@ -406,9 +421,12 @@ def cases(draw: Any) -> Case:
         if draw(st.integers(0, 3)) == 0:
             kind = draw(st.sampled_from(ROUND_TRIPS))
             events.append(Event(after, "round_trip", (kind, draw(st.booleans()))))
-    n = sum(len(g.params) for g in groups) + sum(
-        len(e.args.params) for e in events if e.kind == "add_group"
-    )
+        if draw(st.integers(0, 5)) == 0:
+            kinds = [k for k in PARAM_EVENTS if k != "freeze_param" or WITH_KNOWN_BUGS]
+            kind = draw(st.sampled_from([*kinds, "reverse_params"]))  # (frozen-param-grad)
+            target = draw(st.integers(0, 20)) % (len(groups) if kind == "reverse_params" else n)
+            events.append(Event(after, kind, target))
+    n += sum(len(e.args.params) for e in events if e.kind == "add_group")
     none_grads: tuple[tuple[int, ...], ...] = ((),) * steps
     if draw(st.booleans()) and name != "SophiaLike":  # (SophiaLike steps every param)
         none = st.lists(st.integers(0, n - 1), max_size=n, unique=True).map(

@@ -1,42 +1,51 @@
 """A randomized differential test: compiled optimizers against eager torch.optim.
 
-Hypothesis draws a ``Case``: an optimizer (the eleven torch.optim ones with foreach and
-for-loop paths, Adafactor, and custom steps from ``step_optimizers.py``), its constructor
-options, param groups that override options of their own, parameters (0-dim, empty, small;
-contiguous, transposed, strided slices of a larger tensor, views into one flat buffer;
-float32 always, float64/bfloat16/float16 where supported), gradients (new tensors or written
-in place, sometimes in a layout other than the param's; None for some params on some steps),
-an LR scheduler (created before or after ``compile``), a ``state_dict`` round trip mid-run,
-and the backend ("torch", or "triton" for a smaller share of cases). It steps a compiled
-optimizer and an eager one over parameters built the same way, and after every step
-compares the parameters, every state entry and the group hyperparameters:
+Hypothesis draws a ``Case`` (differential_cases.py): an optimizer (the eleven torch.optim
+ones with foreach and for-loop paths, Adafactor, and custom steps from step_optimizers.py),
+its constructor options (every option each accepts, tensor and numpy-float hyperparameters
+where torch accepts them, foreach True/False/None), param groups overriding options of their
+own, parameters (0-dim, empty, one element, up to a few thousand; contiguous, transposed,
+strided slices of a larger tensor, views into one flat buffer; float32 always, float64,
+bfloat16, float16 and complex64 where supported), gradients (new tensors or written in place,
+in the param's layout or another, one tensor shared by several params, None for some params
+on some steps, set by a closure, halved by a step pre-hook), zero_grad between steps, an LR
+scheduler (attached before or after ``compile``), events between steps (a hyperparameter
+changed by hand, ``add_param_group``, ``state_dict`` round trips through fresh and existing
+optimizers in both directions, deep-copied or through ``torch.save``), the backend ("torch",
+or "triton" for a smaller share of cases) and a recompile limit. It steps a compiled
+optimizer and an eager one over parameters built the same way, and after every step and
+event compares the parameters, every state entry, the group hyperparameters, the losses
+``step(closure)`` returns, hook calls and the warnings eager gives:
 
 - bitwise where the compiled graph runs eager's own ATen ops (backend "torch", except
   RAdam and ASGD without capturable, whose trace takes the capturable path: README);
-- otherwise within the per-dtype tolerances torch's own test_optim allows between its
-  foreach and for-loop paths (torch.testing's defaults).
+- otherwise within torch.testing's per-dtype atol/rtol (what torch's test_optim allows
+  between its foreach and for-loop paths), the relative part taken of the largest
+  magnitude the value has had, plus how far eager's other path (foreach for a for-loop
+  step and vice versa, run alongside) is from eager at that point.
 
 The compiled optimizer must either have compiled (``explain(opt).traces >= 1``, no
 fallback) or have fallen back with a ``FallbackWarning`` whose reason is a documented
 limitation (``DOCUMENTED_FALLBACKS``): never silently different. Combinations eager
-torch.optim itself rejects are not drawn or are rejected (never guessed).
+torch.optim itself refuses are not drawn or are rejected (never guessed).
 
 Modes (environment variables):
 
 - CI (default): ``CI_EXAMPLES`` examples, ``derandomize=True``, no example database: the
   same examples on every run, about 2 minutes on the 2-core CPU machine under
-  ``TRITON_INTERPRET=1`` (the integration session sets it; without it the Triton backend
-  is not drawn on CPU).
+  ``TRITON_INTERPRET=1`` (the integration session sets it; without it backend "triton" is
+  not drawn on CPU).
 - ``OPTCOMPILE_FUZZ_EXAMPLES=2000``: that many random examples (``OPTCOMPILE_FUZZ_SEED=n``
-  makes them reproducible), longer runs (up to 7 steps), larger shapes. On a CUDA machine
-  the parameters live on the GPU, ``capturable`` is drawn, and backend "triton" (without
-  the interpreter) and ``cudagraphs`` are exercised:
-  ``OPTCOMPILE_FUZZ_EXAMPLES=2000 python -m pytest integration_tests/test_differential.py``.
+  makes them reproducible), up to 7 steps, larger shapes, failures kept in hypothesis's
+  example database. On a CUDA machine the parameters live on the GPU, ``capturable`` and
+  foreach changes are drawn, backend "triton" runs compiled kernels (no interpreter) with
+  and without CUDA graphs: ``OPTCOMPILE_FUZZ_EXAMPLES=2000 python -m pytest
+  integration_tests/test_differential.py -x``.
 - ``OPTCOMPILE_FUZZ_KNOWN_BUGS=1``: also draw the combinations of ``KNOWN_BUGS`` (open
   bugs, excluded from the draw until fixed; delete an entry to re-enable it for good).
 
-A failure prints the shrunk ``Case``; ``run_case(<that repr>)`` replays it (``python -c
-"from test_differential import *; run_case(Case(...))"`` from ``integration_tests/``).
+A failure prints the shrunk ``Case``; from ``integration_tests/``, ``python -c "from
+test_differential import *; run_case(Case(...))"`` replays it.
 """
 
 from __future__ import annotations
@@ -60,7 +69,9 @@ from differential_cases import (
     LONG_EXAMPLES,
     LR,
     LRS,
+    PARAM_EVENTS,
     TORCH_OPTIMIZERS,
+    TRITON_OK,
     WITH_KNOWN_BUGS,
     Case,
     Event,
@@ -72,7 +83,7 @@ from differential_cases import (
     is_foreach,
     materialize,
 )
-from hypothesis import HealthCheck, given, note, reject, settings
+from hypothesis import HealthCheck, example, given, note, reject, settings
 
 __all__ = ["KNOWN_BUGS", "Case", "Event", "Group", "N", "Param", "T", "run_case"]
 
@@ -231,7 +242,8 @@ def make_side(
         side.sched = build_scheduler(case, opt)
     if compiled:
         limit = {} if case.recompile_limit is None else {"recompile_limit": case.recompile_limit}
-        opt = optcompile.compile(opt, backend=case.backend, cudagraphs=case.cudagraphs, **limit)
+        graphs = "auto" if case.cudagraphs else False  # ("auto": where the step allows one)
+        opt = optcompile.compile(opt, backend=case.backend, cudagraphs=graphs, **limit)
         side.compiled.append(opt)
     if not case.scheduler_first:
         side.sched = build_scheduler(case, opt)
@@ -411,8 +423,21 @@ def round_trip(
 
 
 def apply(case: Case, event: Event, side: Side) -> None:
-    """A "set" or "add_group" event on one side."""
-    if event.kind == "set":
+    """An event other than a round trip, on one side (see differential_cases.Event)."""
+    if event.kind in PARAM_EVENTS:
+        p = side.params[event.args % len(side.params)]
+        with torch.no_grad():
+            if event.kind == "scale_param":
+                p.mul_(0.5)
+            elif event.kind == "new_param_storage":
+                p.data = p.data.clone(memory_format=torch.contiguous_format)
+            elif event.kind == "freeze_param":
+                p.requires_grad_(False)
+            else:
+                _change_state(event.kind, side.opt.state.get(p))
+    elif event.kind == "reverse_params":
+        side.opt.param_groups[event.args]["params"].reverse()
+    elif event.kind == "set":
         index, key, value = event.args
         group = side.opt.param_groups[index]
         if isinstance(group.get(key), torch.Tensor) and isinstance(value, float):
@@ -426,10 +451,27 @@ def apply(case: Case, event: Event, side: Side) -> None:
         side.added += 1
 
 
+def _change_state(kind: str, state: dict[str, Any] | None) -> None:
+    if not state:
+        return
+    if kind == "clear_state":
+        state.clear()
+        return
+    key = sorted(k for k, v in state.items() if torch.is_tensor(v))[0]
+    if kind == "zero_state":
+        state[key].zero_()
+    else:  # "new_state_tensor"
+        state[key] = state[key].clone()
+
+
 # Why a compiled optimizer may run eagerly: limitations the README documents.
 DOCUMENTED_FALLBACKS = {
-    "fused=True": r"fused",
-    "recompile limit": r"recompile limit \(\d+\) reached",
+    "fused=True (README: eager by design)": r"has fused=True, which runs eagerly",
+    "recompile limit (README: recompile_limit)": r"^recompile limit \(\d+\) reached",
+    # README, aliasing: "a foreach op writing one tensor twice ... runs eagerly with a
+    # reason" (here: SGD's nesterov foreach path adds into the grads, one shared by two
+    # params; the reason names a duplicate parameter)
+    "a foreach op writing one tensor twice": r"writes one tensor twice \(items \d+ and \d+",
 }
 
 
@@ -514,6 +556,8 @@ def run_case(case: Case) -> None:
 
     Raises Rejected where eager torch.optim refuses the case, AssertionError on a mismatch.
     """
+    if case.backend == "triton" and not TRITON_OK:
+        raise Rejected("backend='triton' needs CUDA or TRITON_INTERPRET=1")
     optcompile.reset()
     eager_log: list[Any] = []
     compiled_log: list[Any] = []
@@ -573,8 +617,22 @@ def _seeded(test: Callable[..., None]) -> Callable[..., None]:
     return seed(int(SEED))(test)
 
 
+# Cases the test found, kept as explicit examples once fixed.
+FOUND = [
+    # The Triton plan's store of 0-dim results truncated bfloat16 under the interpreter.
+    Case("Adam", (Group((Param(shape=(), dtype="bfloat16"),)),), steps=4, backend="triton"),
+]
+
+
+def _with_found(test: Callable[..., None]) -> Callable[..., None]:
+    for case in reversed(FOUND):
+        test = example(case=case)(test)
+    return test
+
+
 @_seeded
 @FUZZ
+@_with_found
 @given(case=cases())
 def test_compiled_optimizer_matches_eager_on_drawn_cases(case: Case) -> None:
     note(f"run_case({case!r})")
