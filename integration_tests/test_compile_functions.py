@@ -351,3 +351,23 @@ def test_an_in_place_op_rounds_to_its_tensors_dtype_where_the_functional_form_pr
     update(eager_x, b, g)
     optcompile.compile(update, backend="torch")(compiled_x, b, g)
     assert compiled_x.dtype == dtype and torch.equal(compiled_x, eager_x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_foreach_op_in_place_rounds_each_promoted_item_to_its_dtype(dtype):
+    """The foreach form of the case above (NAdam with a Tensor lr over a 0-dim half param:
+    ``_foreach_mul_(params, 1 - lr * wd)``): the promoted item is stored rounded, the other
+    items as they are; the batched torch backend then ran on the float32 value."""
+
+    def update(xs: list[torch.Tensor], b: torch.Tensor, gs: list[torch.Tensor]) -> None:
+        torch._foreach_mul_(xs, b)
+        torch._foreach_addcmul_(xs, gs, gs, value=0.05)
+
+    xs = [torch.tensor(0.0908203125, dtype=dtype), torch.randn(3)]
+    gs = [torch.tensor(-0.6953125, dtype=dtype), torch.randn(3)]
+    b = torch.tensor(0.95)
+    eager_xs, compiled_xs = [x.clone() for x in xs], [x.clone() for x in xs]
+    update(eager_xs, b, gs)
+    optcompile.compile(update, backend="torch")(compiled_xs, b, gs)
+    for compiled, eager in zip(compiled_xs, eager_xs, strict=True):
+        assert compiled.dtype == eager.dtype and torch.equal(compiled, eager)

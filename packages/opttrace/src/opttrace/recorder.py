@@ -392,12 +392,50 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         _refuse_repeats(func, [_written_tensor(func, t) for t in targets])
         pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
         node = self._record(functional, pure_args, pure_kwargs)
-        node.meta["inplace"] = func  # what eager ran: a backend may run it in place too
         self._list_len[node] = n
-        node.meta["val"] = tuple(_written_tensor(func, t) for t in targets)
-        for i, t in enumerate(targets):
-            self._set_value(_written_tensor(func, t), None, (node, i))
+        written_tensors = [_written_tensor(func, t) for t in targets]
+        promoted = self._foreach_promoted(functional, pure_args, pure_kwargs, written_tensors)
+        if not any(promoted):
+            node.meta["inplace"] = func  # what eager ran: a backend may run it in place too
+        node.meta["val"] = tuple(written_tensors)
+        for i, (t, computed) in enumerate(zip(written_tensors, promoted, strict=True)):
+            if computed is None:
+                self._set_value(t, None, (node, i))
+                continue
+            # (e.g. a 0-dim float16 param times a 0-dim float32: eager stores it rounded)
+            item = self.call(operator.getitem, (node, i))
+            spec = Spec(tuple(t.shape), tuple(t.stride()), computed)
+            item.meta["val"] = TracedTensor(self, spec, t.device)
+            cast = self.call(aten._to_copy.default, (item,), {"dtype": t.dtype})
+            self._set_value(t, cast, None)
+            cast.meta["val"] = t
         return None if not func._schema.returns else targets
+
+    def _foreach_promoted(
+        self,
+        functional: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        targets: list[TracedTensor],
+    ) -> list[torch.dtype | None]:
+        """Per written item, the dtype the functional foreach op computes it in where that
+        differs from the item's own (see ``_promoted``), else None."""
+        dtypes = {t.dtype for t in targets}
+        others = {
+            a.dtype
+            for arg in (*args, *kwargs.values())
+            for a in (arg if isinstance(arg, list | tuple) else (arg,))
+            if isinstance(a, TracedTensor | torch.Tensor)
+        }
+        if others <= dtypes and len(dtypes) == 1:
+            return [None] * len(targets)
+        found: list[torch.dtype | None] = []
+        for i, t in enumerate(targets):
+            item_args = _specs([_item_arg(a, i) for a in args])
+            item_kwargs = _specs_kw({k: _item_arg(v, i) for k, v in kwargs.items()})
+            spec = _single(meta.infer(functional, item_args, item_kwargs))
+            found.append(spec.dtype if spec.dtype != t.dtype else None)
+        return found
 
     def _record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> fx.Node:
         node_args = tuple(self._arg(a) for a in args)
