@@ -502,3 +502,20 @@ def test_key_order_is_guarded_only_for_a_step_that_iterates_the_group():
     assert_same(model, opt, reference, eager)
     report = optcompile.explain(opt)
     assert report.traces == 2 and "keys changed" in report.retrace_reasons[0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_frozen_param_given_a_grad_later_is_stepped(backend):
+    """A param with requires_grad=False and no grad at the first trace: its grad's None-ness
+    is guarded too (the entry was reused and the param silently left as it was)."""
+    model, opt, reference, eager = run_pair(lambda ps: optim.SGD(ps, lr=0.1), steps=0)
+    for m in (model, reference):
+        next(m.parameters()).requires_grad_(False)
+    for step in range(4):
+        for m, o in ((model, opt), (reference, eager)):
+            set_grads(m, step)
+            if step == 0:
+                next(m.parameters()).grad = None  # frozen: no grad yet
+            o.step()
+    assert_same(model, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    assert optcompile.explain(opt).traces == 2

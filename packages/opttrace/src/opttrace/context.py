@@ -104,6 +104,16 @@ def _read_in_float64(real: torch.Tensor, source: Source, keys: tuple[str, ...]) 
     )
 
 
+def _in_params_list(source: Source) -> bool:
+    """An item of a param group's ``'params'``: its ``.grad`` decides whether it is stepped,
+    even while it does not require grad (a frozen param may be given a grad later)."""
+    return (
+        isinstance(source, ItemSource)
+        and isinstance(source.base, ItemSource)
+        and source.base.key == "params"
+    )
+
+
 def _in_optimizer_state(source: Source) -> bool:
     """Whether ``source`` is inside an entry of an optimizer's ``state`` (keyed by a param)."""
     return any(isinstance(s, KeyedSource) for s in ancestors(source))
@@ -326,7 +336,8 @@ class TraceContext:
                 self._converted[i] = self.recorder.node_of(fake)
             self._fakes[i] = fake
             self._fake_index[id(fake)] = i
-        if (real.requires_grad or real.grad is not None) and i not in self._grad_bound:
+        wants_grad = real.requires_grad or real.grad is not None or _in_params_list(source)
+        if wants_grad and i not in self._grad_bound:
             self._grad_bound.add(i)
             grad_source = AttrSource(source, "grad")
             self.guard(NoneGuard(grad_source, real.grad is None))
