@@ -23,8 +23,7 @@ from torch import fx
 
 from optkernels.batched_inplace import in_place_ops
 from optkernels.families import Arg, BatchedOp, Families
-from optkernels.foreach_forms import Form, can_run_in_place, foreach_form, is_tensor
-from optkernels.reference import _as_eager_ran
+from optkernels.foreach_forms import Form, can_run_in_place, eager_op, foreach_form, is_tensor
 
 aten = torch.ops.aten
 Env = list[Any]
@@ -185,8 +184,9 @@ class BatchedPlan:
             if inplace:
                 self._lines.append(f"#   {node.name}: {_inplace_op(node)} (in place)")
                 return _in_place(_inplace_op(node), args, kwargs)
-            self._lines.append(f"#   {node.name}: {op.target}")
-            target = _as_eager_ran(node)
+            target = eager_op(node)
+            copies = " (on copies, as eager ran it)" if target is not node.target else ""
+            self._lines.append(f"#   {node.name}: {op.target}{copies}")
             return lambda env: target(*args(env), **kwargs(env))
         loop = self._loop(op)
         head = f"#   {node.name} x{op.lanes}: {op.target}"
