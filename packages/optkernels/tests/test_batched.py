@@ -425,3 +425,29 @@ def test_a_foreach_node_recorded_in_place_computes_what_eager_did(read_later):
         same_bits((p * 3.7).to(torch.bfloat16), s * 3.7)
         for p, s in zip(promoted, scaled, strict=True)
     )
+
+
+def test_copies_for_eager_in_place_op_keep_a_strided_layout():
+    # x.add_(g, alpha=a) on a non-contiguous bfloat16 x whose old value is read afterwards:
+    # the plan runs it on a copy, which must keep x's strides (on a contiguous copy the CPU
+    # kernel rounds otherwise).
+    g = Builder()
+    x = g.input("x", torch.zeros(66, dtype=torch.bfloat16)[::2])
+    grad = g.input("g", torch.zeros(33, dtype=torch.bfloat16))
+    y = g.input("y", torch.zeros(33, dtype=torch.bfloat16))
+    node = g.call(aten._foreach_add.List, [x], [grad], alpha=-0.37)
+    node.meta["inplace"] = aten._foreach_add_.List
+    g.write(y, g.call(operator.getitem, node, 0))
+    g.write(x, g.call(aten.add.Tensor, x, 1.0))
+    plan = TorchBackend().compile(g.done())
+    assert isinstance(plan, BatchedPlan) and "(on copies, as eager ran it)" in plan.describe()
+    torch.manual_seed(0)
+    base, grads = torch.randn(66).to(torch.bfloat16), torch.randn(33).to(torch.bfloat16)
+    expected = base.clone()[::2]
+    expected.add_(grads, alpha=-0.37)  # eager, on the strided tensor itself
+    contiguous = base[::2].clone()
+    contiguous.add_(grads, alpha=-0.37)
+    assert not same_bits(contiguous, expected)  # (the layout matters)
+    inputs = [base.clone()[::2], grads, torch.zeros(33, dtype=torch.bfloat16)]
+    plan(inputs)
+    assert same_bits(inputs[2], expected)

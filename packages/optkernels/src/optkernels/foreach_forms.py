@@ -159,16 +159,23 @@ def kind_of(arg: Arg) -> str:
 
 def eager_op(node: fx.Node) -> Any:
     """What computes a foreach node not run in place as eager did: a node recorded from an
-    in-place op runs that op on copies of its first list. Its functional form may round
-    otherwise (``_foreach_mul_`` by a Scalar in float16/bfloat16) or promote (a 0-dim bfloat16
-    parameter times a float32 lr tensor: eager keeps bfloat16, the graph's values too)."""
+    in-place op runs that op on copies of its first list, laid out alike (an in-place add
+    on a contiguous copy of a strided bfloat16 tensor rounds otherwise). Its functional
+    form may round otherwise (``_foreach_mul_`` by a Scalar in float16/bfloat16) or promote
+    (a 0-dim bfloat16 parameter times a float32 lr tensor: eager keeps bfloat16)."""
     inplace = node.meta.get("inplace")
     if inplace is None:
         return node.target
 
     def on_copies(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        out = [t.clone() for t in tensors]
+        out = [same_layout_copy(t) for t in tensors]
         inplace(out, *args, **kwargs)
         return out
 
     return on_copies
+
+
+def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (``clone`` makes a non-dense view contiguous, and a
+    CPU kernel may round otherwise on another layout)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
