@@ -387,3 +387,67 @@ def test_each_op_run_as_a_foreach_op_gives_the_per_tensor_bits(target, args, kwa
         assert "_foreach_" in ran, ran
         if into == "w":
             assert "(in place)" not in ran
+
+
+@pytest.mark.parametrize("read_later", [False, True])
+def test_a_foreach_node_recorded_in_place_computes_what_eager_did(read_later):
+    # x.mul_(lr) over 0-dim bfloat16 xs and a float32 lr tensor, then y = x * 3.7: eager's x
+    # stays bfloat16; the functional op the trace records promotes it to float32, and y would
+    # be rounded once instead of twice. The plan runs eager's op in place (x written back) or,
+    # where x's old value is read afterwards, on copies.
+    g = Builder()
+    xs = [g.input(f"x{i}", torch.zeros((), dtype=torch.bfloat16)) for i in range(3)]
+    ys = [g.input(f"y{i}", torch.zeros((), dtype=torch.bfloat16)) for i in range(3)]
+    lr = g.input("lr", torch.zeros(()))
+    node = g.call(aten._foreach_mul.Tensor, xs, lr)
+    node.meta["inplace"] = aten._foreach_mul_.Tensor
+    node.meta["val"] = tuple(x.meta["val"] for x in xs)
+    for i in range(3):
+        item = g.call(operator.getitem, node, i)
+        item.meta["val"] = xs[i].meta["val"]
+        g.write(ys[i], g.call(aten.mul.Tensor, item, 3.7))
+        g.write(xs[i], g.call(aten.add.Tensor, xs[i], 1.0) if read_later else item)
+    plan = TorchBackend().compile(g.done())
+    assert isinstance(plan, BatchedPlan)
+    assert ("(on copies, as eager ran it)" if read_later else "(in place)") in plan.describe()
+    values = [torch.tensor(v, dtype=torch.bfloat16) for v in (0.3, -9.45, 2.9)]
+    lr_value = torch.tensor(1.013)
+    scaled = [v.clone() for v in values]
+    torch._foreach_mul_(scaled, lr_value)  # what eager ran
+    inputs = [*(v.clone() for v in values), *(v.clone() for v in values), lr_value]
+    plan(inputs)
+    assert all(same_bits(y, s * 3.7) for y, s in zip(inputs[3:6], scaled, strict=True))
+    xs_after = [v + 1.0 for v in values] if read_later else scaled
+    assert all(same_bits(x, e) for x, e in zip(inputs[:3], xs_after, strict=True))
+    promoted = torch._foreach_mul(values, lr_value)  # what the recorded op computes
+    assert promoted[0].dtype == torch.float32
+    assert not all(
+        same_bits((p * 3.7).to(torch.bfloat16), s * 3.7)
+        for p, s in zip(promoted, scaled, strict=True)
+    )
+
+
+def test_copies_for_eager_in_place_op_keep_a_strided_layout():
+    # x.add_(g, alpha=a) on a non-contiguous bfloat16 x whose old value is read afterwards:
+    # the plan runs it on a copy, which must keep x's strides (on a contiguous copy the CPU
+    # kernel rounds otherwise).
+    g = Builder()
+    x = g.input("x", torch.zeros(66, dtype=torch.bfloat16)[::2])
+    grad = g.input("g", torch.zeros(33, dtype=torch.bfloat16))
+    y = g.input("y", torch.zeros(33, dtype=torch.bfloat16))
+    node = g.call(aten._foreach_add.List, [x], [grad], alpha=-0.37)
+    node.meta["inplace"] = aten._foreach_add_.List
+    g.write(y, g.call(operator.getitem, node, 0))
+    g.write(x, g.call(aten.add.Tensor, x, 1.0))
+    plan = TorchBackend().compile(g.done())
+    assert isinstance(plan, BatchedPlan) and "(on copies, as eager ran it)" in plan.describe()
+    torch.manual_seed(0)
+    base, grads = torch.randn(66).to(torch.bfloat16), torch.randn(33).to(torch.bfloat16)
+    expected = base.clone()[::2]
+    expected.add_(grads, alpha=-0.37)  # eager, on the strided tensor itself
+    contiguous = base[::2].clone()
+    contiguous.add_(grads, alpha=-0.37)
+    assert not same_bits(contiguous, expected)  # (the layout matters)
+    inputs = [base.clone()[::2], grads, torch.zeros(33, dtype=torch.bfloat16)]
+    plan(inputs)
+    assert same_bits(inputs[2], expected)

@@ -23,8 +23,7 @@ from torch import fx
 
 from optkernels.batched_inplace import in_place_ops
 from optkernels.families import Arg, BatchedOp, Families
-from optkernels.foreach_forms import Form, can_run_in_place, foreach_form, is_tensor
-from optkernels.reference import _as_eager_ran
+from optkernels.foreach_forms import Form, can_run_in_place, eager_op, foreach_form, is_tensor
 
 aten = torch.ops.aten
 Env = list[Any]
@@ -185,8 +184,9 @@ class BatchedPlan:
             if inplace:
                 self._lines.append(f"#   {node.name}: {_inplace_op(node)} (in place)")
                 return _in_place(_inplace_op(node), args, kwargs)
-            self._lines.append(f"#   {node.name}: {op.target}")
-            target = _as_eager_ran(node)
+            target = eager_op(node)
+            how = " (on copies, as eager ran it)" if target is not node.target else ""
+            self._lines.append(f"#   {node.name}: {op.target}{how}")
             return lambda env: target(*args(env), **kwargs(env))
         loop = self._loop(op)
         head = f"#   {node.name} x{op.lanes}: {op.target}"
@@ -214,46 +214,46 @@ class BatchedPlan:
     def _call(self, form: Form, inplace: bool) -> Callable[[Env], Any]:
         """The foreach call of ``form`` (in place: on its first tensor list, returned)."""
         packet = getattr(aten, f"_foreach_{form.name}{'_' if inplace else ''}")
-        tensors = [
+        loads = [
             self._value(a) if a[0] == "column" else _repeat(self._value(a), form.lanes)
             for a in form.tensors
         ]
         kwargs = self._kwargs(form.kwargs)
         if form.overload == "ScalarAndTensor":
             base = self._value(form.scalar)  # type: ignore[arg-type]
-            (exponents,) = tensors
+            (exponents,) = loads
             return lambda env: packet.ScalarAndTensor(base(env), exponents(env))
-        call: Callable[[Env], Any]
+        call: Callable[[Env, list[Any]], Any]
         if form.scalar is None:
             fn = getattr(packet, form.overload)
 
-            def call(env: Env) -> Any:
-                return fn(*(f(env) for f in tensors), **kwargs(env))
+            def call(env: Env, tensors: list[Any]) -> Any:
+                return fn(*tensors, **kwargs(env))
 
         elif form.scalar[0] != "column":
             value, one = self._value(form.scalar), packet.Scalar
 
-            def call(env: Env) -> Any:
-                return one(*(f(env) for f in tensors), value(env))
+            def call(env: Env, tensors: list[Any]) -> Any:
+                return one(*tensors, value(env))
 
         else:
             column, one, per_lane = self._column(form.scalar[1]), packet.Scalar, packet.ScalarList
 
-            def call(env: Env) -> Any:
+            def call(env: Env, tensors: list[Any]) -> Any:
                 values = column(env)
                 if isinstance(values, Same):
-                    return one(*(f(env) for f in tensors), values.value)
-                return per_lane(*(f(env) for f in tensors), values)
+                    return one(*tensors, values.value)
+                return per_lane(*tensors, values)
 
-        if not inplace:
-            return call
-        first = tensors[0]
+        if inplace:
 
-        def run(env: Env) -> Any:
-            call(env)
-            return first(env)
+            def run(env: Env) -> Any:
+                tensors = [f(env) for f in loads]
+                call(env, tensors)
+                return tensors[0]
 
-        return run
+            return run
+        return lambda env: call(env, [f(env) for f in loads])
 
     def _loop(self, op: BatchedOp) -> Callable[[Env], Any]:
         """``[target(lane's args) for each lane]``."""

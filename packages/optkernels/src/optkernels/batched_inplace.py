@@ -15,7 +15,8 @@ each slot's tensors live in:
   a writeback target);
 - no later op, writeback or output may read those storages' current values through anything
   but the op's own result, nor may the op's other arguments;
-- each lane's result must have its first argument's dtype, shape and strides;
+- each lane's result must have its first argument's dtype, shape and strides (a foreach node
+  recorded from an in-place op runs that op: eager's result, whatever the functional form's);
 - a writeback of the result must go to the input it now lives in (then it is dropped);
 - the in-place op must round as the functional one: on the CPU ``_foreach_mul_`` by a
   Scalar or ScalarList does not for float16/bfloat16 (``reference._as_eager_ran``), unless
@@ -90,7 +91,7 @@ def in_place_ops(
                 not old
                 and not any(state.holds(s, held) for s in others)
                 and writes is not None
-                and _fits(op, firsts, state.memo)
+                and (_eager_in_place(op) or _fits(op, firsts, state.memo))
             ):
                 inplace.add(k)
                 dropped |= writes
@@ -182,6 +183,12 @@ class _Storages:
                 return None
             dropped.add(w)
         return dropped
+
+
+def _eager_in_place(op: BatchedOp) -> bool:
+    """A foreach node recorded from an in-place op: that op writes the tensors' own layout
+    (its functional form may promote; the graph's values keep eager's dtype)."""
+    return op.kind == "foreach" and op.nodes[0].meta.get("inplace") is not None
 
 
 def _length(op: BatchedOp) -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from optkernels.families import Arg, BatchedOp, is_python
-from optkernels.reference import _LOW_PRECISION, _as_eager_ran
+from optkernels.reference import _LOW_PRECISION
 
 aten = torch.ops.aten
 
@@ -103,25 +103,26 @@ def _addc_form(op: BatchedOp) -> Form | None:
 
 
 # In-place foreach ops whose CPU kernels round float16/bfloat16 differently from their
-# functional forms (a Scalar rounded to the dtype first). The node-by-node plan runs them
-# where eager did (``reference._ROUNDS_DIFFERENTLY_IN_PLACE``, ``_as_eager_ran``); elsewhere
-# the batched plan must not.
+# functional forms (a Scalar rounded to the dtype first, ``reference._as_eager_ran``): the
+# batched plan runs them only where eager did.
 _ROUNDS_IN_PLACE = frozenset({aten._foreach_mul_.Scalar, aten._foreach_mul_.ScalarList})
 
 
 def can_run_in_place(op: BatchedOp, form: Form | None) -> bool:
     """Whether ``op`` has an in-place foreach form on its first argument that computes what
-    the node-by-node plan computes for it."""
+    eager computed: for a foreach node recorded from an in-place op, that op itself (the
+    batched plan runs it, in place or on copies: ``eager_op``); otherwise one that rounds as
+    the functional op does."""
     low = any(getattr(v, "dtype", None) in _LOW_PRECISION for v in _vals(op))
     if op.kind == "foreach":
         node = op.nodes[0]
+        if node.meta.get("inplace") is not None:
+            return True
         name, _, overload = op.target.__name__.partition(".")
         packet = getattr(aten, f"{name}_", None)
         if packet is None or overload not in packet.overloads():
             return False
-        rounds = getattr(packet, overload) in _ROUNDS_IN_PLACE and low
-        # (unless the node-by-node plan runs that very op: what eager ran)
-        return not rounds or _as_eager_ran(node) is not node.target
+        return not (getattr(packet, overload) in _ROUNDS_IN_PLACE and low)
     if op.kind != "family" or form is None or form.overload == "ScalarAndTensor":
         return False
     packet = getattr(aten, f"_foreach_{form.name}_", None)
@@ -154,3 +155,27 @@ def kind_of(arg: Arg) -> str:
     if tag == "const":
         return "c" if isinstance(arg[1], bool | int | float) else "x"
     return "x"
+
+
+def eager_op(node: fx.Node) -> Any:
+    """What computes a foreach node not run in place as eager did: a node recorded from an
+    in-place op runs that op on copies of its first list, laid out alike (an in-place add
+    on a contiguous copy of a strided bfloat16 tensor rounds otherwise). Its functional
+    form may round otherwise (``_foreach_mul_`` by a Scalar in float16/bfloat16) or promote
+    (a 0-dim bfloat16 parameter times a float32 lr tensor: eager keeps bfloat16)."""
+    inplace = node.meta.get("inplace")
+    if inplace is None:
+        return node.target
+
+    def on_copies(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        out = [same_layout_copy(t) for t in tensors]
+        inplace(out, *args, **kwargs)
+        return out
+
+    return on_copies
+
+
+def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (``clone`` makes a non-dense view contiguous, and a
+    CPU kernel may round otherwise on another layout)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
