@@ -93,16 +93,14 @@ S = torch.optim.lr_scheduler
 CI_EXAMPLES = 700
 SEED = os.environ.get("OPTCOMPILE_FUZZ_SEED")
 
-settings.register_profile(
-    "optcompile-fuzz",
+FUZZ = settings(
     max_examples=LONG_EXAMPLES or CI_EXAMPLES,
-    derandomize=not LONG,
+    derandomize=not LONG,  # (CI: the same examples every run)
     database=None if not LONG else settings.default.database,
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-FUZZ = settings.get_profile("optcompile-fuzz")
 
 
 class Rejected(Exception):
