@@ -32,9 +32,10 @@ torch.optim itself refuses are not drawn or are rejected (never guessed).
 Modes (environment variables):
 
 - CI (default): ``CI_EXAMPLES`` examples, ``derandomize=True``, no example database: the
-  same examples on every run, about 2 minutes on the 2-core CPU machine under
-  ``TRITON_INTERPRET=1`` (the integration session sets it; without it backend "triton" is
-  not drawn on CPU).
+  same examples on every run, about a minute on the 2-core CPU machine under
+  ``TRITON_INTERPRET=1`` (52 s measured with ``OPTCOMPILE_NATIVE=sync``, as ``./nox -s
+  integration`` runs it, with the machine shared; the integration session sets
+  ``TRITON_INTERPRET``: without it backend "triton" is not drawn on CPU).
 - ``OPTCOMPILE_FUZZ_EXAMPLES=2000``: that many random examples (``OPTCOMPILE_FUZZ_SEED=n``
   makes them reproducible), up to 7 steps, larger shapes, failures kept in hypothesis's
   example database. On a CUDA machine the parameters live on the GPU, ``capturable`` and
@@ -89,19 +90,17 @@ __all__ = ["KNOWN_BUGS", "Case", "Event", "Group", "N", "Param", "T", "run_case"
 optim = torch.optim
 S = torch.optim.lr_scheduler
 
-CI_EXAMPLES = 800
+CI_EXAMPLES = 700
 SEED = os.environ.get("OPTCOMPILE_FUZZ_SEED")
 
-settings.register_profile(
-    "optcompile-fuzz",
+FUZZ = settings(
     max_examples=LONG_EXAMPLES or CI_EXAMPLES,
-    derandomize=not LONG,
+    derandomize=not LONG,  # (CI: the same examples every run)
     database=None if not LONG else settings.default.database,
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-FUZZ = settings.get_profile("optcompile-fuzz")
 
 
 class Rejected(Exception):
@@ -265,15 +264,24 @@ TOLERANCES = {
 
 
 def exact(case: Case) -> bool:
-    """Whether the compiled step runs eager's own ATen ops, so must match bitwise: the torch
-    backend, except for RAdam and ASGD without capturable (traced on the capturable path)."""
-    if case.backend != "torch":
+    """Whether the compiled step must match eager bitwise: on the CPU where the graph runs
+    eager's own ATen ops (README: the torch backend, except RAdam and ASGD without
+    capturable, traced on the capturable path). (On a GPU, ATen's CUDA kernels for the
+    ops the trace records, a foreach op taken apart or Adafactor's scalars computed in the
+    graph, differ from eager's in the last bit.)"""
+    if case.backend != "torch" or DEVICE != "cpu":
         return False
     return case.optimizer not in ("RAdam", "ASGD") or bool(case.defaults.get("capturable"))
 
 
 def _close(
-    case: Case, actual: Any, expected: Any, what: str, twin: Any = None, before: Any = None
+    case: Case,
+    actual: Any,
+    expected: Any,
+    what: str,
+    twin: Any = None,
+    before: Any = None,
+    steps: int = 1,
 ) -> None:
     """``actual`` (compiled) matches ``expected`` (eager): bitwise where ``exact(case)``,
     else within the dtype's tolerance plus how far eager's other path (``twin``: foreach
@@ -281,7 +289,9 @@ def _close(
 
     The relative part is taken of the largest magnitude the value has had (``before``):
     rounding errors scale with the operands, and an update that cancels most of a param (or
-    ASGD's ``ax + (p - ax)``) leaves a small result with the operands' error."""
+    ASGD's ``ax + (p - ax)``) leaves a small result with the operands' error. In float16
+    and bfloat16 the relative part grows by half an ulp per step taken (``steps``): a
+    rounding a step makes otherwise than eager is carried into the steps after it."""
     if isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor), f"{what}: {type(actual)} is not a tensor"
         assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} != {expected.dtype}"
@@ -295,6 +305,8 @@ def _close(
             assert bool(equal.all()), f"{what}: not bitwise equal: {_worst(actual, expected)}"
             return
         rtol, atol = TOLERANCES.get(expected.dtype, (0.0, 0.0))
+        if expected.dtype in (torch.float16, torch.bfloat16):
+            rtol = max(rtol, steps * torch.finfo(expected.dtype).eps / 2)
         a, e = actual.detach().double(), expected.detach().double()
         scale = e.abs()
         if isinstance(before, torch.Tensor) and before.shape == expected.shape:
@@ -308,7 +320,7 @@ def _close(
         assert isinstance(actual, (tuple, list)) and len(actual) == len(expected), what
         twins = twin if isinstance(twin, (tuple, list)) and len(twin) == len(expected) else None
         for i, (x, y) in enumerate(zip(actual, expected, strict=True)):
-            _close(case, x, y, f"{what}[{i}]", twins[i] if twins else None)
+            _close(case, x, y, f"{what}[{i}]", twins[i] if twins else None, None, steps)
     else:
         assert actual == expected or (actual != actual and expected != expected), (
             f"{what}: {actual!r} != {expected!r}"
@@ -348,6 +360,7 @@ def compare(
     when: str,
     twin: Side | None = None,
     magnitudes: Magnitudes | None = None,
+    steps: int = 1,
 ) -> None:
     """Params, every state entry and the groups' hyperparameters match (``magnitudes``:
     the largest each eager value has had, see _close; updated here)."""
@@ -355,7 +368,7 @@ def compare(
     seen: Magnitudes = {} if magnitudes is None else magnitudes
     for i, (p, q, r) in enumerate(zip(got.params, want.params, twins, strict=True)):
         where = f"{when}, param {i} {tuple(q.shape)} {q.dtype}"
-        _close(case, p.detach(), q.detach(), where, r, _largest(seen, (i, ""), q))
+        _close(case, p.detach(), q.detach(), where, r, _largest(seen, (i, ""), q), steps)
         assert p.stride() == q.stride(), f"{where}: stride {p.stride()} != {q.stride()}"
         assert (p in got.opt.state) == (q in want.opt.state), f"{where}: state exists?"
         if q in want.opt.state:
@@ -365,7 +378,7 @@ def compare(
             for key, value in theirs.items():
                 what = f"{where}, state[{key!r}]"
                 largest = _largest(seen, (i, key), value) if torch.is_tensor(value) else None
-                _close(case, mine[key], value, what, other.get(key), largest)
+                _close(case, mine[key], value, what, other.get(key), largest, steps)
     for i, (g, h) in enumerate(zip(got.opt.param_groups, want.opt.param_groups, strict=True)):
         assert set(g) == set(h), f"{when}, group {i} keys: {set(g) ^ set(h)}"
         for key in h:
@@ -415,12 +428,23 @@ def round_trip(
         twin_case = other_path(case)
         if twin is not None and twin_case is not None:
             twin = make_side(twin_case, False, twin.params, twin.added)
-    for side, state, sched in zip((compiled, eager, twin), states, scheds, strict=True):
-        if side is not None:
-            side.opt.load_state_dict(state)
-            if side.sched is not None:
-                side.sched.load_state_dict(sched)
+    try:  # (eager first: torch.optim refuses some states, e.g. Adagrad's state cleared)
+        _load(eager, states[1], scheds[1])
+    except Exception as exc:
+        raise Rejected(f"eager load_state_dict: {type(exc).__name__}: {exc}") from exc
+    if twin is not None:
+        try:
+            _load(twin, states[2], scheds[2])
+        except Exception:
+            twin = None
+    _load(compiled, states[0], scheds[0])
     return compiled, eager, twin
+
+
+def _load(side: Side, state: dict[str, Any], sched: Any) -> None:
+    side.opt.load_state_dict(state)
+    if side.sched is not None:
+        side.sched.load_state_dict(sched)
 
 
 def deep_copy(side: Side) -> Side:
@@ -490,9 +514,10 @@ DOCUMENTED_FALLBACKS: dict[str, tuple[str, Callable[[Case], bool]]] = {
         lambda c: c.share_grads,
     ),
     # "weight_decay as a Tensor in SGD, lr as a Tensor in Adafactor: eager ... torch.optim's
-    # own step decides on the tensor's value in Python"
+    # own step decides on the tensor's value in Python" (on torch 2.11 with CUDA params,
+    # Adafactor's trace fails earlier: "dtype is needed to compute eps1 when eps1 is unset")
     "SGD's Tensor weight_decay, Adafactor's Tensor lr": (
-        r"makes a Python decision on a tensor's value",
+        r"makes a Python decision on a tensor's value|dtype is needed to compute eps1",
         lambda c: _tensor_option(c, "SGD", "weight_decay") or _tensor_option(c, "Adafactor", "lr"),
     ),
 }
@@ -618,7 +643,7 @@ def run_case(case: Case) -> None:
                 except Exception:
                     twin = None
             _step(compiled, step, case, compiled_log)
-            compare(case, compiled, eager, f"after step {step}", twin, magnitudes)
+            compare(case, compiled, eager, f"after step {step}", twin, magnitudes, step + 1)
             assert compiled.hook_calls == eager.hook_calls, "step post-hook calls"
             _close(case, compiled.losses, eager.losses, "losses returned by step(closure)")
             for event in (e for e in case.events if e.after == step):
@@ -630,7 +655,6 @@ def run_case(case: Case) -> None:
                 elif event.kind == "deepcopy":
                     compiled, eager = deep_copy(compiled), deep_copy(eager)
                     twin = deep_copy(twin) if twin is not None else None
-                    magnitudes.clear()
                 else:
                     try:
                         apply(case, event, eager)
@@ -639,7 +663,7 @@ def run_case(case: Case) -> None:
                     for side in (compiled, twin):
                         if side is not None:
                             apply(case, event, side)
-                compare(case, compiled, eager, when, twin, magnitudes)
+                compare(case, compiled, eager, when, twin, magnitudes, step + 1)
     extra = _user_warnings(compiled_log) - _user_warnings(eager_log)
     assert not extra, f"warnings eager does not give: {extra}"
     for opt in compiled.stepped:
