@@ -256,6 +256,9 @@ KNOWN_BUGS: dict[str, str] = {
     "CPU scalar tensor as tensor1 and raises",
     "cuda-adafactor-foreach-none": "Adafactor with foreach=None on CUDA: eager takes its "
     "for-loop, the trace the foreach path (1e-3 apart in float16)",
+    # Found by this test on main cc41e8c (the batched torch plan):
+    "cpu-adafactor-strided-half": "Adafactor with weight decay, backend='torch' on the CPU, a "
+    "non-dense float16 param: one element one ulp off eager after one step",
 }
 
 
@@ -379,6 +382,9 @@ def _group(
         if len(shape) >= 1:
             layouts.append("strided")
         layout = layouts[0] if draw(st.integers(0, 2)) else draw(st.sampled_from(layouts))
+        half = dtype in ("float16", "bfloat16")
+        if name == "Adafactor" and half and layout == "strided" and not WITH_KNOWN_BUGS:
+            layout = "contiguous"  # (KNOWN_BUGS["cpu-adafactor-strided-half"])
         grads = ["contiguous", "like_param"] + (["strided"] if len(shape) >= 1 else [])
         params.append(Param(shape, dtype, layout, draw(st.sampled_from(grads))))
     return Group(tuple(params), options)
