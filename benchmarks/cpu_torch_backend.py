@@ -1,7 +1,7 @@
 """Step time of the torch backend on the CPU: batched over lanes vs node by node vs eager.
 
 Usage: python benchmarks/cpu_torch_backend.py [--sizes 2000 10000] [--rounds 7]
-       [--mlp-rounds 101] [--out FILE]
+       [--mlp-rounds 101 | --all] [--out FILE]
 Writes benchmarks/results/cpu_torch_backend.md (or FILE).
 
 For each case (N parameters of shape (4,), or a small MLP) and optimizer (AdamW, SGD with
@@ -46,6 +46,11 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "AdamW": (torch.optim.AdamW, {}),
     "SGD momentum": (torch.optim.SGD, {"momentum": 0.9}),
     "Adagrad": (torch.optim.Adagrad, {}),
+}
+# With --all: the other eight of torch.optim's eleven, default options.
+OTHERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    name: (getattr(torch.optim, name), {"lr": 0.5} if name == "Adadelta" else {})
+    for name in ("Adam", "NAdam", "RAdam", "Adamax", "Adadelta", "RMSprop", "Rprop", "ASGD")
 }
 
 
@@ -120,6 +125,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[2000, 10000])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--mlp-rounds", type=int, default=101)  # steps of about 1 ms
+    parser.add_argument("--all", action="store_true", help="all eleven optimizers, no MLP")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_torch_backend.md")
     args = parser.parse_args()
     warnings.simplefilter("ignore", optcompile.FallbackWarning)
@@ -127,7 +133,10 @@ def main() -> None:
     # an op over 0.4M values took 1 ms or 70 ms depending on the load. One thread is steady.
     torch.set_num_threads(1)
     cases = [(f"{n} x (4,)", lambda n=n: tiny_params(n), args.rounds) for n in args.sizes]
-    cases.append(("MLP 6x256x256 (14 tensors, 0.4M values)", mlp_params, args.mlp_rounds))
+    if args.all:
+        OPTIMIZERS.update(OTHERS)
+    else:
+        cases.append(("MLP 6x256x256 (14 tensors, 0.4M values)", mlp_params, args.mlp_rounds))
     load_start = os.getloadavg()[0]
     rows = []
     for label, make, rounds in cases:
@@ -142,7 +151,8 @@ def main() -> None:
         "",
         f"Command: `OPTCOMPILE_NATIVE=sync python benchmarks/cpu_torch_backend.py "
         f"--sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds} "
-        f"--mlp-rounds {args.mlp_rounds}` (repo root)  ",
+        + ("--all" if args.all else f"--mlp-rounds {args.mlp_rounds}")
+        + "` (repo root)  ",
         f"Device: {platform.machine()}; {os.cpu_count()} CPU cores shared with other "
         f"processes (load {load_start:.2f} at start, {load_end:.2f} at end); "
         f"Versions: Python {sys.version.split()[0]}, torch {torch.__version__}  ",

@@ -33,3 +33,10 @@ def current_stream(device: torch.device) -> Any:
             stream_id=data[0], device_index=data[1], device_type=data[2]
         )
     return stream
+
+
+def direct_call(target: Any) -> Any:
+    """The C++ callable behind an ATen OpOverload (``OpOverload.__call__`` only forwards to
+    it: ~0.4 us less per call, which a loop over thousands of lanes pays each time)."""
+    op = getattr(target, "_op", None) if isinstance(target, torch._ops.OpOverload) else None
+    return op if callable(op) else target

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from optkernels._torch_compat import direct_call
 from optkernels.batched_inplace import in_place_ops
 from optkernels.families import Arg, BatchedOp, Families
 from optkernels.foreach_forms import Form, can_run_in_place, eager_op, foreach_form, is_tensor
@@ -256,22 +257,35 @@ class BatchedPlan:
         return lambda env: call(env, [f(env) for f in loads])
 
     def _loop(self, op: BatchedOp) -> Callable[[Env], Any]:
-        """``[target(lane's args) for each lane]``."""
-        target, lanes = op.target, op.lanes
+        """``[target(lane's args) for each lane]`` (one call when no argument differs between
+        lanes: every lane reads the same tensor, which nothing writes in place)."""
+        target, lanes = direct_call(op.target), op.lanes
         args = [self._per_lane(a, lanes) for a in op.args]
-        names = [k for k, _ in op.kwargs]
-        kwargs = [self._per_lane(a, lanes) for _, a in op.kwargs]
-        if not names:
-            return lambda env: [target(*a) for a in zip(*(f(env) for f in args), strict=True)]
+        same = tuple((k, a) for k, a in op.kwargs if not _has_column(a))
+        varying = [(k, a) for k, a in op.kwargs if _has_column(a)]
+        fixed = self._kwargs(same)
+        if not varying and not any(_has_column(a) for a in op.args) and not op.returned:
+            values = self._value(("seq", tuple, op.args))
+            return lambda env: [target(*values(env), **fixed(env))] * lanes
+        if not varying:
 
-        def run(env: Env) -> list[Any]:
-            per_lane = zip(*(f(env) for f in kwargs), strict=True)
+            def run(env: Env) -> list[Any]:
+                kw = fixed(env)
+                return [target(*a, **kw) for a in zip(*(f(env) for f in args), strict=True)]
+
+            return run
+        names = [k for k, _ in varying]
+        per_lane = [self._per_lane(a, lanes) for _, a in varying]
+
+        def run_kwargs(env: Env) -> list[Any]:
+            kw = fixed(env)
+            rows = zip(*(f(env) for f in per_lane), strict=True)
             return [
-                target(*a, **dict(zip(names, k, strict=True)))
-                for a, k in zip(zip(*(f(env) for f in args), strict=True), per_lane, strict=True)
+                target(*a, **kw, **dict(zip(names, k, strict=True)))
+                for a, k in zip(zip(*(f(env) for f in args), strict=True), rows, strict=True)
             ]
 
-        return run
+        return run_kwargs
 
     def _scalar(self, op: BatchedOp, loop: Callable[[Env], Any]) -> Callable[[Env], Any]:
         """Python arithmetic (or a check) on per-lane numbers: once when all lanes agree."""
@@ -356,6 +370,13 @@ class BatchedPlan:
             *self._lines,
         ]
         return "\n".join(header) + "\n" + self.gm.code.strip()
+
+
+def _has_column(arg: Arg) -> bool:
+    """Whether ``arg`` differs between lanes."""
+    if arg[0] == "column":
+        return True
+    return arg[0] == "seq" and any(_has_column(a) for a in arg[2])
 
 
 def _structure(arg: Any) -> Arg:

@@ -49,6 +49,7 @@ class BatchedOp:
     nodes: tuple[fx.Node, ...]
     args: tuple[Arg, ...]
     kwargs: tuple[tuple[str, Arg], ...]
+    returned: bool = False  # a node is among the graph's outputs
 
     @property
     def lanes(self) -> int:
@@ -318,7 +319,8 @@ def _family_op(column: tuple[fx.Node, ...], kind: dict[fx.Node, str]) -> Batched
     head = column[0]
     args = tuple(arg(v) for v in zip(*(n.args for n in column), strict=True))
     kwargs = tuple((k, arg(tuple(n.kwargs[k] for n in column))) for k in head.kwargs)
-    return BatchedOp("family", head.target, column, args, kwargs)
+    returned = any(user.op == "output" for n in column for user in n.users)
+    return BatchedOp("family", head.target, column, args, kwargs, returned)
 
 
 def _single_op(node: fx.Node, kind: dict[fx.Node, str]) -> BatchedOp:
