@@ -451,3 +451,28 @@ def test_copies_for_eager_in_place_op_keep_a_strided_layout():
     inputs = [base.clone()[::2], grads, torch.zeros(33, dtype=torch.bfloat16)]
     plan(inputs)
     assert same_bits(inputs[2], expected)
+
+
+def test_direct_call_runs_the_same_op_as_the_overload():
+    from optkernels._torch_compat import direct_call
+
+    op = direct_call(aten.add.Tensor)
+    assert op is not aten.add.Tensor  # the C++ callable behind it
+    x, y = torch.randn(5), torch.randn(5)
+    assert same_bits(op(x, y, alpha=0.3), aten.add.Tensor(x, y, alpha=0.3))
+    assert direct_call(operator.add) is operator.add  # not an ATen op: itself
+
+
+def test_a_family_with_the_same_arguments_in_every_lane_runs_once():
+    # scalar_tensor(eta) per parameter (Rprop's index_put values): one tensor for all lanes.
+    g = Builder()
+    eta = g.input("eta", 1.2)
+    for i in range(3):
+        p = g.input(f"p{i}", torch.zeros(4))
+        value = g.call(aten.scalar_tensor.default, eta, dtype=torch.float32)
+        g.write(p, g.call(aten.where.self, g.call(aten.gt.Scalar, p, 0), value, p))
+    plan = run_both(g.done(), [1.2, *_random([4], torch.float32, 4, 3)])
+    k = next(i for i, op in enumerate(plan.program.ops) if op.target is aten.scalar_tensor.default)
+    _, run = plan._steps[k]
+    values = run([1.2, *(torch.zeros(4) for _ in range(3)), *plan._template])
+    assert len(values) == 3 and values[0] is values[1] is values[2]
