@@ -161,8 +161,9 @@ def eager_op(node: fx.Node) -> Any:
     """What computes a foreach node not run in place as eager did: a node recorded from an
     in-place op runs that op on copies of its first list, laid out alike (an in-place add
     on a contiguous copy of a strided bfloat16 tensor rounds otherwise). Its functional
-    form may round otherwise (``_foreach_mul_`` by a Scalar in float16/bfloat16) or promote
-    (a 0-dim bfloat16 parameter times a float32 lr tensor: eager keeps bfloat16)."""
+    form may round otherwise (``_foreach_mul_`` by a Scalar in float16/bfloat16) or, in a
+    graph that records no cast back, promote (a 0-dim bfloat16 parameter times a float32 lr
+    tensor: eager keeps bfloat16; the tracer records such an op functionally, with a cast)."""
     inplace = node.meta.get("inplace")
     if inplace is None:
         return node.target
