@@ -229,6 +229,8 @@ def integration(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     python = _python(layer_env(session, "optcompile"))
+    # The native checks are built ahead, as a user does after installing (a no-op when built).
+    session.run(python, "-m", "optguard", "build", external=True)
     session.run(python, "-m", "optcompile.demo", *session.posargs, external=True)
 
 

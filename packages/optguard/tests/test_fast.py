@@ -25,7 +25,6 @@ from optguard import (
     TensorMeta,
     TypeGuard,
     compile_check,
-    native,
 )
 from optguard import _torch_compat as compat
 from optguard_paths import GROUP, GROUPS, OPT, PARAMS
@@ -254,27 +253,6 @@ def test_without_the_cxx_pieces_every_call_runs_the_full_check(monkeypatch):
     assert check.fast is None and check.fast_note == "off: not available with this torch"
     opt.state.clear()
     assert not check(L)
-
-
-@needs_fast
-def test_a_tier_built_while_the_native_checks_build_is_rebuilt_once_they_load(checks, monkeypatch):
-    if checks == "python":
-        pytest.skip("the native module is needed")
-    module = native.module()
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "_status", "building")  # as in its background thread
-    opt = _optimizer()
-    check = _check(opt)
-    L = {"opt": opt}
-    assert check(L) and check.fast is not None and check.fast.pending
-    assert check(L) and check.fast_hit  # still building: the tree's checks serve
-    monkeypatch.setattr(native, "_module", module)
-    first = check.fast
-    assert check(L) and not check.fast_hit  # rebuilt on this call, the full check passing
-    assert check.fast is not first and not check.fast.pending
-    assert sum("one native check" in line for line in check.fast.lines) == 3
-    assert check(L) and check.fast_hit
-    assert check.rebuilds == 1  # the upgrade is not counted against the tier
 
 
 @needs_fast

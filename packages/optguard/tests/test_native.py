@@ -175,37 +175,86 @@ def test_match_with_pointers_sees_a_moved_item(module):
     assert module.match(module.spec(params, True), False, params)  # without pointers
 
 
-# -- the build never waits on a lock ------------------------------------------------------
+# -- built ahead, loaded without a lock, never built while a step runs ----------------------
 
 
-def _age(path: Path, seconds: float) -> None:
-    then = time.time() - seconds
-    os.utime(path, (then, then))
+def _fresh_native(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """A process that has not loaded the module yet, with its cache in ``cache``."""
+    monkeypatch.setenv("OPTCOMPILE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_status", "not loaded yet")
+    monkeypatch.setattr(native, "_callbacks", [])
 
 
-def test_a_free_build_directory_is_claimed_and_torchs_stale_lock_removed(tmp_path: Path):
-    (tmp_path / "lock").write_text("")  # torch's baton, left by a process that died
-    assert native.claim(tmp_path) is None
-    assert (tmp_path / "optcompile.claim").read_text() == str(os.getpid())
-    assert not (tmp_path / "lock").exists()  # cpp_extension.load would wait on it forever
+def test_the_cache_follows_optcompile_cache_dir_then_torch_extensions_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPTCOMPILE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch"))
+    assert native.library_path().parent == tmp_path / "torch" / "optguard"
+    monkeypatch.setenv("OPTCOMPILE_CACHE_DIR", str(tmp_path / "ours"))
+    path = native.library_path()
+    assert path.parent == tmp_path / "ours" / "optguard"
+    assert torch.__version__.replace(".", "_").replace("+", "_") in path.name
 
 
-def test_a_fresh_claim_of_another_process_is_not_waited_for(tmp_path: Path):
-    (tmp_path / "optcompile.claim").write_text("12345")
+def test_a_missing_module_is_not_built_by_a_step_and_status_says_how_to_build_it(
+    tmp_path, monkeypatch
+):
+    _fresh_native(monkeypatch, tmp_path)
+    monkeypatch.delenv("OPTCOMPILE_NATIVE", raising=False)
     start = time.perf_counter()
-    reason = native.claim(tmp_path)
-    assert time.perf_counter() - start < 1.0
-    assert reason is not None and "another process is building it" in reason
+    assert native.start() is None
+    assert time.perf_counter() - start < 1.0  # no build, no wait
+    assert "python -m optguard build" in native.status()
+    assert "run in Python" in native.status()
+    assert not native.library_path().exists()
 
 
-def test_a_stale_claim_left_by_a_dead_builder_is_taken_over(tmp_path: Path):
-    stale = tmp_path / "optcompile.claim"
-    stale.write_text("12345")
-    _age(stale, native.STALE_AFTER_S + 1)
-    assert native.claim(tmp_path) is None
-    assert stale.read_text() == str(os.getpid())
+def test_a_module_built_ahead_is_loaded_by_path_with_no_lock_taken(tmp_path, monkeypatch):
+    built = native.start(wait=True)  # the cache of this test session (built if need be)
+    if built is None:
+        pytest.fail(f"the native checks did not build: {native.status()}")
+    source = native.library_path()
+    _fresh_native(monkeypatch, tmp_path)
+    target = native.library_path()
+    target.parent.mkdir(parents=True)
+    target.write_bytes(source.read_bytes())
+    # A lock torch's cpp_extension would wait on forever, left by a dead builder: ignored.
+    (target.parent / "lock").write_text("")
+    seen: list[object] = []
+    native.when_loaded(seen.append)
+    monkeypatch.delenv("OPTCOMPILE_NATIVE", raising=False)
+    loaded = native.start()
+    assert loaded is not None and seen == [loaded]
+    assert native.status() == f"loaded ({target})"
+    t = torch.zeros(3)
+    assert loaded.match(loaded.spec([t], False), False, [t])
 
 
-def test_the_build_directory_follows_torch_extensions_dir(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert native.build_directory().parent == tmp_path
+def test_off_means_never_loaded(tmp_path, monkeypatch):
+    _fresh_native(monkeypatch, tmp_path)
+    monkeypatch.setenv("OPTCOMPILE_NATIVE", "0")
+    assert native.start(wait=True) is None
+    assert native.status().startswith("off (OPTCOMPILE_NATIVE=0)")
+
+
+def test_a_failed_build_says_why_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    _fresh_native(monkeypatch, tmp_path)
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    assert native.start(wait=True) is None
+    assert native.status().startswith("failed: RuntimeError: ")
+    assert not native.library_path().exists()
+    leftovers = list(native.cache_directory().iterdir())
+    assert leftovers == []  # its private build directory is gone
+
+
+def test_the_command_line_reports_status(tmp_path, monkeypatch, capsys):
+    _fresh_native(monkeypatch, tmp_path)
+    monkeypatch.delenv("OPTCOMPILE_NATIVE", raising=False)
+    assert native.main(["status"]) == 0
+    assert "not built" in capsys.readouterr().out
+    assert native.main(["path"]) == 0
+    assert capsys.readouterr().out.strip() == str(native.library_path())
+    assert native.main(["frobnicate"]) == 2

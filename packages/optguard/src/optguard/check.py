@@ -11,7 +11,6 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from optguard import native
 from optguard.codegen import SourceCode, build_function
 from optguard.fast import FastCheck, build_fast_check
 from optguard.guards import MISSING, Guard, describe_failure
@@ -78,15 +77,6 @@ class CompiledCheck:
     def __call__(self, L: Locals) -> bool:
         fast = self.fast
         if fast is not None and fast(L):
-            if fast.pending and native.module() is not None:
-                # Built before the native checks were loaded: build it again with them
-                # (once; not a rebuild for the policy above) where the full check passes.
-                fast.pending = False
-                if self.fn(L):
-                    self.fast_hit = False
-                    self.rebuilds -= 1
-                    self._arm(L)
-                    return True
             self.fast_hit = True
             self.hits += 1
             return True

@@ -77,7 +77,6 @@ class FastCheck:
         residual: Any,
         lines: list[str],
         pinned: frozenset[Source] = frozenset(),
-        pending: bool = False,
         grad_lists: dict[Source, tuple[Any, int]] | None = None,
         states_unchanged: Sequence[Callable[[Locals], bool]] = (),
     ) -> None:
@@ -89,9 +88,6 @@ class FastCheck:
         # list's source -> (its spec, length). After a hit, ``native.module().take(spec)``
         # gives the grads that check read (gather.py uses them instead of reading again).
         self.grad_lists = grad_lists or {}
-        # Built while the native module was still building: worth building again once it
-        # is loaded (CompiledCheck does).
-        self.pending = pending
         # Whether each optimizer state this tier pinned is still the one it found (see
         # ``stale``).
         self.states_unchanged = list(states_unchanged)
@@ -213,10 +209,7 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         compat.GuardTree.predicate(builder.tree.root, native.held_ptrs(tensors, held), text)
         builder.lines.append(text + (", one native check" if module is not None else ""))
     check = compile_check(GuardSet(tuple(residual)), fast=False)
-    pending = module is None and native.status() == "building"
-    return FastCheck(
-        builder.tree, check, builder.lines, pinned, pending, grad_lists, states_unchanged
-    )
+    return FastCheck(builder.tree, check, builder.lines, pinned, grad_lists, states_unchanged)
 
 
 def _fetching(source: Source, test: Callable[[Any], bool]) -> Callable[[Locals], bool]:

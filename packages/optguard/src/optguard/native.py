@@ -1,31 +1,40 @@
-"""The C++ checks of ``_native.cpp``, built on first use (in the background) and cached.
+"""The C++ checks of ``_native.cpp``: built ahead of time, loaded if present.
 
 A hit of the fast tier (fast.py) still tests, per call, the metadata of every parameter and
 gradient it guards, the fast gather (gather.py) reads every ``param.grad``, and a backend
 that baked addresses in (optkernels) compares every input's ``data_ptr()``: ~100 ns per
 tensor through dynamo's guard tree, torch or Python, tens of µs for 200 parameters.
-``_native.cpp`` does each list in one C++ loop (a few ns per tensor). It is compiled
-against the installed torch with ``torch.utils.cpp_extension.load`` (a C++ compiler and
-ninja are needed; ~15 s, once per torch and Python version: the build is cached under
-``TORCH_EXTENSIONS_DIR``), in a daemon thread started by the first fast tier, so no call
-waits for it. No build ever waits on a lock: one process claims the build (``claim``);
-others meanwhile run the Python checks, and a claim left by a process that died is
-removed when stale. Until it is loaded, or when it cannot be built, the same checks run as
-before (the guard tree, ``attrgetter``, torch's compare): results never depend on it,
-only speed.
+``_native.cpp`` does each list in one C++ loop (a few ns per tensor).
 
-``OPTCOMPILE_NATIVE``: ``0`` never builds it; ``sync`` builds it in the calling thread (tests,
-benchmarks); unset: in the background.
+The module is compiled against the installed torch ahead of time, never while a step runs:
+``python -m optguard build`` (~15 s, once per torch, Python and source version; a
+C++ compiler and ninja are needed). It lands in ``library_path()`` (under
+``OPTCOMPILE_CACHE_DIR``, else ``TORCH_EXTENSIONS_DIR``, else torch's default extension
+root). A process that finds it there loads it (``importlib``, no lock, a few ms); one that
+does not runs the same checks in Python (the guard tree, ``attrgetter``, torch's compare):
+results never depend on it, only speed, and ``status()`` (shown by ``explain()``) says
+which path runs and why.
+
+No build waits on a lock or can hang: each build runs torch's ``cpp_extension`` in a child
+process with a timeout, in a fresh temporary directory of its own (so torch's build lock is
+never shared), and moves the result into place with one atomic rename; two processes that
+build at once both succeed, and the last rename wins with an identical file.
+
+``OPTCOMPILE_NATIVE``: ``0`` never loads it; ``sync`` builds it in the foreground when it is
+missing (tests, benchmarks, the GPU machine), then loads it; unset: loads it if built.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,25 +45,32 @@ from optguard import _torch_compat as compat
 from optguard.guards import DataPtrGuard
 
 SOURCE = Path(__file__).with_name("_native.cpp")
-# Name of the built module: one build per torch and Python version (ABI), and source.
+# Name of the built module: one per torch and Python version (ABI) and source text.
 _NAME = "optguard_native_" + re.sub(
-    r"\W", "_", f"{torch.__version__}_py{sys.version_info[0]}{sys.version_info[1]}"
+    r"\W",
+    "_",
+    f"{torch.__version__}_py{sys.version_info[0]}{sys.version_info[1]}_"
+    + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10],
 )
+# A build takes ~15 s (a minute on a loaded 2-core machine); past this it is abandoned.
+BUILD_TIMEOUT_S = 600.0
+BUILD_COMMAND = "python -m optguard build"
 
 _lock = threading.Lock()
 _module: Any = None
-_status = "not built yet"
-_thread: threading.Thread | None = None
+_status = "not loaded yet"
+_tried = False
 _callbacks: list[Callable[[Any], None]] = []
 
 
 def module() -> Any:
-    """The loaded C++ module, or None (not built yet, building, off or failed)."""
+    """The loaded C++ module, or None (not loaded yet, not built, off or failed)."""
     return _module
 
 
 def status() -> str:
-    """``"loaded"``, ``"building"``, ``"not built yet"``, ``"off (...)"`` or ``"failed: ..."``."""
+    """``"loaded (<path>)"``, ``"not loaded yet"``, ``"not built (...)"``, ``"off (...)"`` or
+    ``"failed: ..."``: which checks run, and why."""
     return _status
 
 
@@ -69,25 +85,106 @@ def when_loaded(callback: Callable[[Any], None]) -> None:
 
 
 def start(wait: bool | None = None) -> Any:
-    """Build and load the module unless that was done or tried; return it (or None).
+    """Load the module (once per process) and return it, or None.
 
-    ``wait``: block until it is loaded (default: only when ``OPTCOMPILE_NATIVE=sync``)."""
-    global _thread, _status
+    ``wait`` (default: ``OPTCOMPILE_NATIVE=sync``): build it first, in the foreground, when
+    it is missing. Without it a missing module is never built here."""
+    global _tried, _status
     mode = os.environ.get("OPTCOMPILE_NATIVE", "")
     if mode == "0":
-        _status = "off (OPTCOMPILE_NATIVE=0)"
+        _status = "off (OPTCOMPILE_NATIVE=0): the checks run in Python"
         return None
     if wait is None:
         wait = mode == "sync"
     with _lock:
-        if _thread is None and _module is None and not _status.startswith("failed"):
-            _status = "building"
-            _thread = threading.Thread(target=_build, name="optguard-native-build", daemon=True)
-            _thread.start()
-        thread = _thread
-    if wait and thread is not None:
-        thread.join()
-    return _module
+        if _module is not None or (_tried and not wait):
+            return _module
+        _tried = True
+        path = library_path()
+        if not path.exists():
+            if not wait:
+                _status = (
+                    f"not built for torch {torch.__version__} (run `{BUILD_COMMAND}` once, "
+                    "~15 s): the checks run in Python"
+                )
+                return None
+            try:
+                build()
+            except Exception as exc:  # no compiler, no ninja, a header change, a timeout
+                _status = f"failed: {_short(exc)}: the checks run in Python"
+                return None
+        try:
+            loaded = _load(path)
+        except Exception as exc:
+            _status = f"failed: {_short(exc)}: the checks run in Python"
+            return None
+        _set_module(loaded, path)
+        callbacks = _callbacks.copy()
+        _callbacks.clear()
+    for callback in callbacks:
+        callback(loaded)
+    return loaded
+
+
+def _set_module(loaded: Any, path: Path) -> None:
+    global _module, _status
+    _module = loaded
+    _status = f"loaded ({path})"
+
+
+def _short(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+def cache_directory() -> Path:
+    """Where built modules are kept (see the module docstring)."""
+    root = os.environ.get("OPTCOMPILE_CACHE_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        from torch.utils import cpp_extension
+
+        root = cpp_extension.get_default_build_root()
+    return Path(root) / "optguard"
+
+
+def library_path() -> Path:
+    """The built module for this torch, Python and source (present or not)."""
+    return cache_directory() / f"{_NAME}.so"
+
+
+def build(timeout: float = BUILD_TIMEOUT_S) -> Path:
+    """Compile the module into ``library_path()`` and return that path (see the module
+    docstring: a child process, a private build directory, an atomic rename)."""
+    target = library_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="build-", dir=target.parent) as tmp:
+        script = (
+            "import sys\n"
+            "from torch.utils import cpp_extension\n"
+            "m = cpp_extension.load(name=sys.argv[1], sources=[sys.argv[2]], "
+            "build_directory=sys.argv[3], extra_cflags=['-O2'], verbose=False)\n"
+            "print(m.__file__)\n"
+        )
+        argv = [sys.executable, "-c", script, _NAME, str(SOURCE), tmp]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        built = Path(tmp) / f"{_NAME}.so"
+        if done.returncode != 0 or not built.exists():
+            raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a loader sees the old file or the new one
+    return target
+
+
+def _load(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    loaded.plain(compat.plain_grad_types())
+    names = ("spec", "match", "match_both", "take", "grads", "held", "held_match")
+    for name in (*names, "addresses", "addresses_equal", "addresses_record"):
+        getattr(loaded, name)
+    return loaded
 
 
 def held_ptrs(tensors: list[Any], guards: Sequence[DataPtrGuard]) -> Callable[[Any], bool]:
@@ -109,79 +206,28 @@ def held_ptrs(tensors: list[Any], guards: Sequence[DataPtrGuard]) -> Callable[[A
     return held_match
 
 
-# A build takes ~15 s (a minute on a loaded 2-core machine); a claim older than this was
-# left by a process that died while building.
-STALE_AFTER_S = 300.0
-
-
-def build_directory() -> Path:
-    """Where the module is built and cached (one per torch and Python version)."""
-    from torch.utils import cpp_extension
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Path(root) / _NAME
-
-
-def claim(directory: Path, stale_after: float = STALE_AFTER_S) -> str | None:
-    """Claim the build in ``directory`` for this process; None if claimed, else why not.
-
-    Never waits: torch's own build lock (``lock``, waited on with no timeout by
-    ``cpp_extension.load``) is only ever taken by the holder of our claim
-    (``optcompile.claim``, created atomically), and a claim or lock left by a process that
-    died is removed once ``stale_after`` seconds old. Another process building now means
-    this one runs the Python checks."""
-    directory.mkdir(parents=True, exist_ok=True)
-    ours = directory / "optcompile.claim"
-    for _ in range(2):
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m optguard build [--force] | status | path`` (optguard/__main__.py)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args[0] if args else "status"
+    if command == "build":
+        path = library_path()
+        if path.exists() and "--force" not in args:
+            print(f"already built: {path}")
+            return 0
+        print(f"building {SOURCE.name} against torch {torch.__version__} (~15 s) ...")
         try:
-            fd = os.open(ours, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                age = time.time() - ours.stat().st_mtime
-            except FileNotFoundError:
-                continue  # released meanwhile: try again
-            if age < stale_after:
-                return f"another process is building it ({ours}, {age:.0f} s old)"
-            ours.unlink(missing_ok=True)  # its builder died
-            continue
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-        (directory / "lock").unlink(missing_ok=True)  # torch's, left by a dead builder
-        return None
-    return f"could not claim {ours}"
-
-
-def _build() -> None:
-    global _module, _status
-    try:
-        from torch.utils import cpp_extension
-
-        directory = build_directory()
-        busy = claim(directory)
-        if busy is not None:
-            _status = f"off ({busy}; this process runs the same checks in Python)"
-            return
-        try:
-            built = cpp_extension.load(
-                name=_NAME,
-                sources=[str(SOURCE)],
-                extra_cflags=["-O2"],
-                build_directory=str(directory),
-                verbose=False,
-            )
-        finally:
-            (directory / "optcompile.claim").unlink(missing_ok=True)
-        built.plain(compat.plain_grad_types())
-        names = ("spec", "match", "match_both", "take", "grads", "held", "held_match")
-        for name in (*names, "addresses", "addresses_equal", "addresses_record"):
-            getattr(built, name)
-    except Exception as exc:  # no compiler, no ninja, a header change: stay on Python
-        _status = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
-        return
-    with _lock:
-        _module = built
-        _status = "loaded"
-        callbacks = _callbacks.copy()
-        _callbacks.clear()
-    for callback in callbacks:
-        callback(built)
+            print(f"built: {build()}")
+        except Exception as exc:
+            print(f"failed: {_short(exc)}; the checks will run in Python", file=sys.stderr)
+            return 1
+        return 0
+    if command == "path":
+        print(library_path())
+        return 0
+    if command == "status":
+        start(wait=False)
+        print(status())
+        return 0
+    print("usage: python -m optguard build [--force] | status | path", file=sys.stderr)
+    return 2
