@@ -5,8 +5,9 @@
 
 For optcompile with the defaults and with capturable=True, times (host microseconds per call,
 mean over ``--calls`` after warm-up) the whole ``opt.step()`` and each part of it: the guard
-check (its C++ fast tier), the fast gather of the inputs, the plan's host preparation (scalars,
-host-side step counts, address-table checks, staging copies) and the graph replay. With
+check (the prologue's C++ fast tier), the fast gather of the inputs, the whole prologue (both,
+as a step runs them), the plan's host preparation (scalars, host-side step counts,
+address-table checks, staging copies) and the graph replay. With
 ``--profile ROWS``, also a cProfile of ``--calls`` steps per variant, sorted by own time.
 """
 
@@ -54,8 +55,8 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.set} "
         f"{args.optimizer}; native checks: {native.status()}"
     )
-    print("| variant | step | guard check | fast gather | prepare | graph replay |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| variant | step | guard check | fast gather | prologue | prepare | graph replay |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     steps = {
         v: step_time.build(v, args.optimizer, params)
         for v in ["optcompile", "optcompile-capturable"]
@@ -86,17 +87,25 @@ def _row(step: Callable[[], Any], calls: int) -> list[float]:
         step()
     opt = step.__self__  # type: ignore[attr-defined]
     compiled, L = _OPTIMIZERS[opt], {"opt": opt}
-    cached = compiled.cache.find(L)
-    assert cached is not None and cached.check.fast_hit
-    entry = cached.value
-    assert cached.check.fast is not None and cached.check.fast.gather is not None
-    fast_gather = cached.check.fast.gather
-    inputs = list(fast_gather(L))  # its list is reused and released by each step
+    entry = compiled.cache.entries[0].value
+    prologue, fast = entry.prologue, entry.prologue.fast
+    assert fast is not None and fast.gather is not None, prologue.fast_note
+    hits = prologue.fast_hits
+    found = compiled.cache.find(L)
+    assert found is not None and prologue.fast_hits == hits + 1  # the fast tier answered
+    inputs = list(found[1])  # its list is reused and released by each step
+    prologue.release()
     plan, graphed = entry.plan.plan, entry.plan.graphed
+
+    def prologue_alone() -> None:
+        prologue(L)
+        prologue.release()
+
     return [
         _time(step, calls),
-        _time(lambda: compiled.cache.find(L), calls),
-        _time(lambda: fast_gather(L), calls),
+        _time(lambda: fast(L), calls),
+        _time(lambda: fast.gather(L) if fast.gather is not None else None, calls),
+        _time(prologue_alone, calls),
         _time(lambda: plan.prepare(inputs), calls),
         _time(lambda: graphed(plan.buffers()), calls),
     ]

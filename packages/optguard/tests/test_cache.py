@@ -8,7 +8,7 @@ from optguard import (
     GuardSet,
     LengthGuard,
     LocalSource,
-    compile_check,
+    Prologue,
 )
 
 LR = LocalSource("lr")
@@ -16,7 +16,7 @@ XS = LocalSource("xs")
 
 
 def _check(*guards):
-    return compile_check(GuardSet(tuple(guards)))
+    return Prologue(GuardSet(tuple(guards)))
 
 
 def test_empty_cache_lookup_returns_none():

@@ -14,6 +14,7 @@ from optguard import (
     KeysGuard,
     LengthGuard,
     LocalSource,
+    Prologue,
     TensorMatchGuard,
     TensorMeta,
     compile_check,
@@ -88,8 +89,8 @@ def test_cache_tries_newest_entry_first_and_explains_misses():
     opt = _opt()
     cache: GuardedCache[str] = GuardedCache(limit=2)
     assert cache.miss_reason({"opt": opt}) is None
-    cache.add(compile_check(GuardSet((ConstantGuard(ItemSource(GROUP, "lr"), 0.1),))), "old")
-    cache.add(compile_check(GuardSet((LengthGuard(PARAMS, 2),))), "new")
+    cache.add(Prologue(GuardSet((ConstantGuard(ItemSource(GROUP, "lr"), 0.1),))), "old")
+    cache.add(Prologue(GuardSet((LengthGuard(PARAMS, 2),))), "new")
     assert cache.lookup({"opt": opt}) == "new"
     assert cache.full
     opt.param_groups[0]["params"].pop()

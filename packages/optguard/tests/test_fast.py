@@ -10,7 +10,6 @@ import torch
 from optguard import (
     AliasGuard,
     AttrSource,
-    CompiledCheck,
     DataPtrGuard,
     DictLengthGuard,
     DisjointGuard,
@@ -21,10 +20,10 @@ from optguard import (
     KeysGuard,
     LengthGuard,
     NoneGuard,
+    Prologue,
     TensorMatchGuard,
     TensorMeta,
     TypeGuard,
-    compile_check,
 )
 from optguard import _torch_compat as compat
 from optguard_paths import GROUP, GROUPS, OPT, PARAMS
@@ -60,7 +59,25 @@ def _check(opt: torch.optim.Optimizer, extra: tuple[Guard, ...] = ()):
         b.add(KeysGuard(KeyedSource(state, param), ("momentum_buffer",)))
         b.add(TensorMatchGuard(buf, TensorMeta.of(opt.state[p]["momentum_buffer"])))
         b.add(DataPtrGuard(buf, opt.state[p]["momentum_buffer"].data_ptr()))
-    return compile_check(b.build())
+    return _Checked(Prologue(b.build()))
+
+
+class _Checked:
+    """A Prologue (of no inputs) seen as a check: whether it applies to ``L``, and whether
+    its fast tier answered (``fast_hit``, from its hit count)."""
+
+    def __init__(self, prologue: Prologue) -> None:
+        self.prologue = prologue
+        self.fast_hit = False
+
+    def __call__(self, L) -> bool:
+        before = self.prologue.fast_hits
+        applies = self.prologue(L) is not None
+        self.fast_hit = self.prologue.fast_hits > before
+        return applies
+
+    def __getattr__(self, name: str):
+        return getattr(self.prologue, name)
 
 
 needs_fast = pytest.mark.skipif(not compat.available(), reason="this torch lacks the C++ guards")
@@ -217,14 +234,14 @@ def test_changes_on_every_call_turn_the_fast_tier_off_rare_ones_do_not(monkeypat
         opt.state[p]["momentum_buffer"] = buf.clone()
         opt.state[p]["momentum_buffer"] = buf
 
-    monkeypatch.setattr(CompiledCheck, "REBUILD_AFTER_HITS", 3)
-    for _ in range(CompiledCheck.MAX_REBUILDS + 2):  # rare: hits in between
+    monkeypatch.setattr(Prologue, "REBUILD_AFTER_HITS", 3)
+    for _ in range(Prologue.MAX_REBUILDS + 2):  # rare: hits in between
         assert check(L)
         for _ in range(3):
             assert check(L) and check.fast_hit
         touch()
     assert check(L) and check(L) and check.fast_hit
-    for _ in range(CompiledCheck.MAX_REBUILDS + 1):  # on every call
+    for _ in range(Prologue.MAX_REBUILDS + 1):  # on every call
         touch()
         assert check(L) and not check.fast_hit
     assert check.fast is None and check.fast_note == "off: its tree kept changing"

@@ -165,7 +165,7 @@ def test_alias_guard_holds_while_two_sources_hold_one_object_in_the_generated_ch
     guard = AliasGuard(b, a)
     builder = GuardSetBuilder()
     builder.add(guard)
-    check = compile_check(builder.build(), fast=False)
+    check = compile_check(builder.build())
     t = torch.zeros(2)
     assert guard.describe() == "L['xs'][1] is L['xs'][0]"
     assert check({"xs": [t, t]}) and guard.holds(guard.fetch({"xs": [t, t]}))
@@ -195,7 +195,7 @@ def test_disjoint_compares_the_bytes_tensors_reach(make, apart):
     sources = [ItemSource(LocalSource("xs"), i) for i in range(len(tensors))]
     guard = DisjointGuard(sources[0], tuple(sources[1:]))
     L = {"xs": list(tensors)}
-    assert compile_check(GuardSet((guard,)), fast=False)(L) is apart
+    assert compile_check(GuardSet((guard,)))(L) is apart
     if not apart:
         assert first_failure([guard], L) == "L['xs'][0]: shares memory with one of " + ", ".join(
             s.name() for s in sources[1:]
@@ -210,10 +210,10 @@ def test_autocast_guard_holds_in_the_autocast_state_it_was_made_in():
         assert on.holds(on.fetch({})) and not off.holds(off.fetch({}))
         assert first_failure([off], {}) == "torch.autocast: changed (off -> on (cpu:bfloat16))"
         with torch.autocast("cpu", dtype=torch.float16):
-            assert not compile_check(GuardSet((on,)), fast=False)({})
+            assert not compile_check(GuardSet((on,)))({})
     assert off.describe() == "torch.autocast is off" and off.holds(off.fetch({}))
-    assert compile_check(GuardSet((off,)), fast=False)({})
-    assert not compile_check(GuardSet((on,)), fast=False)({})
+    assert compile_check(GuardSet((off,)))({})
+    assert not compile_check(GuardSet((on,)))({})
 
 
 def test_float_guard_takes_python_and_numpy_float64_but_not_ints_or_float32():

@@ -89,7 +89,7 @@ def test_generated_checks_name_addresses_and_ids_so_their_text_is_the_same_in_ev
                 IdentityGuard.of(LocalSource("x"), items),
             )
         )
-        check = compile_check(guards, fast=False)  # the generated tier (it checks addresses)
+        check = compile_check(guards)  # the generated tier (it checks addresses)
         assert check({"t": t, "x": items}) and not check({"t": t.clone(), "x": items})
         assert not check({"t": t, "x": list(items)})
         codes.append(check.describe())

@@ -1,12 +1,14 @@
 """The driver: check guards, and on a miss trace, lower and cache; then run and replay.
 
 One Compiled object serves one compiled optimizer or function. Each call builds the locals
-``L`` (``{'opt': optimizer}`` or the function's bound arguments), looks for a cache entry
-whose check holds, and runs it: gather the graph's inputs, run the backend's plan, replay the
-side effects. A miss traces anew, unless the recompile limit is reached, in which case the call runs
-eagerly (with one warning saying why). A trace that fails runs that call eagerly; a later
-miss traces again (a transiently bad input, an exception the user fixed), and every failed
-trace counts against the recompile limit, so a step that can never be traced stops trying.
+``L`` (``{'opt': optimizer}`` or the function's bound arguments) and reads top-down: the
+newest entry whose prologue applies to ``L`` returns the graph's inputs (optguard's
+Prologue: guards checked and inputs gathered in one call) -> the backend's plan runs on
+them -> the side effects are replayed. A miss traces anew, unless the recompile limit is
+reached, in which case the call runs eagerly (with one warning saying why). A trace that
+fails runs that call eagerly; a later miss traces again (a transiently bad input, an
+exception the user fixed), and every failed trace counts against the recompile limit, so
+a step that can never be traced stops trying.
 
 A Ctrl-C (SIGINT in the main thread) during a miss is held until the miss has traced, built
 and run the step, then raised: an interrupt never leaves a trace, the real state
@@ -25,18 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from optguard import (
-    CompiledCheck,
-    DataPtrGuard,
-    FastGather,
-    Guard,
-    GuardedCache,
-    Locals,
-    compile_check,
-    compile_fetch,
-    native,
-)
+from optguard import DataPtrGuard, Guard, GuardedCache, Locals, Prologue, native
 from optkernels import Backend, Plan, use_native_addresses
 from optsidefx import Replay, generate_replay
 from opttrace import TRACE_LOCK, TracedStep, TraceError, clear_cache
@@ -53,39 +44,34 @@ Eager = Callable[[Locals], Any]
 
 @dataclass
 class CompiledEntry:
-    """Everything one cache entry runs: gather inputs, the backend plan, the replay code.
+    """Everything one cache entry runs: its prologue (guards and gather), the backend plan,
+    the replay code.
 
-    With ``pin_inputs`` (a compiled optimizer: it owns what its steps read), after a hit of
-    the check's fast tier the inputs come from a FastGather (the pinned ones from the last
-    full gather, the rest fetched); after a full check they are gathered in full, and the
-    FastGather of the current fast tier (kept on the tier: it goes with it) is armed from
-    them. A compiled function's entries hold none of its arguments, so they always gather
-    in full."""
+    With ``pin_inputs`` (a compiled optimizer: it owns what its steps read) the prologue's
+    fast tier keeps the params and state tensors it proved unchanged and fetches only grads
+    and hyperparameters; a compiled function's entries hold none of its arguments."""
 
     traced: TracedStep
-    gather: Callable[[Locals], list[torch.Tensor]]
-    gather_code: str
+    prologue: Prologue
     plan: Plan
     replay: Replay
-    pin_inputs: bool = False
 
-    def run(self, L: Locals, check: CompiledCheck | None = None) -> Any:
-        tier = check.fast if check is not None and self.pin_inputs else None
-        if tier is not None and check is not None and check.fast_hit:
-            fast_gather = tier.gather  # built for this tier (a rebuilt tier pins others)
-            if fast_gather is not None:
-                try:
-                    outputs = self.plan(fast_gather(L))
-                finally:
-                    fast_gather.release()  # its one list must not keep this step's grads
-                return self.replay(L, outputs)
-        inputs = self.gather(L)
-        if tier is not None:
-            tier.forget()  # the full gather read the grads itself
-            if tier.gather is None:
-                tier.gather = FastGather(self.traced.input_sources, tier.pinned, tier.grad_lists)
-            tier.gather.arm(L, inputs)
-        return self.replay(L, self.plan(inputs))
+    @property
+    def gather(self) -> Callable[[Locals], list[Any]]:
+        """The full gather (every input fetched along its path; no guard checked)."""
+        return self.prologue.gather
+
+    @property
+    def gather_code(self) -> str:
+        return self.prologue.gather_code
+
+    def run(self, L: Locals, inputs: list[Any]) -> Any:
+        """Run the plan on the prologue's ``inputs`` and replay the side effects."""
+        try:
+            outputs = self.plan(inputs)
+        finally:
+            self.prologue.release()  # its reused list must not keep this step's grads
+        return self.replay(L, outputs)
 
 
 @dataclass
@@ -132,22 +118,25 @@ class Compiled:
         # One call at a time per compiled object: an entry's plan and buffers, the cache and
         # the state it updates are shared by every thread that calls it.
         with self._lock:
-            cached = self.cache.find(L)
-            if cached is not None:
-                return cached.value.run(L, cached.check)
+            hit = self.cache.find(L)
+            if hit is not None:
+                entry, inputs = hit
+                return entry.value.run(L, inputs)
         # A miss traces: traces are serialized process-wide (opttrace.TRACE_LOCK), taken
         # before this object's lock so no thread waits for it while holding an object's.
         with TRACE_LOCK, self._lock:
-            cached = self.cache.find(L)  # another thread may have traced it meanwhile
-            if cached is not None:
-                return cached.value.run(L, cached.check)
+            hit = self.cache.find(L)  # another thread may have traced it meanwhile
+            if hit is not None:
+                entry, inputs = hit
+                return entry.value.run(L, inputs)
             return self._miss(L)
 
     def _miss(self, L: Locals) -> Any:
         """Trace, lower and run a new entry, or run eagerly; interrupts wait until done."""
         with interrupts_held():
             entry = self._traced_entry(L)
-            return self.eager(L) if entry is None else entry.run(L)
+            # The first run gathers in full (the trace has just read these very inputs).
+            return self.eager(L) if entry is None else entry.run(L, entry.gather(L))
 
     def _traced_entry(self, L: Locals) -> CompiledEntry | None:
         # Tracing and lowering build tens of thousands of long-lived objects at 1,000 params;
@@ -186,7 +175,7 @@ class Compiled:
         start = time.perf_counter()
         entry = lower(traced, self.backend, self.pin_inputs)
         self._drop_superseded(traced)
-        self.cache.add(compile_check(traced.guards), entry)
+        self.cache.add(entry.prologue, entry)
         self.stats.traces += 1
         self.stats.fallback_reason = None
         if reason is not None:
@@ -258,18 +247,16 @@ def interrupts_held() -> Iterator[None]:
 
 def lower(traced: TracedStep, backend: Backend, pin_inputs: bool = False) -> CompiledEntry:
     """Turn a TracedStep into a runnable entry on ``backend`` (see CompiledEntry)."""
-    gather, gather_code = compile_fetch(traced.input_sources)
+    prologue = Prologue(traced.guards, traced.input_sources, pin=pin_inputs)
     plan = backend.compile(traced.graph_module)
-    # Every hit of the entry's check (either tier) has tested these inputs' data pointers.
+    # Every application of the prologue (either tier) has tested these inputs' data pointers.
     guarded = {g.source for g in traced.guards.guards if isinstance(g, DataPtrGuard)}
     plan.guarded_addresses([i for i, s in enumerate(traced.input_sources) if s in guarded])
     return CompiledEntry(
         traced=traced,
-        gather=gather,
-        gather_code=gather_code,
+        prologue=prologue,
         plan=plan,
         replay=generate_replay(traced.effects),
-        pin_inputs=pin_inputs,
     )
 
 

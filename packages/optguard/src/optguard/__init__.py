@@ -2,7 +2,9 @@
 
 A Source names where a value lives (``L['opt'].param_groups[0]['lr']``); a Guard is a fact
 about that value that a compiled entry relies on; all guards of an entry compile into one
-generated ``check(L)`` function; a GuardedCache holds the entries of one compiled object.
+generated ``check(L)`` function; an entry's Prologue decides whether the entry applies and
+returns its inputs in one call (the generated check and gather, or the fast tier); a
+GuardedCache holds the entries of one compiled object.
 """
 
 from optguard.cache import DEFAULT_RECOMPILE_LIMIT, Entry, GuardedCache
@@ -31,6 +33,7 @@ from optguard.guards import (
     autocast_guard,
     overlapping,
 )
+from optguard.prologue import Prologue
 from optguard.sources import (
     AttrSource,
     AutocastSource,
@@ -78,6 +81,7 @@ __all__ = [
     "Locals",
     "NoneGuard",
     "PredicateGuard",
+    "Prologue",
     "Source",
     "SourceCode",
     "TensorMatchGuard",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from optguard.check import CompiledCheck
+from optguard.prologue import Prologue
 from optguard.sources import Locals
 
 T = TypeVar("T")
@@ -15,9 +15,9 @@ DEFAULT_RECOMPILE_LIMIT = 8
 
 @dataclass(frozen=True)
 class Entry(Generic[T]):
-    """One compiled version: valid while its check holds."""
+    """One compiled version: valid while its prologue finds it applies."""
 
-    check: CompiledCheck
+    prologue: Prologue
     value: T
 
 
@@ -32,24 +32,29 @@ class GuardedCache(Generic[T]):
         self.misses: list[str] = []
 
     def lookup(self, L: Locals) -> T | None:
-        entry = self.find(L)
-        return entry.value if entry is not None else None
+        found = self.find(L)
+        if found is None:
+            return None
+        found[0].prologue.release()
+        return found[0].value
 
-    def find(self, L: Locals) -> Entry[T] | None:
-        """The newest entry whose check holds (its ``check.fast_hit`` says which tier)."""
+    def find(self, L: Locals) -> tuple[Entry[T], list[Any]] | None:
+        """The newest entry that applies to ``L``, with the inputs its prologue gathered
+        (``entry.prologue.release()`` once they are used)."""
         for entry in self.entries:
-            if entry.check(L):
-                return entry
+            inputs = entry.prologue(L)
+            if inputs is not None:
+                return entry, inputs
         return None
 
     def miss_reason(self, L: Locals) -> str | None:
         """Why the newest entry does not match ``L`` (None when the cache is empty)."""
         if not self.entries:
             return None
-        return self.entries[0].check.first_failure(L) or "guards failed while fetching inputs"
+        return self.entries[0].prologue.first_failure(L) or "guards failed while fetching inputs"
 
-    def add(self, check: CompiledCheck, value: T) -> None:
-        self.entries.insert(0, Entry(check, value))
+    def add(self, prologue: Prologue, value: T) -> None:
+        self.entries.insert(0, Entry(prologue, value))
 
     @property
     def full(self) -> bool:

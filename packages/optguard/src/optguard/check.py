@@ -1,8 +1,9 @@
 """Compile all guards of an entry into one check function, and explain its failures.
 
-The fast path is one generated function ``check(L) -> bool`` that fetches each source once
-and tests every guard in order. The slow path (after a miss) walks the guards one by one to
-name the first that fails, with its old and new value.
+One generated function ``check(L) -> bool`` fetches each source once and tests every guard
+in order (an entry's Prologue, prologue.py, runs it when its fast tier does not answer).
+After a miss, ``first_failure`` walks the guards one by one to name the first that fails,
+with its old and new value.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from optguard.codegen import SourceCode, build_function
-from optguard.fast import FastCheck, build_fast_check
 from optguard.guards import MISSING, Guard, describe_failure
 from optguard.sources import Locals
 from optguard.summary import count_kinds
@@ -53,73 +53,26 @@ class GuardSetBuilder:
 
 
 class CompiledCheck:
-    """A guard set compiled to one function, with its source for explain(), and a fast tier
-    (``fast.py``) armed the first time the full check passes."""
+    """A guard set compiled to one function ``check(L) -> bool``, with its source for
+    explain() (an entry's Prologue runs it when its fast tier does not answer)."""
 
-    # After this many rebuilds of the fast tier (its tree no longer matched although the
-    # full check passed: a state entry replaced, a list item swapped for an equal one), each
-    # within REBUILD_AFTER_HITS hits of the one before, the inputs are too changeable for
-    # it: the full check alone runs. Rare changes (a checkpoint reload) rebuild freely.
-    MAX_REBUILDS = 8
-    REBUILD_AFTER_HITS = 1000
-
-    def __init__(self, guards: GuardSet, fn: CheckFn, code: str, fast: bool = True) -> None:
+    def __init__(self, guards: GuardSet, fn: CheckFn, code: str) -> None:
         self.guards = guards
         self.fn = fn
         self.code = code
-        self.fast: FastCheck | None = None
-        self.fast_note: str | None = None if fast else "off"
-        self.rebuilds = 0  # in a row, each soon after the one before
-        self.hits = 0  # fast-tier hits since it was last built
-        # Whether the last passing call passed on the fast tier (its pinned values held).
-        self.fast_hit = False
 
     def __call__(self, L: Locals) -> bool:
-        fast = self.fast
-        if fast is not None and fast(L):
-            self.fast_hit = True
-            self.hits += 1
-            return True
-        self.fast_hit = False
-        if not self.fn(L):
-            if fast is not None and fast.stale(L):
-                # The state it pinned was replaced: its old tensors must not stay alive
-                # through it (re-armed if this entry matches again).
-                self.fast = None
-            return False
-        if self.fast_note is None:
-            self._arm(L)
-        return True
-
-    def _arm(self, L: Locals) -> None:
-        try:
-            if self.hits >= self.REBUILD_AFTER_HITS:
-                self.rebuilds = 0
-            if self.rebuilds >= self.MAX_REBUILDS:
-                self.fast, self.fast_note = None, "off: its tree kept changing"
-                return
-            self.rebuilds += 1
-            self.hits = 0
-            self.fast = build_fast_check(self.guards.guards, L)
-            if self.fast is None:
-                self.fast_note = "off: not available with this torch"
-            log.debug("fast tier %s", "built" if self.fast is not None else self.fast_note)
-        except Exception as exc:  # never let the fast tier break a correct check
-            self.fast, self.fast_note = None, f"off: {type(exc).__name__}: {exc}"
+        return self.fn(L)
 
     def first_failure(self, L: Locals) -> str | None:
         """Readable reason for the first guard that fails on ``L``, or None if all hold."""
         return first_failure(self.guards.guards, L)
 
     def describe(self) -> str:
-        """The generated check, and the fast tier when it is armed."""
-        if self.fast is None:
-            note = self.fast_note or "not armed yet"
-            return f"{self.code}\n# fast tier: {note}"
-        return f"{self.code}\n# fast tier (tried first):\n{self.fast.describe()}"
+        return self.code
 
 
-def compile_check(guards: GuardSet, fast: bool = True) -> CompiledCheck:
+def compile_check(guards: GuardSet) -> CompiledCheck:
     """Generate ``check(L)``: True when every guard holds; any error while fetching is a miss."""
     body = SourceCode(indent="        ")
     for guard in guards.guards:
@@ -133,7 +86,7 @@ def compile_check(guards: GuardSet, fast: bool = True) -> CompiledCheck:
         kinds = ", ".join(f"{count} {kind}" for kind, count in count_kinds(guards.guards))
         log.info("check compiled: %d guards (%s)", len(guards), kinds or "none")
         log.debug("%s", code)
-    return CompiledCheck(guards, fn, code, fast)
+    return CompiledCheck(guards, fn, code)
 
 
 def first_failure(guards: Sequence[Guard], L: Locals) -> str | None:

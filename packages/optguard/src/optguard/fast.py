@@ -25,7 +25,9 @@ for much less:
 A hit also pins values: a source the tree checks by identity (a parameter keying the state),
 an entry of a versioned state dict keyed by a pinned source, and a str-keyed item of such an
 entry (a state tensor) hold the very objects they held when the tier was armed. ``pinned``
-lists them; ``FastGather`` (gather.py) reuses them instead of fetching them again.
+lists them; the tier's own ``FastGather`` (gather.py, armed from the full gather of the call
+that built the tier) reuses them instead of fetching them again: ``inputs(L)`` is the check
+and the gather in one call.
 
 The pinned tensors' check also compares their dtype, shape and stride with what they had
 when the tier was armed: metadata changed in place on the same state tensor object
@@ -44,6 +46,8 @@ import torch
 
 from optguard import _torch_compat as compat
 from optguard import native
+from optguard.check import GuardSet, compile_check
+from optguard.gather import FastGather
 from optguard.guards import (
     ConstantGuard,
     DataPtrGuard,
@@ -69,7 +73,7 @@ from optguard.sources import (
 
 
 class FastCheck:
-    """``tree.check(L) and residual(L)``; see the module docstring."""
+    """``tree.check(L) and residual(L)``, then its gather; see the module docstring."""
 
     def __init__(
         self,
@@ -91,15 +95,30 @@ class FastCheck:
         # Whether each optimizer state this tier pinned is still the one it found (see
         # ``stale``).
         self.states_unchanged = list(states_unchanged)
-        # What its user built on the pinned values (optcompile: the entry's FastGather): it
-        # goes with the tier.
-        self.gather: Any = None
+        # Its gather over the pinned values (None: its caller gathers in full).
+        self.gather: FastGather | None = None
 
     def __call__(self, L: Locals) -> bool:
         if self.tree.check(L) and self.residual(L):
             return True
         self.forget()  # a grad check may have passed before another failed
         return False
+
+    def inputs(self, L: Locals, full: Callable[[Locals], list[Any]]) -> list[Any] | None:
+        """The inputs when this tier's checks pass on ``L`` (through its gather; else
+        ``full(L)``), or None. The list its gather returns is reused: ``release()`` it."""
+        if not (self.tree.check(L) and self.residual(L)):
+            self.forget()  # a grad check may have passed before another failed
+            return None
+        if self.gather is None:
+            self.forget()  # the full gather reads the grads itself
+            return full(L)
+        return self.gather(L)
+
+    def release(self) -> None:
+        """Drop what the last ``inputs`` fetched (see FastGather.release)."""
+        if self.gather is not None:
+            self.gather.release()
 
     def forget(self) -> None:
         """Drop the grads the last hit's native checks read, where no gather took them (the
@@ -129,11 +148,15 @@ class FastCheck:
         )
 
 
-def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
+def build_fast_check(
+    guards: Sequence[Guard],
+    L: Locals,
+    gathered: tuple[Sequence[Source], Sequence[Any]] | None = None,
+) -> FastCheck | None:
     """The fast tier for ``guards``, armed from ``L`` (on which the full check passed), or
-    None when this torch lacks the pieces or a key of the state cannot be identified."""
-    from optguard.check import GuardSet, compile_check  # check.py imports this module
-
+    None when this torch lacks the pieces or a key of the state cannot be identified.
+    ``gathered``: the input sources and the inputs the full gather fetched from ``L``; the
+    tier then gathers them itself, fetching only what its checks do not pin."""
     if not compat.available():
         return None
     keyed_sources = [
@@ -208,8 +231,13 @@ def build_fast_check(guards: Sequence[Guard], L: Locals) -> FastCheck | None:
         tensors = [g.source.fetch(L) for g in held]
         compat.GuardTree.predicate(builder.tree.root, native.held_ptrs(tensors, held), text)
         builder.lines.append(text + (", one native check" if module is not None else ""))
-    check = compile_check(GuardSet(tuple(residual)), fast=False)
-    return FastCheck(builder.tree, check, builder.lines, pinned, grad_lists, states_unchanged)
+    check = compile_check(GuardSet(tuple(residual)))
+    fast = FastCheck(builder.tree, check, builder.lines, pinned, grad_lists, states_unchanged)
+    if gathered is not None:
+        sources, inputs = gathered
+        fast.gather = FastGather(sources, pinned, grad_lists)
+        fast.gather.arm(L, inputs)
+    return fast
 
 
 def _fetching(source: Source, test: Callable[[Any], bool]) -> Callable[[Locals], bool]:

@@ -1,0 +1,116 @@
+"""An entry's prologue: whether the entry applies to the live inputs ``L`` and, if it does,
+the inputs its plan runs on, in one call.
+
+``prologue(L)`` returns the inputs (a list, in the order of the entry's input sources) or
+None. Inside, two ways to the same answer:
+
+- the generated check (check.py: every guard, in Python) and the full gather
+  (``compile_fetch``: every input's access path);
+- the fast tier (fast.py), armed from the live values the first time the generated check
+  passes: a C++ guard tree, native loops over lists of tensors, dict versions of the
+  optimizer state, and its own gather (gather.py) that fetches only what can change (grads,
+  hyperparameters) and reuses the objects the tree proved unchanged.
+
+The fast tier answers first; when it fails, the generated check decides (a tier whose
+pinned state was replaced is dropped; one whose check passes again is rebuilt, at most
+``MAX_REBUILDS`` times in quick succession). The caller runs its plan on the inputs, then
+``release()`` drops what the call fetched (the fast gather's list is reused: this step's
+grads must not outlive it). ``first_failure(L)`` names the first failing guard.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from optguard.check import GuardSet, compile_check
+from optguard.codegen import compile_fetch
+from optguard.fast import FastCheck, build_fast_check
+from optguard.sources import Locals, Source
+
+log = logging.getLogger("optcompile.guards")
+
+
+class Prologue:
+    """See the module docstring. ``pin``: the entry owns what its inputs hold (a compiled
+    optimizer: its params and state), so the fast tier may keep those objects and gather
+    only the rest; a compiled function's prologue gathers in full after either check."""
+
+    # After this many rebuilds of the fast tier (its tree no longer matched although the
+    # generated check passed: a state entry replaced, a list item swapped for an equal one),
+    # each within REBUILD_AFTER_HITS hits of the one before, the inputs are too changeable
+    # for it: the generated check alone runs. Rare changes (a checkpoint reload) rebuild
+    # freely.
+    MAX_REBUILDS = 8
+    REBUILD_AFTER_HITS = 1000
+
+    def __init__(
+        self,
+        guards: GuardSet,
+        input_sources: Sequence[Source] = (),
+        pin: bool = False,
+        fast: bool = True,
+    ) -> None:
+        self.guards = guards
+        self.check = compile_check(guards)
+        self.input_sources = tuple(input_sources)
+        self.gather, self.gather_code = compile_fetch(self.input_sources)
+        self.pin = pin
+        self.fast: FastCheck | None = None
+        self.fast_note: str | None = None if fast else "off"
+        self.rebuilds = 0  # in a row, each soon after the one before
+        self.hits = 0  # fast-tier hits since it was last built
+        self.fast_hits = 0  # fast-tier hits in all (explain, tests)
+
+    def __call__(self, L: Locals) -> list[Any] | None:
+        fast = self.fast
+        if fast is not None:
+            inputs = fast.inputs(L, self.gather)
+            if inputs is not None:
+                self.hits += 1
+                self.fast_hits += 1
+                return inputs
+        if not self.check(L):
+            if fast is not None and fast.stale(L):
+                # The state it pinned was replaced: its old tensors must not stay alive
+                # through it (rebuilt if this entry matches again).
+                self.fast = None
+            return None
+        inputs = self.gather(L)
+        if self.fast_note is None:
+            self._arm(L, inputs)
+        return inputs
+
+    def release(self) -> None:
+        """Drop what the last call fetched into the fast tier's reused list."""
+        if self.fast is not None:
+            self.fast.release()
+
+    def _arm(self, L: Locals, inputs: list[Any]) -> None:
+        try:
+            if self.hits >= self.REBUILD_AFTER_HITS:
+                self.rebuilds = 0
+            if self.rebuilds >= self.MAX_REBUILDS:
+                self.fast, self.fast_note = None, "off: its tree kept changing"
+                return
+            self.rebuilds += 1
+            self.hits = 0
+            gathered = (self.input_sources, inputs) if self.pin else None
+            self.fast = build_fast_check(self.guards.guards, L, gathered)
+            if self.fast is None:
+                self.fast_note = "off: not available with this torch"
+            log.debug("fast tier %s", "built" if self.fast is not None else self.fast_note)
+        except Exception as exc:  # never let the fast tier break a correct check
+            self.fast, self.fast_note = None, f"off: {type(exc).__name__}: {exc}"
+
+    def first_failure(self, L: Locals) -> str | None:
+        """Readable reason for the first guard that fails on ``L``, or None if all hold."""
+        return self.check.first_failure(L)
+
+    def describe(self) -> str:
+        """The generated check, and the fast tier when it is armed."""
+        if self.fast is None:
+            note = self.fast_note or "not armed yet"
+            return f"{self.check.code}\n# fast tier: {note}"
+        return f"{self.check.code}\n# fast tier (tried first):\n{self.fast.describe()}"
