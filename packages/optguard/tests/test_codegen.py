@@ -158,3 +158,17 @@ def test_generated_code_is_compiled_once_then_loaded_from_disk(tmp_path, monkeyp
     exec(codegen.code_object(text, "<optguard:f>"), namespace)
     assert namespace["f"]({"x": 1}) == 2
     assert stored.read_bytes() != b"not marshal data"
+
+
+def test_a_traceback_through_generated_code_shows_the_generated_line():
+    import traceback
+
+    fn, _ = build_function("ratio", "x", ["    y = x - 1", "    return 1 / y"], {})
+    try:
+        fn(1)
+    except ZeroDivisionError:
+        text = traceback.format_exc()
+    else:
+        raise AssertionError("no error")
+    assert "<optguard:ratio:" in text
+    assert "return 1 / y" in text  # the line itself, read back through linecache

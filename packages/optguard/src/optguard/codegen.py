@@ -11,6 +11,7 @@ import builtins
 import hashlib
 import importlib.util
 import keyword
+import linecache
 import marshal
 import math
 import os
@@ -87,12 +88,23 @@ class SourceCode:
 def build_function(
     name: str, signature: str, lines: Iterable[str], constants: dict[str, Any]
 ) -> tuple[Callable[..., Any], str]:
-    """Compile ``def name(signature):`` over indented ``lines``; return the function and source."""
+    """Compile ``def name(signature):`` over indented ``lines``; return the function and source.
+
+    The source is registered in ``linecache`` under its own file name, so a traceback
+    through generated code shows the generated line."""
     code = "\n".join([f"def {name}({signature}):", *lines]) + "\n"
     namespace: dict[str, Any] = {"sys": sys, **constants}  # GlobalSource fetches use sys
-    exec(code_object(code, f"<optguard:{name}>"), namespace)
+    filename = register_source(f"optguard:{name}", code)
+    exec(code_object(code, filename), namespace)
     fn: Callable[..., Any] = namespace[name]
     return fn, code
+
+
+def register_source(kind: str, code: str) -> str:
+    """A file name for generated ``code`` (``<kind:hash>``), its text put in ``linecache``."""
+    filename = f"<{kind}:{hashlib.sha256(code.encode()).hexdigest()[:12]}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+    return filename
 
 
 # Compiled generated code, by hash of its text and file name. A guard check over a large

@@ -10,7 +10,10 @@ generated once per program.
 
 from __future__ import annotations
 
+import hashlib
+import linecache
 import math
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,12 +84,20 @@ def scalar_function(program: LaneProgram, index: dict[Any, int]) -> ScalarFuncti
         lines.append(f"    {names[node]} = c[{len(constants) - 1}]({', '.join(args)})")
     lines.append("    return [" + "".join(f"float({name}), " for name in names.values()) + "]")
     scope: dict[str, Any] = {"c": constants}
-    exec(compile("\n".join(lines), "<optkernels scalar_function>", "exec"), scope)
+    exec(_compiled("\n".join(lines), "optkernels:scalar_function"), scope)
     fn: ScalarFunction = scope["scalars"]
     return fn
 
 
 HostFunction = Callable[[dict[int, Any], Sequence[float], int], dict[int, Any]]
+
+
+def _compiled(code: str, kind: str) -> types.CodeType:
+    """``code`` compiled under a file name of its own, its text put in ``linecache`` so a
+    traceback through it shows the generated line."""
+    filename = f"<{kind}:{hashlib.sha256(code.encode()).hexdigest()[:12]}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+    return compile(code, filename, "exec")
 
 
 def host_function(
@@ -147,7 +158,7 @@ def host_function(
         lines.append(f"    v{var} = {value}")
     lines.append("    return {" + ", ".join(f"{v}: v{v}" for v in order) + "}")
     scope: dict[str, Any] = {"c": constants, "np": np, "sqrt": math.sqrt}
-    exec(compile("\n".join(lines), "<optkernels host_function>", "exec"), scope)
+    exec(_compiled("\n".join(lines), "optkernels:host_function"), scope)
     fn: HostFunction = scope["host"]
     return fn
 
