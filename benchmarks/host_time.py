@@ -1,7 +1,7 @@
 """Where the host time of one compiled step goes (200 tensors of 64x64, CUDA graphs on).
 
     python benchmarks/host_time.py [--set 200x64x64] [--optimizer AdamW] [--calls 1000]
-                                   [--profile ROWS]
+                                   [--profile ROWS] [--slope]
 
 For optcompile with the defaults and with capturable=True, times (host microseconds per call,
 mean over ``--calls`` after warm-up) the whole ``opt.step()`` and each part of it: the guard
@@ -9,6 +9,9 @@ check (the prologue's C++ fast tier), the fast gather of the inputs, the whole p
 as a step runs them), the plan's host preparation (scalars, host-side step counts,
 address-table checks, staging copies) and the graph replay. With
 ``--profile ROWS``, also a cProfile of ``--calls`` steps per variant, sorted by own time.
+``fused=True`` (torch's fused kernel, same run) is timed as a whole step beside them. With
+``--slope``, the whole step's host time at 200, 2,000 and 20,000 tensors of 4x4 and the
+slope per 1,000 tensors (what each guarded tensor costs per call).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="AdamW")
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS")
+    parser.add_argument("--slope", action="store_true")
     args = parser.parse_args()
     from optguard import native
 
@@ -63,10 +67,32 @@ def main() -> None:
     }
     for variant, step in steps.items():
         row = _row(step, args.calls)
-        print(f"| {variant} | " + " | ".join(f"{v:.0f} µs" for v in row) + " |")
+        print(f"| {variant} | " + " | ".join(f"{v:.1f} µs" for v in row) + " |")
+    fused = step_time.build("fused", args.optimizer, params)
+    print(f"| fused=True | {_time(fused, args.calls):.1f} µs | | | | | |")
+    if args.slope:
+        _slope(args.optimizer, args.calls)
     if args.profile:
         for variant, step in steps.items():
             _profile(variant, step, args.calls, args.profile)
+
+
+def _slope(optimizer: str, calls: int) -> None:
+    sizes = [200, 2000, 20000]
+    print("\n| variant | " + " | ".join(f"{n} x 4x4" for n in sizes) + " | µs per 1,000 |")
+    print("| --- | " + " | ".join("---:" for _ in sizes) + " | ---: |")
+    for variant in ["optcompile", "optcompile-capturable", "fused"]:
+        times = []
+        for n in sizes:
+            params = step_time.make_params(f"{n}x4x4", "cuda")
+            step = step_time.build(variant, optimizer, params)
+            for _ in range(20):
+                step()
+            times.append(_time(step, max(calls // (n // 200), 20)))
+            del step, params
+        slope = (times[-1] - times[0]) / ((sizes[-1] - sizes[0]) / 1000)
+        cells = " | ".join(f"{t:.1f} µs" for t in times)
+        print(f"| {variant} | {cells} | {slope:.1f} µs |")
 
 
 def _profile(variant: str, step: Callable[[], Any], calls: int, rows: int) -> None:

@@ -62,6 +62,10 @@ SETS: dict[str, tuple[Callable[[], Shapes], torch.dtype]] = {
     "gpt2-bf16": (gpt2_shapes, torch.bfloat16),
     "1.3b": (gpt_1_3b_shapes, torch.float32),
     "tiny": (lambda: [(33,), (7, 5), ()] * 3, torch.float32),  # smoke test on the CPU
+    # Host-time slope (host_time.py --slope): many tensors of 16 elements.
+    "200x4x4": (lambda: [(4, 4)] * 200, torch.float32),
+    "2000x4x4": (lambda: [(4, 4)] * 2000, torch.float32),
+    "20000x4x4": (lambda: [(4, 4)] * 20000, torch.float32),
 }
 # name -> (class, options, tensors read, tensors written) per parameter element
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any], int, int]] = {
