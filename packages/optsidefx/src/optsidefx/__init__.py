@@ -9,6 +9,7 @@ graph and everything else becomes a generated ``replay(L, outs)`` function.
 from optsidefx.errors import SideEffectError
 from optsidefx.ledger import (
     AttrStore,
+    Apply,
     Build,
     Call,
     CallResult,
@@ -27,6 +28,7 @@ from optsidefx.writeback import append_writebacks
 
 __all__ = [
     "AttrStore",
+    "Apply",
     "Build",
     "Call",
     "CallResult",

@@ -146,6 +146,7 @@ def _record(
             with (
                 recorder,
                 symbolic.extrema_in_graph(),
+                symbolic.hashable_in_subclass_dispatch(),
                 compiling() if capturable else contextlib.nullcontext(),
                 patches.refuse_random_draws(
                     draws, audit.random_draw_refused, [f.__globals__ for f in functions]
