@@ -8,8 +8,8 @@ graph and everything else becomes a generated ``replay(L, outs)`` function.
 
 from optsidefx.errors import SideEffectError
 from optsidefx.ledger import (
-    AttrStore,
     Apply,
+    AttrStore,
     Build,
     Call,
     CallResult,
@@ -27,8 +27,8 @@ from optsidefx.replay import Replay, generate_replay
 from optsidefx.writeback import append_writebacks
 
 __all__ = [
-    "AttrStore",
     "Apply",
+    "AttrStore",
     "Build",
     "Call",
     "CallResult",

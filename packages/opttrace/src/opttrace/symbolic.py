@@ -386,8 +386,9 @@ _DTENSOR_MODULES = "torch.distributed.tensor"
 def hashable_in_subclass_dispatch() -> Iterator[None]:
     """Install ``_identity_hash`` on SymFloat and SymInt for one trace (tracing thread only)."""
     try:
-        with patched(torch.SymFloat, "__hash__", _identity_hash), patched(
-            torch.SymInt, "__hash__", _identity_hash
+        with (
+            patched(torch.SymFloat, "__hash__", _identity_hash),
+            patched(torch.SymInt, "__hash__", _identity_hash),
         ):
             yield
     finally:
