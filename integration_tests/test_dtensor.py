@@ -14,11 +14,10 @@ import os
 import subprocess
 import sys
 
+import dtensor_scenarios
 import pytest
 import torch
 import torch.distributed as dist
-
-import dtensor_scenarios
 
 WORLD_SIZE = 2
 

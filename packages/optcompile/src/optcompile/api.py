@@ -227,7 +227,7 @@ def _collectives(graph: Any) -> list[str]:
         if target != "_c10d_functional" or name.startswith("wait_tensor"):
             continue
         first = node.args[0] if node.args else None
-        what = f" of {first.name}" if hasattr(first, "name") else ""
+        what = f" of {first.name}" if isinstance(first, torch.fx.Node) else ""
         op = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], str) else ""
         found.append(f"{name}({op}){what}" if op else f"{name}{what}")
     return found

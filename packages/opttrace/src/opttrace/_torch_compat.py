@@ -187,3 +187,14 @@ def make_dtensor(cls: type, local: torch.Tensor, like: torch.Tensor) -> Any:
     """A DTensor of class ``cls`` (a DTensor subclass) around ``local``, with ``like``'s
     mesh, placements and global shape (its spec)."""
     return cls(local, like._spec, requires_grad=like.requires_grad)  # type: ignore[attr-defined]
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (Python and C++): entries made during a
+    trace hold its symbolic scalars (and through them its graph), and a later trace must
+    not compare its scalars with those."""
+    if dtensor_class() is None:
+        return
+    from torch.distributed.tensor import debug
+
+    debug._clear_sharding_prop_cache()  # type: ignore[no-untyped-call]

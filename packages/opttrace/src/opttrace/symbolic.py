@@ -347,7 +347,10 @@ def extrema_in_graph() -> Iterator[None]:
 # -- hashing inside a tensor subclass's dispatch ------------------------------------------------
 
 _SUBCLASS_DISPATCH = [False]  # whether a subclass's dispatch (a DTensor's) is deciding
-_HASH = {torch.SymFloat: torch.SymFloat.__hash__, torch.SymInt: torch.SymInt.__hash__}
+_HASH: dict[type, Callable[[Any], int]] = {
+    torch.SymFloat: torch.SymFloat.__hash__,
+    torch.SymInt: torch.SymInt.__hash__,
+}
 
 
 def subclass_dispatch(pending: bool) -> None:
@@ -364,12 +367,12 @@ def _identity_hash(self: Any) -> int:
     node = self.node
     if isinstance(node, ScalarNode) and (_SUBCLASS_DISPATCH[0] or _called_from_dtensor()):
         return hash(id(node))
-    return _HASH[type(self)](self)  # type: ignore[no-any-return]
+    return _HASH[type(self)](self)
 
 
 def _called_from_dtensor(depth: int = 8) -> bool:
     """Whether DTensor's Python (its sharding propagation's slow path) is hashing."""
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return False

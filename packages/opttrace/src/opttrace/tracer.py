@@ -38,7 +38,7 @@ from optsidefx import (
 from torch import fx
 
 from opttrace import audit, patches, symbolic
-from opttrace._torch_compat import compiling, lazy_graph_module
+from opttrace._torch_compat import clear_dtensor_caches, compiling, lazy_graph_module
 from opttrace.context import TraceContext
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder
@@ -108,6 +108,7 @@ def _trace(
         traced = _record(fn, inputs, capturable, float64_state, recorder)
     finally:
         recorder.detach_hooks()
+        clear_dtensor_caches()
     if log.isEnabledFor(logging.INFO):
         ops = sum(1 for n in traced.graph.nodes if n.op == "call_function")
         log.info(
