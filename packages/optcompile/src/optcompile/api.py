@@ -212,8 +212,25 @@ def explain(obj: Any, verbose: bool = False) -> Explanation:
         graph_ops=sum(1 for n in graph.nodes if n.op == "call_function") if graph else 0,
         graph_inputs=len(entry.traced.input_sources) if entry else 0,
         side_effects=_replayed(entry.replay.effects) if entry else 0,
+        collectives=_collectives(graph) if graph else [],
         verbose=verbose,
     )
+
+
+def _collectives(graph: Any) -> list[str]:
+    """The collectives a traced step runs (those DTensor's sharding rules called for), in
+    graph order: ``all_reduce(sum) of linalg_vector_norm_default``."""
+    found = []
+    for node in graph.nodes:
+        target = getattr(node.target, "namespace", None)
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if target != "_c10d_functional" or name.startswith("wait_tensor"):
+            continue
+        first = node.args[0] if node.args else None
+        what = f" of {first.name}" if isinstance(first, torch.fx.Node) else ""
+        op = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], str) else ""
+        found.append(f"{name}({op}){what}" if op else f"{name}{what}")
+    return found
 
 
 def _replayed(effects: tuple[Effect, ...]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from optguard import GuardGroup
@@ -56,6 +57,7 @@ class Explanation:
     graph_ops: int = 0  # ATen ops in the newest entry's graph
     graph_inputs: int = 0
     side_effects: int = 0  # effects the newest entry replays after its graph
+    collectives: list[str] = field(default_factory=list)  # the newest graph's (DTensor's)
     verbose: bool = False
 
     def __str__(self) -> str:
@@ -80,6 +82,10 @@ class Explanation:
                 f"graph of the newest entry: {self.graph_ops} ops over {self.graph_inputs} "
                 f"inputs; side effects replayed after it: {self.side_effects}"
             )
+            if self.collectives:
+                kinds = Counter(c.split("(")[0].split(" ")[0] for c in self.collectives)
+                counts = ", ".join(f"{k} x{n}" for k, n in kinds.items())
+                lines.append(f"collectives per step: {len(self.collectives)} ({counts})")
             notes = [ln[2:] for ln in self.graph_code.splitlines()[:4] if ln.startswith("# ")]
             lines += [f"  {_clip(n)}" for n in notes[:2]]
             lines.append(f"guards of the newest entry: {len(self.guards)}, by source")
@@ -103,6 +109,7 @@ class Explanation:
             f"fallback: {self.fallback_reason or 'none'}",
             f"CUDA graphs: {self.cudagraphs}",
             f"native per-tensor checks: {self.native_checks}",
+            f"collectives per step: {', '.join(self.collectives) or 'none'}",
             "retrace reasons:",
             *(f"  - {r}" for r in self.retrace_reasons or ["(none)"]),
             f"guards of the newest entry ({len(self.guards)}):",

@@ -137,6 +137,25 @@ class ConstantGuard(Guard):
 
 
 @dataclass(frozen=True)
+class EqualGuard(Guard):
+    """A value compared with ``==`` to the one seen while tracing, for objects that are
+    neither constants nor worth pinning by identity: a DTensor's ``device_mesh`` and
+    ``placements`` (a new but equal mesh keeps the entry; another layout retraces)."""
+
+    value: Any = field(hash=False)
+    text: str = ""  # how the value prints in a reason (its repr by default)
+
+    def test(self, var: str, code: SourceCode) -> str:
+        return f"({var} == {code.constant(self.value, 'expected')})"
+
+    def expected(self) -> str:
+        return f"== {self.text or _short(self.value)}"
+
+    def changed(self, value: Any) -> str:
+        return f"value changed ({self.text or _short(self.value)} -> {_short(value)})"
+
+
+@dataclass(frozen=True)
 class AutocastGuard(Guard):
     """The ``torch.autocast`` regions around the call are those seen while tracing (the
     casts autocast made are in the graph). ``state`` as ``_torch_compat.autocast_state``."""

@@ -8,6 +8,7 @@ graph and everything else becomes a generated ``replay(L, outs)`` function.
 
 from optsidefx.errors import SideEffectError
 from optsidefx.ledger import (
+    Apply,
     AttrStore,
     Build,
     Call,
@@ -26,6 +27,7 @@ from optsidefx.replay import Replay, generate_replay
 from optsidefx.writeback import append_writebacks
 
 __all__ = [
+    "Apply",
     "AttrStore",
     "Build",
     "Call",

@@ -10,7 +10,7 @@ call and one it dropped never appears. Overwritten stores are pruned.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from optguard import Source
@@ -47,13 +47,24 @@ class Build:
 
 
 @dataclass(frozen=True)
+class Apply:
+    """A value made each call by a function the trace fixed, applied to refs: a DTensor
+    the step created, rebuilt around its local tensor (an Output) with its mesh and
+    placements."""
+
+    fn: Callable[..., Any] = field(compare=False)
+    args: tuple[Ref, ...]
+    name: str = "apply"  # what the generated code calls ``fn``
+
+
+@dataclass(frozen=True)
 class CallResult:
     """What the ``index``-th recorded Call returned, on this run."""
 
     index: int
 
 
-Ref = Output | Input | Const | Build | CallResult
+Ref = Output | Input | Const | Build | Apply | CallResult
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from optguard import Locals, SourceCode, build_function
 
 from optsidefx.errors import SideEffectError
 from optsidefx.ledger import (
+    Apply,
     AttrStore,
     Build,
     Call,
@@ -57,6 +58,8 @@ def generate_replay(effects: Sequence[Effect]) -> Replay:
             return code.literal(r.value)
         if isinstance(r, CallResult):
             return f"result_{r.index}"
+        if isinstance(r, Apply):
+            return f"{code.constant(r.fn, r.name)}({', '.join(ref(a) for a in r.args)})"
         if isinstance(r, Build):
             items = [ref(i) for i in r.items]
             if r.kind is dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,3 +161,40 @@ def default_foreach(params: list[torch.Tensor]) -> bool:
 
 # ``Tensor.data``'s getter and setter (a C descriptor): TracedTensor wraps the setter.
 TENSOR_DATA: Any = torch._C.TensorBase.data
+
+
+# -- DTensor (torch.distributed.tensor): its private spec and local-tensor slots ------------
+
+# The attribute holding a DTensor's local shard; read through a Source each call, so the
+# graph's input is the shard itself (``to_local()`` would go through autograd each time).
+LOCAL_TENSOR = "_local_tensor"
+
+
+def dtensor_class() -> type | None:
+    """``DTensor`` when torch.distributed.tensor has been imported (no DTensor can exist
+    before that), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls: type | None = getattr(module, "DTensor", None)
+    return cls
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    local: torch.Tensor = getattr(t, LOCAL_TENSOR)
+    return local
+
+
+def make_dtensor(cls: type, local: torch.Tensor, like: torch.Tensor) -> Any:
+    """A DTensor of class ``cls`` (a DTensor subclass) around ``local``, with ``like``'s
+    mesh, placements and global shape (its spec)."""
+    return cls(local, like._spec, requires_grad=like.requires_grad)  # type: ignore[attr-defined]
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (Python and C++): entries made during a
+    trace hold its symbolic scalars (and through them its graph), and a later trace must
+    not compare its scalars with those."""
+    if dtensor_class() is None:
+        return
+    from torch.distributed.tensor import debug
+
+    debug._clear_sharding_prop_cache()  # type: ignore[no-untyped-call]

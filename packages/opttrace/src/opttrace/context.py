@@ -21,6 +21,7 @@ from optguard import (
     DataPtrGuard,
     DictLengthGuard,
     DisjointGuard,
+    EqualGuard,
     FloatGuard,
     Guard,
     GuardSetBuilder,
@@ -39,9 +40,11 @@ from optguard import (
     overlapping,
     variable_name,
 )
-from optsidefx import Build, CallResult, Const, Input, Ledger, Output, Ref
+from optsidefx import Apply, Build, CallResult, Const, Input, Ledger, Output, Ref
 from torch import fx
 
+from opttrace import _torch_compat as compat
+from opttrace import dtensor
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder, TracedTensor
 from opttrace.symbolic import ScalarNode, guard_template, node_of
@@ -140,6 +143,8 @@ class TraceContext:
         self._index: dict[int, int] = {}
         self._fakes: dict[int, TracedTensor] = {}  # input index -> its traced tensor
         self._fake_index: dict[int, int] = {}  # id(traced tensor) -> input index
+        self._dtensors: dict[int, torch.Tensor] = {}  # id(DTensor input) -> what the step sees
+        self._dtensor_inputs: dict[int, tuple[Source, torch.Tensor]] = {}  # id(seen) -> input
         recorder.on_decision = self._decided
         recorder.on_grad_store = self._grad_stored
         self._optimizer_sources: set[Source] = set()
@@ -192,11 +197,17 @@ class TraceContext:
 
     def source_of(self, fake: Any) -> Source | None:
         i = self._fake_index.get(id(fake))
-        return None if i is None else self.input_sources[i]
+        if i is None:
+            found = self._dtensor_inputs.get(id(fake))
+            return None if found is None else found[0]
+        return self.input_sources[i]
 
     def real_of(self, fake: Any) -> Any:
         i = self._fake_index.get(id(fake))
-        return None if i is None else self.input_tensors[i]
+        if i is None:
+            found = self._dtensor_inputs.get(id(fake))
+            return None if found is None else found[1]
+        return self.input_tensors[i]
 
     def _is_counter(self, source: Source) -> bool:
         """Whether an int at ``source`` is state the step keeps (not a hyperparameter): inside
@@ -212,8 +223,8 @@ class TraceContext:
     def _is_static(self, source: Source) -> bool:
         """Whether a tensor keeps its address between steps: an optimizer's parameters and
         state (not grads, which backward makes anew, nor a function's tensor arguments)."""
-        if isinstance(source, AttrSource) and source.attr == "grad":
-            return False
+        if any(isinstance(s, AttrSource) and s.attr == "grad" for s in ancestors(source)):
+            return False  # (a grad, or a DTensor grad's local shard)
         return any(
             s in self._optimizer_sources for s in itertools.islice(ancestors(source), 1, None)
         )
@@ -292,6 +303,8 @@ class TraceContext:
         return value
 
     def _fake(self, real: torch.Tensor, source: Source) -> torch.Tensor:
+        if dtensor.is_dtensor(real):
+            return self._dtensor(real, source)
         if not _plain_tensor_type(type(real)):
             raise TraceError(
                 f"{source.name()} is a {type(real).__name__}, a tensor subclass with its own "
@@ -345,6 +358,32 @@ class TraceContext:
                 fake.__dict__["_grad_value"] = self._fake(real.grad, grad_source)
         return fake
 
+    def _dtensor(self, real: torch.Tensor, source: Source) -> torch.Tensor:
+        """A DTensor input: guarded on its global metadata, mesh and placements; the step
+        sees a DTensor around the traced stand-in of its local shard (see dtensor.py)."""
+        self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
+        for attr in ("device_mesh", "placements"):
+            value = getattr(real, attr)
+            self.guard(EqualGuard(AttrSource(source, attr), value))
+        seen = self._dtensors.get(id(real))
+        if seen is not None:
+            first = self._dtensor_inputs[id(seen)][0]
+            if source != first:
+                self.guard(AliasGuard(source, first))
+            return seen
+        local = compat.local_tensor(real)
+        local_source = AttrSource(source, compat.LOCAL_TENSOR)
+        self._register(local, local_source)
+        seen = dtensor.traced(self._fake(local, local_source), real)
+        self._dtensors[id(real)] = seen
+        self._dtensor_inputs[id(seen)] = (source, real)
+        if real.requires_grad or real.grad is not None or _in_params_list(source):
+            grad_source = AttrSource(source, "grad")
+            self.guard(NoneGuard(grad_source, real.grad is None))
+            if real.grad is not None:
+                seen.__dict__["_grad_value"] = self._fake(real.grad, grad_source)
+        return seen
+
     # -- after the step ran -----------------------------------------------------------------
 
     def input_writes(self) -> list[tuple[Source, Any]]:
@@ -387,6 +426,10 @@ class TraceContext:
         scalar = node_of(value)
         if scalar is not None and scalar.fx_node is None:
             return Const(scalar.hint)
+        if scalar is None and dtensor.is_dtensor(value) and self.source_of(value) is None:
+            # A DTensor the step made (state created in step()): rebuilt around its local.
+            local = self.resolve(dtensor.local_of(value))
+            return Apply(dtensor.rebuilder(value), (local,), "as_dtensor")
         if isinstance(value, torch.Tensor) or scalar is not None:
             source = self.source_of(value) if scalar is None else None
             if source is not None:

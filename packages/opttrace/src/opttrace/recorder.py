@@ -278,6 +278,15 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if any(t is not TracedTensor for t in types):
+            # A subclass with its own dispatch (a DTensor, an AsyncCollectiveTensor) decides;
+            # the local ops and collectives it runs on traced tensors come back here. Until
+            # its first one on a traced tensor does, symbolic scalars hash by identity (see
+            # symbolic.py).
+            symbolic.subclass_dispatch(True)
+            return NotImplemented
+        if types:
+            symbolic.subclass_dispatch(False)
         if self.closed_by is not None:
             raise TraceError(
                 f"the function runs {func} after calling {self.closed_by}, which runs after "

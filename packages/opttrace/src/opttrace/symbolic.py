@@ -19,6 +19,7 @@ import builtins
 import contextlib
 import math
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -341,3 +342,57 @@ def extrema_in_graph() -> Iterator[None]:
         patched(builtins, "max", _extremum(_MAX, "sym_max")),
     ):
         yield
+
+
+# -- hashing inside a tensor subclass's dispatch ------------------------------------------------
+
+_SUBCLASS_DISPATCH = [False]  # whether a subclass's dispatch (a DTensor's) is deciding
+_HASH: dict[type, Callable[[Any], int]] = {
+    torch.SymFloat: torch.SymFloat.__hash__,
+    torch.SymInt: torch.SymInt.__hash__,
+}
+
+
+def subclass_dispatch(pending: bool) -> None:
+    """Whether a subclass's dispatch (DTensor's sharding rules) runs now: the recorder sets
+    it when it hands an op to one and clears it at the next op it records itself (the first
+    local op). Meanwhile symbolic scalars hash by identity: DTensor's rules hash an op's
+    arguments to cache a decision that depends on the op and the placements, never on a
+    scalar's value, and hashing by value would decide on it (a guard on the learning rate,
+    or a refusal for a value read from a tensor)."""
+    _SUBCLASS_DISPATCH[0] = pending
+
+
+def _identity_hash(self: Any) -> int:
+    node = self.node
+    if isinstance(node, ScalarNode) and (_SUBCLASS_DISPATCH[0] or _called_from_dtensor()):
+        return hash(id(node))
+    return _HASH[type(self)](self)
+
+
+def _called_from_dtensor(depth: int = 8) -> bool:
+    """Whether DTensor's Python (its sharding propagation's slow path) is hashing."""
+    frame: Any = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__", "").startswith(_DTENSOR_MODULES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_DTENSOR_MODULES = "torch.distributed.tensor"
+
+
+@contextlib.contextmanager
+def hashable_in_subclass_dispatch() -> Iterator[None]:
+    """Install ``_identity_hash`` on SymFloat and SymInt for one trace (tracing thread only)."""
+    try:
+        with (
+            patched(torch.SymFloat, "__hash__", _identity_hash),
+            patched(torch.SymInt, "__hash__", _identity_hash),
+        ):
+            yield
+    finally:
+        _SUBCLASS_DISPATCH[0] = False

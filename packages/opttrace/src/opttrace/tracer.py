@@ -38,7 +38,7 @@ from optsidefx import (
 from torch import fx
 
 from opttrace import audit, patches, symbolic
-from opttrace._torch_compat import compiling, lazy_graph_module
+from opttrace._torch_compat import clear_dtensor_caches, compiling, lazy_graph_module
 from opttrace.context import TraceContext
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder
@@ -108,6 +108,7 @@ def _trace(
         traced = _record(fn, inputs, capturable, float64_state, recorder)
     finally:
         recorder.detach_hooks()
+        clear_dtensor_caches()
     if log.isEnabledFor(logging.INFO):
         ops = sum(1 for n in traced.graph.nodes if n.op == "call_function")
         log.info(
@@ -146,6 +147,7 @@ def _record(
             with (
                 recorder,
                 symbolic.extrema_in_graph(),
+                symbolic.hashable_in_subclass_dispatch(),
                 compiling() if capturable else contextlib.nullcontext(),
                 patches.refuse_random_draws(
                     draws, audit.random_draw_refused, [f.__globals__ for f in functions]

@@ -1,0 +1,391 @@
+"""Sharded-training scenarios run by test_dtensor.py in each of two spawned gloo processes.
+
+Each scenario compiles an optimizer over a small FSDP2 (``fully_shard``) transformer, steps it
+beside eager torch.optim over a twin model (same seed, same batches), and raises on any
+difference in parameters or state. ``main`` runs them all on one rank and writes, per
+scenario, "ok" or the error to ``<out>/rank<r>.json``: one spawn serves the whole module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import optcompile
+import torch
+import torch.distributed as dist
+from torch import nn
+
+D = 16
+
+
+class Block(nn.Module):
+    """Pre-norm attention and MLP, tiny."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / D**0.5, dim=-1)
+        x = x + self.proj(att @ v)
+        return x + self.mlp(x)
+
+
+class Tiny(nn.Module):
+    """Embedding, two blocks, a head of 3 outputs (rows that do not split evenly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def sharded_model(seed: int = 0) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = Tiny()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def backward(model: nn.Module, step: int) -> None:
+    """A forward and backward on this rank's batch for ``step`` (FSDP2 reduce-scatters)."""
+    gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    x = torch.randn(2, 5, 8, generator=gen)
+    model(x).pow(2).mean().backward()
+
+
+def copy_grads(src: nn.Module, dst: nn.Module) -> None:
+    """Give ``dst`` the gradients ``src``'s backward made: the twins are compared on the
+    optimizer alone (gloo's reductions need not give two models the same bits)."""
+    for p, q in zip(src.parameters(), dst.parameters(), strict=True):
+        q.grad = None if p.grad is None else p.grad.clone()
+
+
+def local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def assert_same(
+    model: nn.Module, opt: torch.optim.Optimizer, ref: nn.Module, eager: torch.optim.Optimizer
+) -> None:
+    """Parameters and every state entry equal (local shards), state of the same kind."""
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(local(p), local(q))
+        assert set(opt.state[p]) == set(eager.state[q]), (set(opt.state[p]), set(eager.state[q]))
+        for key, value in eager.state[q].items():
+            mine = opt.state[p][key]
+            assert type(mine) is type(value), (key, type(mine), type(value))
+            if hasattr(value, "placements"):
+                assert mine.placements == value.placements, (key, mine.placements)
+                assert mine.device_mesh == value.device_mesh
+            torch.testing.assert_close(local(mine), local(value))
+
+
+def run_pair(
+    make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    steps: int = 5,
+    schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+    before_step: Callable[[nn.Module], None] | None = None,
+    params: Callable[[nn.Module], list[Any]] = lambda m: list(m.parameters()),
+) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]:
+    model, ref = sharded_model(), sharded_model()
+    opt = optcompile.compile(make(params(model)))
+    eager = make(params(ref))
+    scheds = [schedule(o) for o in (opt, eager)] if schedule else []
+    for step in range(steps):
+        backward(model, step)
+        copy_grads(model, ref)
+        for m, o in ((model, opt), (ref, eager)):
+            if before_step is not None:
+                before_step(m)
+            o.step()
+            o.zero_grad()
+        for s in scheds:
+            s.step()
+    assert_same(model, opt, ref, eager)
+    return model, opt, ref, eager
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023), per tensor, state made lazily inside step()."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas=(0.9, 0.99), weight_decay=0.1):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = exp_avg.mul(beta1).add(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+class ClippedSGD(torch.optim.Optimizer):
+    """SGD on gradients clipped by their global norm inside the step (a reduction over
+    every parameter: with DTensor, partial norms all-reduced across ranks)."""
+
+    def __init__(self, params: Any, lr: float = 0.1, max_norm: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr, "max_norm": max_norm})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            coef = torch.clamp(group["max_norm"] / (norm + 1e-6), max=1.0)
+            torch._foreach_add_(params, torch._foreach_mul(grads, coef), alpha=-group["lr"])
+
+
+def no_fallback(caught: list[warnings.WarningMessage]) -> None:
+    fallbacks = [str(w.message) for w in caught if w.category is optcompile.FallbackWarning]
+    assert not fallbacks, fallbacks
+
+
+def traces(opt: Any) -> int:
+    return optcompile.explain(opt).traces
+
+
+# -- scenarios ----------------------------------------------------------------------------------
+
+
+def adamw_with_scheduler() -> None:
+    sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1))  # noqa: E731
+    _, opt, _, _ = run_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), schedule=sched)
+    assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
+
+
+def adamw_for_loop() -> None:
+    _, opt, _, _ = run_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+    assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
+
+
+def sgd_momentum_with_scheduler() -> None:
+    sched = lambda o: torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5)  # noqa: E731
+    _, opt, _, _ = run_pair(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), schedule=sched)
+    # (the momentum buffers are made by the first step: one retrace, as for plain tensors)
+    assert traces(opt) == 2, optcompile.explain(opt).retrace_reasons
+
+
+def custom_lion() -> None:
+    _, opt, _, _ = run_pair(lambda ps: Lion(ps, lr=1e-3))
+    assert traces(opt) == 2, optcompile.explain(opt).retrace_reasons
+
+
+def adafactor_vectors_run_eagerly_with_reason() -> None:
+    # Eager Adafactor fails on sharded matrices in torch itself (an in-place pow_ of a
+    # partial norm); its vector path (norms, biases) is what eager FSDP2 can run. Its lerp_
+    # by a weight read from a tensor makes DTensor's rules decide on that value, which the
+    # trace refuses: the step runs eagerly, equal to eager, with one warning saying why.
+    vectors = lambda m: [p for p in m.parameters() if p.dim() == 1]  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_pair(lambda ps: torch.optim.Adafactor(ps, lr=1e-2), params=vectors)
+    fallbacks = [str(w.message) for w in caught if w.category is optcompile.FallbackWarning]
+    assert fallbacks and "decision on a tensor's value" in fallbacks[0], fallbacks
+
+
+def clip_grad_norm_before_step() -> None:
+    clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)  # noqa: E731
+    _, opt, _, _ = run_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), before_step=clip)
+    assert traces(opt) == 1
+
+
+def global_norm_inside_step() -> None:
+    _, opt, _, _ = run_pair(lambda ps: ClippedSGD(ps))
+    explanation = optcompile.explain(opt)
+    assert "all_reduce" in explanation.graph_code, explanation.graph_code
+    assert any("all_reduce" in c for c in explanation.collectives), explanation.collectives
+    assert "collectives" in str(explanation)
+
+
+def mixed_groups() -> None:
+    def make(ps: list[Any]) -> torch.optim.Optimizer:
+        torch.manual_seed(1)
+        plain = nn.Linear(4, 4)
+        for p in plain.parameters():
+            p.grad = torch.ones_like(p)
+        return torch.optim.AdamW([{"params": ps}, {"params": list(plain.parameters())}])
+
+    def plain_grads(model: nn.Module) -> None:  # (zero_grad drops them each step)
+        for o in optimizers:
+            for p in o.param_groups[1]["params"]:
+                p.grad = torch.ones_like(p)
+
+    optimizers: list[torch.optim.Optimizer] = []
+    remember = lambda ps: optimizers.append(make(ps)) or optimizers[-1]  # noqa: E731
+    _, opt, _, eager = run_pair(remember, before_step=plain_grads)
+    for p, q in zip(opt.param_groups[1]["params"], eager.param_groups[1]["params"], strict=True):
+        torch.testing.assert_close(p, q)
+    assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
+
+
+def checkpoint_interchange(tmp: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def make(ps: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(ps, lr=1e-2)
+
+    for saver_compiled in (False, True):
+        path = os.path.join(tmp, f"ckpt-{saver_compiled}")
+        saver, saver_opt = sharded_model(), None
+        saver_opt = make(saver.parameters())
+        if saver_compiled:
+            saver_opt = optcompile.compile(saver_opt)
+        for step in range(3):
+            backward(saver, step)
+            saver_opt.step()
+            saver_opt.zero_grad()
+        state = {"model": saver.state_dict(), "optim": get_optimizer_state_dict(saver, saver_opt)}
+        dcp.save(state, checkpoint_id=path)
+        # Load into a fresh pair: one compiled, one eager; both continue from the checkpoint.
+        loaded = []
+        for compiled in (True, False):
+            model = sharded_model(seed=7)
+            opt = make(model.parameters())
+            if compiled:
+                opt = optcompile.compile(opt)
+            target = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(target, checkpoint_id=path)
+            model.load_state_dict(target["model"])
+            set_optimizer_state_dict(model, opt, target["optim"])
+            loaded.append((model, opt))
+        (model, opt), (ref, eager) = loaded
+        for step in range(3, 5):
+            backward(model, step)
+            copy_grads(model, ref)
+            copy_grads(model, saver)
+            for o in (opt, eager, saver_opt):
+                o.step()
+                o.zero_grad()
+        assert_same(model, opt, ref, eager)
+        assert_same(model, opt, saver, saver_opt)
+
+
+def ddp_unchanged() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(0)
+        return DistributedDataParallel(Tiny())
+
+    model, ref = make_model(), make_model()
+    opt = optcompile.compile(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    eager = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(5):
+        backward(model, step)
+        copy_grads(model, ref)
+        for o in (opt, eager):
+            o.step()
+            o.zero_grad()
+    assert_same(model, opt, ref, eager)
+    assert traces(opt) == 1
+
+
+def placements_change_retraces() -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    @optcompile.compile
+    def scale(xs: list[torch.Tensor], factor: float) -> None:
+        torch._foreach_mul_(xs, factor)
+
+    full = torch.arange(8.0).reshape(4, 2)
+    for placement in (Shard(0), Shard(0), Replicate()):
+        x = distribute_tensor(full.clone(), mesh, [placement])
+        scale([x], 0.5)
+        torch.testing.assert_close(x.full_tensor(), full * 0.5)
+    explanation = optcompile.explain(scale)
+    assert explanation.traces == 2, explanation.retrace_reasons
+    reason = explanation.retrace_reasons[-1]
+    assert "placements" in reason and "Replicate" in reason, reason
+
+
+SCENARIOS: dict[str, Callable[..., None]] = {
+    f.__name__: f
+    for f in (
+        adamw_with_scheduler,
+        adamw_for_loop,
+        sgd_momentum_with_scheduler,
+        custom_lion,
+        adafactor_vectors_run_eagerly_with_reason,
+        clip_grad_norm_before_step,
+        global_norm_inside_step,
+        mixed_groups,
+        checkpoint_interchange,
+        ddp_unchanged,
+        placements_change_retraces,
+    )
+}
+
+
+def main(rank: int, world_size: int, out: str) -> None:
+    os.environ.setdefault("OPTCOMPILE_NATIVE", "0")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out, 'store')}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    results: dict[str, str] = {}
+    try:
+        for name, scenario in SCENARIOS.items():
+            optcompile.reset()
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    if name == "checkpoint_interchange":
+                        scenario(out)
+                    else:
+                        scenario()
+                no_fallback(caught)
+                results[name] = "ok"
+            except Exception:
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
