@@ -29,7 +29,10 @@ from optkernels.dtypes import COMPARE, OpDtypes, compute_dtype, op_dtypes
 from optkernels.host import HOST_ROWS, scalar_slot
 from optkernels.lanes import LaneOp, LaneProgram
 
-BLOCK = 1024
+BLOCK = int(os.environ.get("OPTKERNELS_BLOCK", "1024"))  # elements per program instance
+# Warps per program instance (Triton's default: 4). Both are read once, at import: the
+# block tables are built with BLOCK (benchmarks/tune_kernels.py sweeps them).
+NUM_WARPS = int(os.environ.get("OPTKERNELS_NUM_WARPS", "4"))
 _TL_DTYPES = {
     torch.float32: "tl.float32",
     torch.float16: "tl.float16",

@@ -20,7 +20,7 @@ from torch import fx
 from optkernels.addresses import AddressCheck
 from optkernels.dtypes import op_dtypes
 from optkernels.errors import BackendError
-from optkernels.foreach_kernel import BLOCK, KernelError, kernel_source, load_kernel
+from optkernels.foreach_kernel import BLOCK, NUM_WARPS, KernelError, kernel_source, load_kernel
 from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts
@@ -279,6 +279,7 @@ class _Part:
                 group.small_out,
                 group.host_vals if self.host else self.scalars,
                 BLOCK=BLOCK,
+                num_warps=NUM_WARPS,
             )
             if group.small_kernel is not None:
                 n = len(group.lanes)
