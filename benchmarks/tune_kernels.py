@@ -32,6 +32,7 @@ def child(set_name: str, optimizers: list[str]) -> None:
         floor = step_time.floor_bytes(set_name, opt) / bandwidth
         row = {}
         for variant in ("optcompile", "fused"):
+            step = None
             try:
                 step = step_time.build(variant, opt, params)
                 row[variant] = step_time.time_per_step(step, "cuda") / floor
