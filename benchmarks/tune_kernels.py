@@ -1,7 +1,7 @@
 """Sweep the generated kernels' launch configuration (BLOCK, num_warps) per set and optimizer.
 
     python benchmarks/tune_kernels.py [--sets gpt2-bf16,gpt2] [--optimizers AdamW,SGD]
-                                      [--configs 1024x4,1024x8,512x4,2048x8]
+                                      [--configs default,1024x4,512x4,2048x8]
 
 Each configuration runs in a fresh process (``OPTKERNELS_BLOCK``, ``OPTKERNELS_NUM_WARPS``
 are read at import). Prints, per (set, optimizer), optcompile's step time (CUDA events, median)
@@ -58,8 +58,10 @@ def main() -> None:
     print("| --- | --- | " + " | ".join("---:" for _ in optimizers) + " |")
     for set_name in args.sets.split(","):
         for config in args.configs.split(","):
-            block, warps = config.split("x")
-            env = {**os.environ, "OPTKERNELS_BLOCK": block, "OPTKERNELS_NUM_WARPS": warps}
+            env = dict(os.environ)
+            if config != "default":  # else the tuned configuration (foreach_kernel.py)
+                block, warps = config.split("x")
+                env.update(OPTKERNELS_BLOCK=block, OPTKERNELS_NUM_WARPS=warps)
             argv = [sys.executable, __file__, "--child", set_name, ",".join(optimizers)]
             done = subprocess.run(argv, env=env, capture_output=True, text=True)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]

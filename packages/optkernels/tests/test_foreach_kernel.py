@@ -259,3 +259,40 @@ def test_the_interpreter_rounds_as_the_gpu():
     convert[(1,)](x, half, fused, y, z)
     assert half.tolist() == x.to(torch.float16).tolist()
     assert fused.tolist() == (x.double() * y.double() + z.double()).float().tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("config", [None, (512, 4), (256, 2), (2048, 8)], ids=str)
+def test_each_launch_configuration_gives_the_same_bits(dtype, config, monkeypatch):
+    """The launch shape (elements per program, warps) is tuned per dtype; every
+    configuration, the default for this dtype included (None), must give the bits of the
+    untuned one (1024 by 4 warps) on sizes that do not divide the block (the masked tail,
+    one-element lanes, a lane spanning several blocks), and agree with the torch backend."""
+    from optkernels import foreach_kernel
+    from optkernels.triton_backend import TritonPlan
+
+    sizes = [1, 511, 513, 1025, 3]
+    gm = _momentum_graph(dtype, sizes)
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=gen).to(dtype) for _ in range(3) for n in sizes]
+
+    def run(override: tuple[str | None, str | None]) -> tuple[list, int]:
+        monkeypatch.setattr(foreach_kernel, "_OVERRIDE", override)
+        plan = TritonPlan(gm)
+        inputs = [x.clone() for x in tensors] + [0.1, 0.9]
+        plan(inputs)
+        blocks = {g.block for part in plan.parts for g in part.groups}
+        assert len(blocks) == 1, blocks
+        return inputs, blocks.pop()
+
+    untuned, _ = run(("1024", "4"))
+    mine, block = run(tuple(str(c) for c in config) if config else (None, None))
+    assert block == (config[0] if config else (512 if dtype.itemsize == 2 else 1024))
+    for a, b in zip(mine, untuned, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    theirs = [x.clone() for x in tensors] + [0.1, 0.9]
+    TorchPlan(gm)(theirs)
+    for a, b in zip(mine, theirs, strict=True):  # (ATen's CPU kernels round differently)
+        torch.testing.assert_close(
+            a, b, **({} if dtype is torch.float32 else {"rtol": 0.02, "atol": 0.02})
+        )

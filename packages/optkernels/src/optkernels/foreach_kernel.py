@@ -29,10 +29,27 @@ from optkernels.dtypes import COMPARE, OpDtypes, compute_dtype, op_dtypes
 from optkernels.host import HOST_ROWS, scalar_slot
 from optkernels.lanes import LaneOp, LaneProgram
 
-BLOCK = int(os.environ.get("OPTKERNELS_BLOCK", "1024"))  # elements per program instance
-# Warps per program instance (Triton's default: 4). Both are read once, at import: the
-# block tables are built with BLOCK (benchmarks/tune_kernels.py sweeps them).
-NUM_WARPS = int(os.environ.get("OPTKERNELS_NUM_WARPS", "4"))
+BLOCK = 1024  # elements per program instance (float32 and float64 lanes)
+NUM_WARPS = 4  # warps per program instance (Triton's default)
+# Lanes of 16-bit tensors only: 512 elements by 4 warps, 4 per thread. Measured on an H100
+# (benchmarks/results/kernel_tuning_h100.md): bfloat16 AdamW over GPT-2's tensors 1.19x the
+# floor against 1.32x at 1024 by 4 warps, float32 unchanged (1.02x either way).
+NARROW_BLOCK = 512
+# Experiments (benchmarks/tune_kernels.py) override both, for every lane, at import.
+_OVERRIDE = os.environ.get("OPTKERNELS_BLOCK"), os.environ.get("OPTKERNELS_NUM_WARPS")
+
+
+def launch_config(dtypes: Sequence[torch.dtype]) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` for a kernel over lanes of tensors of ``dtypes``: the launch
+    shape only (each element computes the same, whichever is chosen)."""
+    block = NARROW_BLOCK if all(d.itemsize <= 2 for d in dtypes) else BLOCK
+    block_override, warps_override = _OVERRIDE
+    return (
+        int(block_override) if block_override else block,
+        int(warps_override) if warps_override else NUM_WARPS,
+    )
+
+
 _TL_DTYPES = {
     torch.float32: "tl.float32",
     torch.float16: "tl.float16",

@@ -20,7 +20,7 @@ from torch import fx
 from optkernels.addresses import AddressCheck
 from optkernels.dtypes import op_dtypes
 from optkernels.errors import BackendError
-from optkernels.foreach_kernel import BLOCK, NUM_WARPS, KernelError, kernel_source, load_kernel
+from optkernels.foreach_kernel import KernelError, kernel_source, launch_config, load_kernel
 from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts
@@ -76,6 +76,9 @@ class _Group:
         if host:
             self.name += "_host"
         self.source = kernel_source(program, dtypes, self.name, host, dynamic, lanes[0])
+        # (the launch shape follows the full-size tensors: 0-dim counts are read once a lane)
+        full = [d for k, d in enumerate(dtypes) if not program.input_small[k]]
+        self.block, self.num_warps = launch_config(full)
         self.kernel = load_kernel(self.source, self.name)
         has_small = any(program.input_small[k] for _, k in program.writes)
         self.small_kernel = (
@@ -278,8 +281,8 @@ class _Part:
                 self.scalars,
                 group.small_out,
                 group.host_vals if self.host else self.scalars,
-                BLOCK=BLOCK,
-                num_warps=NUM_WARPS,
+                BLOCK=group.block,
+                num_warps=group.num_warps,
             )
             if group.small_kernel is not None:
                 n = len(group.lanes)
@@ -392,10 +395,11 @@ class _Part:
         if tables is None:
             numels = [inputs[i].numel() for i in group.numel_slots] or [1] * len(group.lanes)
             sizes = torch.tensor(numels, dtype=torch.int64)
-            blocks = (sizes.clamp(min=1) + BLOCK - 1) // BLOCK  # a 0-dim lane has one block
+            block = group.block
+            blocks = (sizes.clamp(min=1) + block - 1) // block  # a 0-dim lane has one block
             blk_lane = torch.repeat_interleave(torch.arange(len(numels)), blocks)
             first = torch.cumsum(blocks, 0) - blocks  # each lane's first block
-            blk_start = (torch.arange(int(blocks.sum())) - first[blk_lane]) * BLOCK
+            blk_start = (torch.arange(int(blocks.sum())) - first[blk_lane]) * block
             tables = self._tables[g] = (
                 sizes.to(device),
                 blk_lane.to(device, torch.int32),
