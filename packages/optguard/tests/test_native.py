@@ -244,7 +244,8 @@ def test_a_failed_build_says_why_and_leaves_nothing_behind(tmp_path, monkeypatch
     bad.write_text("this is not C++\n")
     monkeypatch.setattr(native, "SOURCE", bad)
     assert native.start(wait=True) is None
-    assert native.status().startswith("failed: RuntimeError: ")
+    assert native.status().startswith("failed: RuntimeError: building bad.cpp failed: ")
+    assert "error" in native.status()  # the compiler's own message, not ninja's last line
     assert not native.library_path().exists()
     leftovers = list(native.cache_directory().iterdir())
     assert leftovers == []  # its private build directory is gone

@@ -138,17 +138,25 @@ PyObject* plain(PyObject*, PyObject* types) {
   Py_RETURN_NONE;
 }
 
+bool matches_tensor(const Meta& m, const at::Tensor& t) {
+  if (t.scalar_type() != m.dtype || t.device() != m.device || t.layout() != m.layout ||
+      !m.same_dims(t) || t.requires_grad() != m.requires_grad)
+    return false;
+  return !m.check_ptr || t.const_data_ptr() == m.ptr;
+}
+
 bool matches(const Meta& m, PyObject* value) {
   if (m.id != nullptr && value != m.id) return false;
   if (m.none) return value == Py_None;
   // m.type is a tensor type (spec checked it): the same type means a THPVariable.
   if (Py_TYPE(value) != m.type) return false;
-  const at::Tensor& t = THPVariable_Unpack(value);
-  if (m.check_ptr && t.const_data_ptr() != m.ptr) return false;
-  if (t.scalar_type() != m.dtype || t.device() != m.device || t.layout() != m.layout ||
-      t.requires_grad() != m.requires_grad)
-    return false;
-  return m.same_dims(t);
+  return matches_tensor(m, THPVariable_Unpack(value));
+}
+
+// A plain item's grad checked as a C++ tensor (its Python type is checked once wrapped).
+bool grad_matches(const Meta& m, const at::Tensor& grad) {
+  if (m.none) return !grad.defined();
+  return grad.defined() && matches_tensor(m, grad);
 }
 
 PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -218,7 +226,10 @@ PyObject* match_list(Spec* s, bool grad, const Spec* items, PyObject* container)
   PyObject* read = nullptr;  // the grads, in item order
   if (grad && (read = PyList_New(n)) == nullptr) return nullptr;
   try {
-    for (const Meta& m : s->metas) {
+    const size_t count = s->metas.size();
+    for (size_t i = 0; i < count; ++i) {
+      const Meta& m = s->metas[i];
+      if (i + 1 < count) __builtin_prefetch(PyList_GET_ITEM(container, s->metas[i + 1].index));
       PyObject* item = PyList_GET_ITEM(container, m.index);
       if (!grad) {
         if (!matches(m, item)) Py_RETURN_FALSE;
@@ -227,6 +238,25 @@ PyObject* match_list(Spec* s, bool grad, const Spec* items, PyObject* container)
       if (items != nullptr && !matches(items->metas[m.index], item)) {
         Py_DECREF(read);
         Py_RETURN_FALSE;
+      }
+      if (is_plain(item)) {  // the grad checked in C++ first, then wrapped for the stash
+        const at::Tensor& gt = THPVariable_Unpack(item).grad();
+        if (!grad_matches(m, gt)) {
+          Py_DECREF(read);
+          Py_RETURN_FALSE;
+        }
+        PyObject* g = THPVariable_Wrap(gt);  // its Python object (made if it has none)
+        if (g == nullptr) {
+          PyErr_Clear();
+          Py_DECREF(read);
+          Py_RETURN_FALSE;
+        }
+        PyList_SET_ITEM(read, m.index, g);  // the list owns it from here
+        if (!m.none && Py_TYPE(g) != m.type) {
+          Py_DECREF(read);
+          Py_RETURN_FALSE;
+        }
+        continue;
       }
       PyObject* g = grad_of(item);
       if (g == nullptr) {
@@ -406,11 +436,14 @@ PyObject* addresses_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // -- held tensors: their data pointers, with no fetching and no Python ints per call -----
 
+// The held tensors' expected values, flat: one contiguous array each (a call walks them in
+// order; no pointer to chase per tensor but the tensor itself).
 struct Held {
   std::vector<PyObject*> tensors;  // owned
   std::vector<const void*> ptrs;
   std::vector<c10::ScalarType> dtypes;
-  std::vector<std::vector<int64_t>> sizes, strides;
+  std::vector<int64_t> dims;     // per tensor: its dim count, then sizes, then strides
+  std::vector<size_t> offsets;   // where each tensor's entry in ``dims`` starts
   ~Held() {
     for (PyObject* t : tensors) Py_DECREF(t);
   }
@@ -441,8 +474,10 @@ PyObject* held(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     out->ptrs.push_back(ptr);
     const at::Tensor& tensor = THPVariable_Unpack(t);
     out->dtypes.push_back(tensor.scalar_type());
-    out->sizes.emplace_back(tensor.sizes().begin(), tensor.sizes().end());
-    out->strides.emplace_back(tensor.strides().begin(), tensor.strides().end());
+    out->offsets.push_back(out->dims.size());
+    out->dims.push_back(tensor.dim());
+    out->dims.insert(out->dims.end(), tensor.sizes().begin(), tensor.sizes().end());
+    out->dims.insert(out->dims.end(), tensor.strides().begin(), tensor.strides().end());
   }
   return PyCapsule_New(out, kHeld, drop_held);
 }
@@ -455,12 +490,19 @@ PyObject* held_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto* h = static_cast<Held*>(PyCapsule_GetPointer(args[0], kHeld));
   if (h == nullptr) return nullptr;
   try {
-    for (size_t i = 0; i < h->tensors.size(); ++i) {
+    const size_t n = h->tensors.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (i + 2 < n) __builtin_prefetch(h->tensors[i + 2]);  // its THPVariable, then its impl
+      if (i + 1 < n) __builtin_prefetch(THPVariable_Unpack(h->tensors[i + 1]).unsafeGetTensorImpl());
       const at::Tensor& t = THPVariable_Unpack(h->tensors[i]);
-      if (t.const_data_ptr() != h->ptrs[i] || t.scalar_type() != h->dtypes[i] ||
-          t.sizes() != c10::IntArrayRef(h->sizes[i]) ||
-          t.strides() != c10::IntArrayRef(h->strides[i]))
-        Py_RETURN_FALSE;
+      const int64_t* expected = h->dims.data() + h->offsets[i];
+      const int64_t dim = expected[0];
+      if (t.scalar_type() != h->dtypes[i] || t.dim() != dim) Py_RETURN_FALSE;
+      c10::IntArrayRef sizes = t.sizes();
+      c10::IntArrayRef strides = t.strides();
+      for (int64_t d = 0; d < dim; ++d)
+        if (sizes[d] != expected[1 + d] || strides[d] != expected[1 + dim + d]) Py_RETURN_FALSE;
+      if (t.const_data_ptr() != h->ptrs[i]) Py_RETURN_FALSE;
     }
   } catch (const std::exception&) {  // a tensor without storage: not the expected address
     Py_RETURN_FALSE;

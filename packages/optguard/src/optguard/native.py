@@ -134,7 +134,7 @@ def _set_module(loaded: Any, path: Path) -> None:
 
 def _short(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def cache_directory() -> Path:
@@ -169,7 +169,10 @@ def build(timeout: float = BUILD_TIMEOUT_S) -> Path:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         built = Path(tmp) / f"{_NAME}.so"
         if done.returncode != 0 or not built.exists():
-            raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+            output = f"{done.stdout}\n{done.stderr}".splitlines()
+            errors = [line.strip() for line in output if "error:" in line]  # the compiler's
+            detail = "; ".join(errors[:3]) or "\n".join(output[-3:])
+            raise RuntimeError(f"building {SOURCE.name} failed: {detail}")
         os.replace(built, target)  # atomic: a loader sees the old file or the new one
     return target
 
