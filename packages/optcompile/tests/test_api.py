@@ -274,3 +274,17 @@ def test_fast_hits_gather_through_the_fast_gather_and_still_match_eager(monkeypa
     assert prologue.fast_hits == hits + 3
     assert_same(model, opt, reference, eager)
     assert optcompile.explain(opt).traces == 1
+
+
+def test_swap_tensors_on_a_param_and_a_state_tensor_of_a_compiled_optimizer():
+    """torch.utils.swap_tensors (what module.to() does under
+    torch.__future__.set_swap_module_params_on_conversion) refuses a tensor something else
+    holds: the compiled optimizer's checks must not hold them; the next step sees the swap."""
+    model, opt, reference, eager = run_pair(OPTIMIZERS["adamw_foreach"], steps=2)
+    for m, o in ((model, opt), (reference, eager)):
+        p = next(m.parameters())
+        torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach() * 0.5))
+        buf = o.state[p]["exp_avg"]
+        torch.utils.swap_tensors(buf, buf.clone() * 2)
+    step_both(model, opt, reference, eager, range(2, 4))
+    assert_same(model, opt, reference, eager)

@@ -134,6 +134,13 @@ def test_held_pointers_see_every_way_a_tensor_moves(module, kind, monkeypatch):
     held = check()
     tensors[2].untyped_storage().resize_(0)  # the storage itself gives its memory back
     assert not held(None)
+    held = check()
+    same = tensors[0].clone()
+    torch.utils.swap_tensors(tensors[0], same)  # the same Python object, another tensor
+    assert not held(None)
+    held = check()
+    tensors[1].t_()  # metadata changed in place: the same object and storage
+    assert not held(None)
 
 
 def test_held_refuses_what_is_not_a_tensor_with_a_pointer(module):

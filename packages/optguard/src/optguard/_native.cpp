@@ -229,7 +229,13 @@ PyObject* match_list(Spec* s, bool grad, const Spec* items, PyObject* container)
     const size_t count = s->metas.size();
     for (size_t i = 0; i < count; ++i) {
       const Meta& m = s->metas[i];
-      if (i + 1 < count) __builtin_prefetch(PyList_GET_ITEM(container, s->metas[i + 1].index));
+      // (memory ahead, as in held_match: the item's Python object, then its impl)
+      if (i + 8 < count) __builtin_prefetch(PyList_GET_ITEM(container, s->metas[i + 8].index));
+      if (i + 4 < count) {
+        PyObject* ahead = PyList_GET_ITEM(container, s->metas[i + 4].index);
+        if (THPVariable_Check(ahead))
+          __builtin_prefetch(THPVariable_Unpack(ahead).unsafeGetTensorImpl());
+      }
       PyObject* item = PyList_GET_ITEM(container, m.index);
       if (!grad) {
         if (!matches(m, item)) Py_RETURN_FALSE;
@@ -440,6 +446,10 @@ PyObject* addresses_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // order; no pointer to chase per tensor but the tensor itself).
 struct Held {
   std::vector<PyObject*> tensors;  // owned
+  // Each tensor's TensorImpl when held: not owned (an owned one would make
+  // torch.utils.swap_tensors refuse the tensor), so never dereferenced, only compared and
+  // handed to the prefetcher (which never faults).
+  std::vector<const c10::TensorImpl*> impls;
   std::vector<const void*> ptrs;
   std::vector<c10::ScalarType> dtypes;
   std::vector<int64_t> dims;     // per tensor: its dim count, then sizes, then strides
@@ -473,6 +483,7 @@ PyObject* held(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     out->tensors.push_back(t);
     out->ptrs.push_back(ptr);
     const at::Tensor& tensor = THPVariable_Unpack(t);
+    out->impls.push_back(tensor.unsafeGetTensorImpl());
     out->dtypes.push_back(tensor.scalar_type());
     out->offsets.push_back(out->dims.size());
     out->dims.push_back(tensor.dim());
@@ -490,11 +501,23 @@ PyObject* held_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto* h = static_cast<Held*>(PyCapsule_GetPointer(args[0], kHeld));
   if (h == nullptr) return nullptr;
   try {
+    // Tens of thousands of tensors outgrow the caches: each check waits on memory three
+    // times (the Python object, its impl, its storage). Those of later tensors are
+    // requested ahead, the storage once the impl it hangs from has arrived.
+    constexpr size_t kAhead = 8;
     const size_t n = h->tensors.size();
     for (size_t i = 0; i < n; ++i) {
-      if (i + 2 < n) __builtin_prefetch(h->tensors[i + 2]);  // its THPVariable, then its impl
-      if (i + 1 < n) __builtin_prefetch(THPVariable_Unpack(h->tensors[i + 1]).unsafeGetTensorImpl());
+      if (i + kAhead < n) {
+        __builtin_prefetch(h->tensors[i + kAhead]);
+        __builtin_prefetch(h->impls[i + kAhead]);
+      }
+      if (i + kAhead / 2 < n) {  // through the live object: its impl is the one to read
+        const c10::TensorImpl* ahead =
+            THPVariable_Unpack(h->tensors[i + kAhead / 2]).unsafeGetTensorImpl();
+        __builtin_prefetch(ahead->unsafe_storage().unsafeGetStorageImpl());
+      }
       const at::Tensor& t = THPVariable_Unpack(h->tensors[i]);
+      if (t.unsafeGetTensorImpl() != h->impls[i]) Py_RETURN_FALSE;  // swap_tensors
       const int64_t* expected = h->dims.data() + h->offsets[i];
       const int64_t dim = expected[0];
       if (t.scalar_type() != h->dtypes[i] || t.dim() != dim) Py_RETURN_FALSE;
