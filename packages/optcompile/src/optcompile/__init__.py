@@ -7,6 +7,7 @@ reasons, guards, generated code); ``reset()`` drops every compiled entry. ``set_
 """
 
 from optcompile.api import BACKEND_CHOICES, compile, explain, reset
+from optcompile.backward import accumulate
 from optcompile.errors import CompileError, FallbackWarning, NotCompilableError
 from optcompile.explanation import Explanation
 from optcompile.logs import TOPICS as LOG_TOPICS
@@ -22,6 +23,7 @@ __all__ = [
     "FallbackWarning",
     "NotCompilableError",
     "__version__",
+    "accumulate",
     "compile",
     "explain",
     "reset",

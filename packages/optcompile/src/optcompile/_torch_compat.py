@@ -46,3 +46,72 @@ def unhooked_step(cls: type) -> Callable[..., Any]:
         inner: Callable[..., Any] = step.__wrapped__
         return inner
     return step
+
+
+# --- in_backward: autograd's engine, compiled autograd, and the two functions it guards ---
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass ends (eager autograd only: compiled
+    autograd drops callbacks queued from a hook that runs outside its graph)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def in_compiled_autograd() -> bool:
+    """Whether the running backward is torch's compiled autograd's graph."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.in_compiled_autograd_region)
+
+
+def compiled_autograd(compiler: Callable[..., Any]) -> Any:
+    """A context in which ``backward()`` runs through torch's compiled autograd, its graph
+    compiled by ``compiler`` (e.g. ``torch.compile(backend="eager")``)."""
+    from torch._dynamo import compiled_autograd as ca
+
+    return ca._enable(compiler)
+
+
+def accumulate_grad_variable(node: Any) -> torch.Tensor | None:
+    """The leaf tensor an autograd graph node accumulates into (None for other nodes)."""
+    variable = getattr(node, "variable", None)
+    return variable if isinstance(variable, torch.Tensor) else None
+
+
+def guard_grad_norm_clipping(check: Callable[[Any], Any]) -> None:
+    """Call ``check(parameters)`` before every ``clip_grad_norm_`` (and the deprecated
+    ``clip_grad_norm``) clips, whatever name it was imported under: both clip through this
+    module-level function of ``torch.nn.utils.clip_grad``. Installed once."""
+    from torch.nn.utils import clip_grad
+
+    clip = clip_grad._clip_grads_with_norm_
+    if getattr(clip, "_optcompile_guarded", False):
+        return
+
+    def clip_checked(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(parameters, torch.Tensor):
+            parameters = list(parameters)
+        check(parameters)
+        return clip(parameters, *args, **kwargs)
+
+    clip_checked._optcompile_guarded = True  # type: ignore[attr-defined]
+    clip_grad._clip_grads_with_norm_ = clip_checked
+
+
+def guard_grad_scaling(check: Callable[[Any], Any]) -> None:
+    """Call ``check(scaled_outputs)`` after every enabled ``torch.amp.GradScaler.scale``
+    (``torch.cuda.amp.GradScaler`` inherits it). Installed once."""
+    from torch.amp.grad_scaler import GradScaler
+
+    scale = GradScaler.scale
+    if getattr(scale, "_optcompile_guarded", False):
+        return
+
+    def scale_checked(self: GradScaler, outputs: Any) -> Any:
+        scaled = scale(self, outputs)
+        if self.is_enabled():
+            check(scaled)
+        return scaled
+
+    scale_checked._optcompile_guarded = True  # type: ignore[attr-defined]
+    GradScaler.scale = scale_checked  # type: ignore[assignment,method-assign]

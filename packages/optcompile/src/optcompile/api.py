@@ -19,7 +19,7 @@ from optcompile.errors import CompileError, NotCompilableError
 from optcompile.explanation import Explanation
 from optcompile.optimizer import _OPTIMIZERS as _OPTIMIZERS  # (tests reach the registry here)
 from optcompile.optimizer import compile_optimizer, is_compiled, registered
-from optcompile.options import BACKEND_CHOICES, Options
+from optcompile.options import BACKEND_CHOICES, DEFAULT_BUCKET_BYTES, Options
 
 __all__ = ["BACKEND_CHOICES", "Explanation", "compile", "explain", "reset"]
 
@@ -35,6 +35,8 @@ def compile(
     cudagraphs: str | bool = ...,
     fullgraph: bool = ...,
     recompile_limit: int = ...,
+    in_backward: bool = ...,
+    bucket_bytes: int = ...,
 ) -> Opt: ...
 
 
@@ -56,6 +58,8 @@ def compile(
     cudagraphs: str | bool = "auto",
     fullgraph: bool = False,
     recompile_limit: int = DEFAULT_RECOMPILE_LIMIT,
+    in_backward: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Any:
     """Compile an optimizer's ``step`` (returns the same optimizer) or a function.
 
@@ -66,11 +70,21 @@ def compile(
     ``fullgraph=True`` raises where the tracer cannot capture the step instead of falling
     back to eager with a warning.
     ``recompile_limit``: entries kept per object before it falls back to eager.
+    ``in_backward=True`` (optimizers only): ``loss.backward()`` updates the parameters as
+    their gradients arrive, in buckets of about ``bucket_bytes`` of gradients, each one
+    compiled launch, and frees each gradient after its update (see docs/in_backward.md).
     """
-    options = Options(backend, cudagraphs, fullgraph, recompile_limit)
+    options = Options(
+        backend, cudagraphs, fullgraph, recompile_limit, in_backward, bucket_bytes
+    )
     if isinstance(obj, torch.optim.Optimizer):
         return compile_optimizer(obj, options)
     _refuse_non_functions(obj)
+    if in_backward:
+        raise CompileError(
+            f"in_backward=True applies to optimizers; got {type(obj).__qualname__}. Pass "
+            "the optimizer (optcompile.compile(opt, in_backward=True))"
+        )
     return _compile_function(obj, options)
 
 

@@ -24,7 +24,7 @@ import torch
 from optkernels import Backend
 from opttrace import closure_reason, eager_step, trace_step
 
-from optcompile import logs
+from optcompile import backward, logs
 from optcompile._torch_compat import (
     has_step_hooks,
     step_post_hooks,
@@ -50,6 +50,7 @@ def compile_optimizer(opt: torch.optim.Optimizer, options: Options) -> torch.opt
     if isinstance(old, Options) and is_compiled(opt):
         if options.differences(old):
             _recompile(opt, old, options)
+            _in_backward(opt, options)
         return opt
     base = type(opt)
     reason = closure_reason(base)
@@ -60,7 +61,16 @@ def compile_optimizer(opt: torch.optim.Optimizer, options: Options) -> torch.opt
     opt.__dict__[OPTIONS_ATTR] = options
     _rewrap_scheduler_step(opt)
     registered(opt)
+    _in_backward(opt, options)
     return opt
+
+
+def _in_backward(opt: torch.optim.Optimizer, options: Options) -> None:
+    """Hook the params for ``in_backward=True`` (optcompile.backward), or unhook them."""
+    if options.in_backward:
+        backward.attach(opt, options)
+    else:
+        backward.detach(opt)
 
 
 def is_compiled(obj: Any) -> bool:
@@ -189,6 +199,8 @@ def _step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any
     compiled = _OPTIMIZERS.get(self)
     if compiled is None:
         compiled = registered(self)
+    if self.__dict__[OPTIONS_ATTR].in_backward:  # the update ran in backward
+        return backward.step(self, closure)
     if type(self).__dict__["_optcompile_own_step"]:
         base = type(self).__dict__["_optcompile_base"]
         return base.step(self, closure)

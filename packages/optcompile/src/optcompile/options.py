@@ -13,6 +13,8 @@ from optcompile.cudagraphs import GraphedBackend
 from optcompile.errors import CompileError
 
 BACKEND_CHOICES = ("auto", "torch", "triton")
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # in_backward: gradient bytes per bucket (DDP's default)
+_NAMES = ("backend", "cudagraphs", "fullgraph", "recompile_limit", "in_backward", "bucket_bytes")
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class Options:
     cudagraphs: str | bool = "auto"
     fullgraph: bool = False
     recompile_limit: int = DEFAULT_RECOMPILE_LIMIT
+    in_backward: bool = False
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -41,6 +45,11 @@ class Options:
         limit = self.recompile_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise CompileError(f"recompile_limit must be an int >= 1; got {limit!r}")
+        if not isinstance(self.in_backward, bool):
+            raise CompileError(f"in_backward must be True or False; got {self.in_backward!r}")
+        size = self.bucket_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise CompileError(f"bucket_bytes must be an int >= 1; got {size!r}")
 
     def backend_for(self, obj: Any) -> Backend:
         """The backend these options pick for ``obj`` (CUDA graphs wrapped around it)."""
@@ -59,7 +68,7 @@ class Options:
         """``name old -> new`` for each option that differs from ``other`` (the older)."""
         return [
             f"{name} {getattr(other, name)!r} -> {getattr(self, name)!r}"
-            for name in ("backend", "cudagraphs", "fullgraph", "recompile_limit")
+            for name in _NAMES
             if getattr(self, name) != getattr(other, name)
             or type(getattr(self, name)) is not type(getattr(other, name))
         ]

@@ -1,0 +1,398 @@
+"""The step inside backward: ``compile(opt, in_backward=True)``.
+
+Each parameter gets a post-accumulate-grad hook. The first backward learns the buckets: the
+parameters in the order their gradients arrive, a bucket closed once it holds
+``bucket_bytes`` of gradients (or every parameter has arrived). Later backwards run a
+bucket's update as soon as all of its gradients are there. A bucket's update is the
+optimizer's own step over a *view*: an optimizer of the same class whose param groups hold
+only the bucket's params (the group's other entries copied from the live group before each
+update, so LR schedules apply) and whose state holds the very per-param state dicts of the
+optimizer. The view is a compiled optimizer of its own: traced once, guarded, one fused
+launch (one CUDA graph where graphs are on). Each gradient is set to None after its update.
+
+The end of a backward (eager autograd: a callback queued on the engine) updates what a
+bucket left: a bucket with parameters that got no gradient this time, gradients kept by
+``accumulate()``, parameters added since. Under torch's compiled autograd that callback
+cannot be queued from a hook, so ``opt.step()`` does it; with every parameter getting a
+gradient there is nothing left. ``opt.step()`` runs the step hooks around that and refuses
+a closure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import weakref
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from opttrace import closure_reason
+from torch.utils.weak import WeakIdKeyDictionary
+
+from optcompile import _torch_compat
+from optcompile.errors import CompileError
+from optcompile.options import Options
+
+OPTIONS_ATTR = "_optcompile_options"
+# What a bucket's view does not share with the optimizer: its own groups, state and no hooks
+# (they run once, in opt.step()); "step" is an LR scheduler's wrapper of the instance.
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+_NOT_SHARED = frozenset(("param_groups", "state", "step", OPTIONS_ATTR, *_HOOK_DICTS))
+
+# param -> the name of the in-backward optimizer that owns it (for the refusals below)
+_OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@dataclasses.dataclass(eq=False)
+class Bucket:
+    """Parameters whose update runs as one compiled step, and the view that runs it."""
+
+    params: list[torch.Tensor]
+    view: torch.optim.Optimizer | None = None
+    groups: list[tuple[int, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    arrived: int = 0  # gradients arrived in this backward
+
+
+class InBackward:
+    """The hooks, buckets and views of one in-backward optimizer; see the module."""
+
+    def __init__(self, opt: torch.optim.Optimizer, options: Options) -> None:
+        reason = closure_reason(type(opt).__dict__["_optcompile_base"])
+        if reason is not None:
+            raise CompileError(f"in_backward=True: {reason}")
+        self.ref = weakref.ref(opt)
+        self.name = f"{type(opt).__name__}.step"
+        self.options = dataclasses.replace(options, in_backward=False)
+        self.bucket_bytes = options.bucket_bytes
+        self.lock = threading.RLock()
+        self.accumulating = 0
+        self.callback_queued = False
+        self.handles: list[Any] = []
+        self.key: tuple[Any, ...] = ()
+        self.group_of: dict[int, int] = {}  # id(param) -> index of its group
+        self.bucket_of: dict[int, Bucket] = {}
+        self.buckets: list[Bucket] = []
+        self.open: list[torch.Tensor] = []  # the bucket being learned
+        self.open_bytes = 0
+        self.refresh(opt)
+
+    # -- params and hooks --
+
+    def refresh(self, opt: torch.optim.Optimizer) -> None:
+        """(Re)hook the params when the param groups changed (``add_param_group``, a params
+        list replaced); the buckets are learned again."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+        if key == self.key:
+            return
+        self.detach()
+        self.key = key
+        ref = weakref.ref(self)
+        hook = torch.compiler.disable(lambda p: _arrived(ref, p))  # type: ignore[no-untyped-call]
+        for index, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in self.group_of:
+                    self.group_of[id(p)] = index
+                    self.handles.append(p.register_post_accumulate_grad_hook(hook))
+                    _OWNED[p] = self.name
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        opt = self.ref()
+        for group in opt.param_groups if opt is not None else ():
+            for p in group["params"]:
+                _OWNED.pop(p, None)
+        self.handles.clear()
+        self.group_of.clear()
+        self.bucket_of.clear()
+        self.buckets.clear()
+        self.open.clear()
+        self.open_bytes = 0
+        self.key = ()
+
+    # -- a gradient arrives --
+
+    def arrived(self, p: torch.Tensor) -> None:
+        if self.accumulating:
+            return
+        if not self.callback_queued and not _torch_compat.in_compiled_autograd():
+            _torch_compat.queue_backward_callback(self.end_of_backward)
+            self.callback_queued = True
+        bucket = self.bucket_of.get(id(p))
+        if bucket is not None:
+            bucket.arrived += 1
+            if bucket.arrived >= len(bucket.params):
+                self.update(bucket)
+            return
+        if id(p) not in self.group_of:  # hooked by an older param set: step() rehooks
+            return
+        self.open.append(p)
+        self.open_bytes += p.numel() * p.element_size()
+        placed = len(self.bucket_of) + len(self.open)
+        if self.open_bytes >= self.bucket_bytes or placed >= len(self.group_of):
+            self.update(self.close())
+
+    def close(self) -> Bucket:
+        """Make the params being learned a bucket."""
+        bucket = Bucket(self.open)
+        self.buckets.append(bucket)
+        for p in bucket.params:
+            self.bucket_of[id(p)] = bucket
+        self.open = []
+        self.open_bytes = 0
+        return bucket
+
+    def end_of_backward(self) -> None:
+        with self.lock:
+            self.callback_queued = False
+            if not self.accumulating:
+                self.flush()
+
+    def flush(self) -> None:
+        """Update every parameter that still holds a gradient (see the module)."""
+        opt = self.ref()
+        if opt is None:
+            return
+        self.refresh(opt)
+        if self.open:
+            self.update(self.close())
+        for bucket in self.buckets:
+            if any(p.grad is not None for p in bucket.params):
+                self.update(bucket)
+            bucket.arrived = 0
+        left = [
+            p
+            for g in opt.param_groups
+            for p in g["params"]
+            if p.grad is not None and id(p) not in self.bucket_of and id(p) in self.group_of
+        ]
+        if left:
+            self.open = left
+            self.update(self.close())
+
+    # -- a bucket's update --
+
+    def update(self, bucket: Bucket) -> None:
+        opt = self.ref()
+        if opt is None:
+            return
+        bucket.arrived = 0
+        view = bucket.view if bucket.view is not None else self.make_view(opt, bucket)
+        for index, own in bucket.groups:
+            live = opt.param_groups[index]
+            for key, value in live.items():
+                if key != "params" and own.get(key, _MISSING) is not value:
+                    own[key] = value
+        state = opt.state
+        for p in bucket.params:
+            entry = state.get(p)
+            if entry is None:
+                view.state.pop(p, None)  # cleared (load_state_dict without it)
+            elif view.state.get(p) is not entry:
+                view.state[p] = entry
+        from optcompile.optimizer import registered
+
+        registered(view)({"opt": view})
+        for p in bucket.params:
+            entry = view.state.get(p)
+            if entry is not None and state.get(p) is not entry:
+                state[p] = entry
+            p.grad = None
+        for index, own in bucket.groups:  # what the step wrote into its group
+            live = opt.param_groups[index]
+            for key, value in own.items():
+                if key != "params" and live.get(key, _MISSING) is not value:
+                    live[key] = value
+
+    def make_view(self, opt: torch.optim.Optimizer, bucket: Bucket) -> torch.optim.Optimizer:
+        """An optimizer of ``opt``'s class over the bucket's params, compiled on its own."""
+        from optcompile.optimizer import compile_optimizer, registered
+
+        base: type[torch.optim.Optimizer] = type(opt).__dict__["_optcompile_base"]
+        view = base.__new__(base)
+        shared = {k: v for k, v in opt.__dict__.items() if k not in _NOT_SHARED}
+        view.__dict__.update(shared)
+        for name in _HOOK_DICTS:
+            view.__dict__[name] = OrderedDict()
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for p in bucket.params:
+            by_group.setdefault(self.group_of[id(p)], []).append(p)
+        bucket.groups = [
+            (index, {**opt.param_groups[index], "params": params})
+            for index, params in sorted(by_group.items())
+        ]
+        view.param_groups = [group for _, group in bucket.groups]
+        view.state = defaultdict(dict)
+        compile_optimizer(view, self.options)
+        number = self.buckets.index(bucket) if bucket in self.buckets else len(self.buckets)
+        registered(view).name = f"{self.name} (bucket {number}: {len(bucket.params)} params)"
+        bucket.view = view
+        return view
+
+
+_MISSING = object()
+
+
+def _arrived(ref: weakref.ref[InBackward], p: torch.Tensor) -> None:
+    """The post-accumulate-grad hook of every parameter of an in-backward optimizer."""
+    state = ref()
+    if state is not None:
+        with state.lock:
+            state.arrived(p)
+
+
+_STATES: weakref.WeakKeyDictionary[torch.optim.Optimizer, InBackward] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def attach(opt: torch.optim.Optimizer, options: Options) -> None:
+    """Hook ``opt``'s params (``compile(opt, in_backward=True)``)."""
+    detach(opt)
+    _install_refusals()
+    _STATES[opt] = InBackward(opt, options)
+
+
+def detach(opt: torch.optim.Optimizer) -> None:
+    """Remove ``opt``'s hooks (compiled again without ``in_backward``)."""
+    state = _STATES.pop(opt, None)
+    if state is not None:
+        state.detach()
+
+
+def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> None:
+    """``opt.step()`` of an in-backward optimizer: step hooks, and the update of gradients
+    the backward left (none when every parameter got one)."""
+    if closure is not None:
+        raise CompileError(
+            f"{type(opt).__name__} was compiled with in_backward=True: it updates each "
+            "parameter during backward, as its gradient arrives, so there is no moment at "
+            "which a closure could see every gradient before the update. Call "
+            "loss.backward() instead of passing a closure to step(), or compile without "
+            "in_backward=True"
+        )
+    state = _STATES.get(opt)
+    if state is None:  # a copy (deepcopy, pickle): hook its own params from now on
+        attach(opt, opt.__dict__[OPTIONS_ATTR])
+        state = _STATES[opt]
+    args: tuple[Any, ...] = (opt,)
+    kwargs: dict[str, Any] = {}
+    for hook in _torch_compat.step_pre_hooks(opt):
+        result = hook(opt, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    with state.lock:
+        state.flush()
+    for hook in _torch_compat.step_post_hooks(opt):
+        hook(opt, args, kwargs)
+
+
+@contextlib.contextmanager
+def accumulate(opt: torch.optim.Optimizer) -> Iterator[None]:
+    """Backward passes inside the block accumulate gradients without updating ``opt``'s
+    parameters; the first backward after it updates with the accumulated gradients::
+
+        for micro_batch in batches[:-1]:
+            with optcompile.accumulate(opt):
+                model(micro_batch).sum().backward()
+        model(batches[-1]).sum().backward()  # updates, frees the gradients
+    """
+    state = _STATES.get(opt)
+    if state is None:
+        raise CompileError(
+            f"optcompile.accumulate takes an optimizer compiled with in_backward=True; "
+            f"{type(opt).__name__} is not (optcompile.compile(opt, in_backward=True))"
+        )
+    with state.lock:
+        state.accumulating += 1
+    try:
+        yield
+    finally:
+        with state.lock:
+            state.accumulating -= 1
+
+
+def buckets(opt: torch.optim.Optimizer) -> list[tuple[list[torch.Tensor], Any]]:
+    """Each learned bucket of an in-backward optimizer: its params and its view's Compiled
+    (None before its first update), for explain() and tests."""
+    from optcompile.optimizer import registered
+
+    state = _STATES.get(opt)
+    if state is None:
+        return []
+    return [
+        (list(b.params), registered(b.view) if b.view is not None else None)
+        for b in state.buckets
+    ]
+
+
+# -- refusals: what cannot hold when no moment sees every gradient --
+
+_INSTALLED: list[bool] = []
+
+
+def _install_refusals() -> None:
+    if not _INSTALLED:
+        _torch_compat.guard_grad_norm_clipping(_refuse_clipping)
+        _torch_compat.guard_grad_scaling(_refuse_scaling)
+        _INSTALLED.append(True)
+
+
+def _refuse_clipping(parameters: Any) -> None:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    for p in params:
+        owner = _OWNED.get(p)
+        if owner is not None:
+            raise CompileError(
+                f"clip_grad_norm_ over parameters of {owner}, compiled with "
+                "in_backward=True: each gradient is used and freed during backward, as it "
+                "arrives, so no moment sees all of them and their norm cannot be taken "
+                f"(a param of shape {tuple(p.shape)} has grad {_grad_text(p)}). Clipping "
+                "each bucket by its own norm is not the same update. Compile without "
+                "in_backward=True to clip by the norm over all gradients"
+            )
+
+
+def _refuse_scaling(scaled: Any) -> None:
+    if not _OWNED:
+        return
+    roots = [scaled] if isinstance(scaled, torch.Tensor) else list(scaled)
+    p = _owned_leaf(roots)
+    if p is not None:
+        raise CompileError(
+            f"GradScaler.scale: this loss backpropagates into parameters of {_OWNED.get(p)}, "
+            "compiled with in_backward=True (a param of shape "
+            f"{tuple(p.shape)}). Its update runs during backward, before GradScaler could "
+            "unscale the gradients or skip a step with inf/NaN gradients. Train without "
+            "GradScaler (bf16 autocast needs none) or compile without in_backward=True"
+        )
+
+
+def _owned_leaf(roots: list[Any]) -> torch.Tensor | None:
+    """A parameter of an in-backward optimizer that ``roots``' autograd graph reaches."""
+    seen: set[Any] = set()
+    stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = _torch_compat.accumulate_grad_variable(node)
+        if leaf is not None and _OWNED.get(leaf) is not None:
+            return leaf
+        stack.extend(n for n, _ in node.next_functions)
+    return None
+
+
+def _grad_text(p: torch.Tensor) -> str:
+    return "None (already applied and freed)" if p.grad is None else "not yet applied"
