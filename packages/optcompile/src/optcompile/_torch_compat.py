@@ -54,7 +54,7 @@ def unhooked_step(cls: type) -> Callable[..., Any]:
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward pass ends (eager autograd only: compiled
     autograd drops callbacks queued from a hook that runs outside its graph)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def in_compiled_autograd() -> bool:
@@ -114,4 +114,4 @@ def guard_grad_scaling(check: Callable[[Any], Any]) -> None:
         return scaled
 
     scale_checked._optcompile_guarded = True  # type: ignore[attr-defined]
-    GradScaler.scale = scale_checked  # type: ignore[assignment,method-assign]
+    GradScaler.scale = scale_checked  # type: ignore[method-assign]

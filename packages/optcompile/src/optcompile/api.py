@@ -74,9 +74,7 @@ def compile(
     their gradients arrive, in buckets of about ``bucket_bytes`` of gradients, each one
     compiled launch, and frees each gradient after its update (see docs/in_backward.md).
     """
-    options = Options(
-        backend, cudagraphs, fullgraph, recompile_limit, in_backward, bucket_bytes
-    )
+    options = Options(backend, cudagraphs, fullgraph, recompile_limit, in_backward, bucket_bytes)
     if isinstance(obj, torch.optim.Optimizer):
         return compile_optimizer(obj, options)
     _refuse_non_functions(obj)

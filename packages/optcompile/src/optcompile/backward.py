@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from opttrace import closure_reason
-from torch.utils.weak import WeakIdKeyDictionary
 
 from optcompile import _torch_compat
 from optcompile.errors import CompileError
@@ -49,8 +48,14 @@ _HOOK_DICTS = (
 )
 _NOT_SHARED = frozenset(("param_groups", "state", "step", OPTIONS_ATTR, *_HOOK_DICTS))
 
-# param -> the name of the in-backward optimizer that owns it (for the refusals below)
-_OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(param) -> (the param, the name of the in-backward optimizer that owns it), for the
+# refusals below; weak, and an id reused by another tensor is told apart by identity.
+_OWNED: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+
+
+def _owner(p: torch.Tensor) -> str | None:
+    entry = _OWNED.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,9 +72,6 @@ class InBackward:
     """The hooks, buckets and views of one in-backward optimizer; see the module."""
 
     def __init__(self, opt: torch.optim.Optimizer, options: Options) -> None:
-        reason = closure_reason(type(opt).__dict__["_optcompile_base"])
-        if reason is not None:
-            raise CompileError(f"in_backward=True: {reason}")
         self.ref = weakref.ref(opt)
         self.name = f"{type(opt).__name__}.step"
         self.options = dataclasses.replace(options, in_backward=False)
@@ -103,7 +105,7 @@ class InBackward:
                 if p.requires_grad and id(p) not in self.group_of:
                     self.group_of[id(p)] = index
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
-                    _OWNED[p] = self.name
+                    _OWNED[id(p)] = (weakref.ref(p), self.name)
 
     def detach(self) -> None:
         for handle in self.handles:
@@ -111,7 +113,8 @@ class InBackward:
         opt = self.ref()
         for group in opt.param_groups if opt is not None else ():
             for p in group["params"]:
-                _OWNED.pop(p, None)
+                if _owner(p) is not None:
+                    del _OWNED[id(p)]
         self.handles.clear()
         self.group_of.clear()
         self.bucket_of.clear()
@@ -251,9 +254,17 @@ def _arrived(ref: weakref.ref[InBackward], p: torch.Tensor) -> None:
             state.arrived(p)
 
 
-_STATES: weakref.WeakKeyDictionary[torch.optim.Optimizer, InBackward] = (
-    weakref.WeakKeyDictionary()
-)
+_STATES: weakref.WeakKeyDictionary[torch.optim.Optimizer, InBackward] = weakref.WeakKeyDictionary()
+
+
+def refuse_unsupported(base: type) -> None:
+    """Raise CompileError for an optimizer class whose step cannot run in backward."""
+    reason = closure_reason(base)
+    if reason is not None:
+        raise CompileError(
+            f"in_backward=True: {reason}; in backward no closure can run. Compile "
+            f"{base.__name__} without in_backward=True"
+        )
 
 
 def attach(opt: torch.optim.Optimizer, options: Options) -> None:
@@ -331,8 +342,7 @@ def buckets(opt: torch.optim.Optimizer) -> list[tuple[list[torch.Tensor], Any]]:
     if state is None:
         return []
     return [
-        (list(b.params), registered(b.view) if b.view is not None else None)
-        for b in state.buckets
+        (list(b.params), registered(b.view) if b.view is not None else None) for b in state.buckets
     ]
 
 
@@ -351,7 +361,7 @@ def _install_refusals() -> None:
 def _refuse_clipping(parameters: Any) -> None:
     params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
     for p in params:
-        owner = _OWNED.get(p)
+        owner = _owner(p)
         if owner is not None:
             raise CompileError(
                 f"clip_grad_norm_ over parameters of {owner}, compiled with "
@@ -370,7 +380,7 @@ def _refuse_scaling(scaled: Any) -> None:
     p = _owned_leaf(roots)
     if p is not None:
         raise CompileError(
-            f"GradScaler.scale: this loss backpropagates into parameters of {_OWNED.get(p)}, "
+            f"GradScaler.scale: this loss backpropagates into parameters of {_owner(p)}, "
             "compiled with in_backward=True (a param of shape "
             f"{tuple(p.shape)}). Its update runs during backward, before GradScaler could "
             "unscale the gradients or skip a step with inf/NaN gradients. Train without "
@@ -388,9 +398,9 @@ def _owned_leaf(roots: list[Any]) -> torch.Tensor | None:
             continue
         seen.add(node)
         leaf = _torch_compat.accumulate_grad_variable(node)
-        if leaf is not None and _OWNED.get(leaf) is not None:
+        if leaf is not None and _owner(leaf) is not None:
             return leaf
-        stack.extend(n for n, _ in node.next_functions)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
     return None
 
 

@@ -47,6 +47,8 @@ _REGISTERING = threading.RLock()
 def compile_optimizer(opt: torch.optim.Optimizer, options: Options) -> torch.optim.Optimizer:
     """Make ``opt`` a compiled optimizer (in place) with ``options``; see the module."""
     old = opt.__dict__.get(OPTIONS_ATTR)
+    if options.in_backward:
+        backward.refuse_unsupported(type(opt).__dict__.get("_optcompile_base", type(opt)))
     if isinstance(old, Options) and is_compiled(opt):
         if options.differences(old):
             _recompile(opt, old, options)

@@ -1,0 +1,327 @@
+"""``compile(opt, in_backward=True)``: the update runs inside ``loss.backward()``.
+
+A small transformer (token embedding tied to the output head, two encoder layers) is trained
+side by side with an eager optimizer that steps after backward: params and every state
+tensor must match eager's after each of 10 steps, within eager's own foreach tolerance
+(the default ``assert_close`` tolerances); gradients are None after every backward. The
+same runs with torch's compiled autograd on (the hooks run inside its backward graph).
+Triton cases run their kernels under TRITON_INTERPRET=1 on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+import optcompile
+import pytest
+import torch
+from optcompile import CompileError, _torch_compat
+from optcompile.backward import buckets
+
+VOCAB, WIDTH, SEQ = 37, 16, 6
+HAS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
+)
+
+
+class TinyTransformer(torch.nn.Module):
+    """Embedding (tied to the head), two pre-norm encoder layers without biases (a key
+    bias gets only rounding noise as its gradient, which Adam would amplify), a final norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.pos = torch.nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(
+            WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True, norm_first=True, bias=False
+        )
+        self.layers = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.embed(tokens) + self.pos, is_causal=False)
+        logits = self.head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1).flatten())
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def groups(model: torch.nn.Module, **decayed: Any) -> list[dict[str, Any]]:
+    """Two groups with different options: matrices decayed, vectors not."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], **decayed},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+OPTIMIZERS: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]] = {
+    "AdamW": lambda m: torch.optim.AdamW(groups(m, weight_decay=0.1), lr=3e-3),
+    "SGD": lambda m: torch.optim.SGD(groups(m, weight_decay=1e-2), lr=0.05, momentum=0.9),
+}
+
+# Traces per bucket over any number of steps, as compiled after backward: SGD's momentum
+# buffers appear in its state after the first step, which retraces once.
+TRACES = {"AdamW": 1, "SGD": 2}
+
+
+def make_pair(
+    name: str, **options: Any
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    reference = copy.deepcopy(model)
+    opt = optcompile.compile(OPTIMIZERS[name](model), in_backward=True, **options)
+    return model, opt, reference, OPTIMIZERS[name](reference)
+
+
+def eager_iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    model(batch(step)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_same(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    reference: torch.nn.Module,
+    eager: torch.optim.Optimizer,
+) -> None:
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+        assert set(opt.state[p]) == set(eager.state[q])
+        for key, value in eager.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value)
+
+
+def train_side_by_side(name: str, steps: int = 10, **options: Any) -> torch.optim.Optimizer:
+    model, opt, reference, eager = make_pair(name, **options)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    eager_sched = torch.optim.lr_scheduler.StepLR(eager, step_size=3, gamma=0.5)
+    for step in range(steps):
+        model(batch(step)).backward()
+        assert all(p.grad is None for p in model.parameters()), f"grads left at step {step}"
+        opt.step()  # after an in-backward update: hooks only
+        opt.zero_grad()
+        sched.step()
+        eager_iteration(reference, eager, step)
+        eager_sched.step()
+        assert_same(model, opt, reference, eager)
+    return opt
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_ten_steps_in_backward_match_eager_after_backward(name):
+    opt = train_side_by_side(name, bucket_bytes=4096)
+    learned = buckets(opt)
+    assert len(learned) > 1
+    assert [compiled.stats.traces for _, compiled in learned] == [TRACES[name]] * len(learned)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_ten_steps_in_backward_on_triton_match_eager(name):
+    opt = train_side_by_side(name, backend="triton", bucket_bytes=8192)
+    learned = buckets(opt)
+    assert len(learned) > 1
+    assert all(c.backend.name.startswith("triton") for _, c in learned)
+    assert [c.stats.traces for _, c in learned] == [TRACES[name]] * len(learned)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_in_backward_under_compiled_autograd_matches_eager(name):
+    # Compiled autograd captures the backward, the hooks among it, into one FX graph and
+    # hands it to a compiler; here the graph runs as captured (see the next test for dynamo).
+    with _torch_compat.compiled_autograd(lambda graph: graph):
+        opt = train_side_by_side(name, steps=4, bucket_bytes=4096)
+    assert [c.stats.traces for _, c in buckets(opt)] == [TRACES[name]] * len(buckets(opt))
+
+
+def test_in_backward_under_compiled_autograd_compiled_by_dynamo_matches_eager():
+    # Dynamo compiles the captured backward; each hook is a graph break (optcompile's update
+    # runs outside dynamo's graph), which makes its first compile slow for large models: a
+    # small MLP keeps this test short.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    reference = copy.deepcopy(model)
+    opt = optcompile.compile(torch.optim.AdamW(model.parameters()), in_backward=True)
+    eager = torch.optim.AdamW(reference.parameters())
+    inputs = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    with _torch_compat.compiled_autograd(torch.compile(backend="eager")):
+        for step in range(3):
+            model(inputs * step).pow(2).sum().backward()
+            assert all(p.grad is None for p in model.parameters())
+            opt.step()
+            reference(inputs * step).pow(2).sum().backward()
+            eager.step()
+            eager.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], eager.state[q]["exp_avg_sq"])
+
+
+def test_under_compiled_autograd_a_bucket_left_incomplete_is_updated_by_step():
+    # Compiled autograd runs no end-of-backward callback queued from a hook: a parameter
+    # without a gradient leaves its bucket waiting until opt.step().
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    with _torch_compat.compiled_autograd(lambda graph: graph):
+        for step in range(3):
+            for m, o in ((model, opt), (reference, eager)):
+                m.norm.weight.requires_grad_(step != 1)
+                m(batch(step)).backward()
+                o.step()
+                o.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+            assert_same(model, opt, reference, eager)
+
+
+def test_buckets_follow_the_order_gradients_arrive_in():
+    model, opt, _, _ = make_pair("AdamW", bucket_bytes=1)  # one param per bucket
+    model(batch(0)).backward()
+    order = [params[0] for params, _ in buckets(opt)]
+    assert order[0] is model.norm.weight or order[0] is model.norm.bias  # head's input grads
+    assert order[-1] is model.embed.weight or order[-1] is model.pos  # the first layer last
+    assert len(order) == len(list(model.parameters()))
+
+
+def test_one_bucket_when_all_gradients_fit():
+    model, opt, _, _ = make_pair("AdamW")  # the 25 MiB default
+    for step in range(3):
+        model(batch(step)).backward()
+    ((params, compiled),) = buckets(opt)
+    assert len(params) == len(list(model.parameters()))
+    assert compiled.stats.traces == 1
+
+
+def test_gradient_accumulation_updates_once_with_the_summed_gradients():
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    for step in range(3):
+        for micro in range(2):
+            with optcompile.accumulate(opt):
+                model(batch(10 * step + micro)).backward()
+            assert all(p.grad is not None for p in model.parameters())
+        model(batch(10 * step + 2)).backward()
+        assert all(p.grad is None for p in model.parameters())
+        for micro in range(3):
+            reference(batch(10 * step + micro)).backward()
+        eager.step()
+        eager.zero_grad()
+        assert_same(model, opt, reference, eager)
+
+
+def test_a_parameter_without_gradient_is_left_alone_and_its_bucket_still_runs():
+    model, opt, reference, eager = make_pair("SGD", bucket_bytes=4096)
+    for m in (model, reference):
+        m.pos.requires_grad_(False)  # no grad, ever: eager skips it too
+    for step in range(3):
+        model(batch(step)).backward()
+        assert all(p.grad is None for p in model.parameters())
+        eager_iteration(reference, eager, step)
+    assert_same(model, opt, reference, eager)
+
+
+def test_a_parameter_unused_in_one_backward_is_updated_as_eager_does():
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    for step in range(4):
+        frozen = step == 2  # the final norm gets no gradient in this step
+        for m, o in ((model, opt), (reference, eager)):
+            if frozen:
+                m.norm.weight.requires_grad_(False)
+            m(batch(step)).backward()
+            m.norm.weight.requires_grad_(True)
+            o.step()
+            o.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        assert_same(model, opt, reference, eager)
+
+
+def test_state_dict_round_trip_continues_like_eager():
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    for step in range(2):
+        model(batch(step)).backward()
+        eager_iteration(reference, eager, step)
+    saved = copy.deepcopy(opt.state_dict())
+    model(batch(2)).backward()  # an update that the reload undoes in the state
+    opt.load_state_dict(saved)
+    reloaded = copy.deepcopy(eager.state_dict())
+    eager.load_state_dict(reloaded)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            p.copy_(q)
+    for step in range(3, 5):
+        model(batch(step)).backward()
+        eager_iteration(reference, eager, step)
+    assert_same(model, opt, reference, eager)
+    assert opt.state_dict()["param_groups"] == eager.state_dict()["param_groups"]
+
+
+def test_step_hooks_run_in_step_not_per_bucket():
+    model, opt, _, _ = make_pair("AdamW", bucket_bytes=4096)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    model(batch(0)).backward()
+    assert calls == [] and len(buckets(opt)) > 1
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
+def test_compiling_again_without_in_backward_removes_the_hooks():
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    model(batch(0)).backward()
+    eager_iteration(reference, eager, 0)
+    optcompile.compile(opt, in_backward=False)
+    model(batch(1)).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    opt.step()
+    opt.zero_grad()
+    eager_iteration(reference, eager, 1)
+    assert_same(model, opt, reference, eager)
+
+
+def test_a_closure_is_refused():
+    model, opt, _, _ = make_pair("AdamW")
+    with pytest.raises(CompileError, match="closure"):
+        opt.step(lambda: model(batch(0)))
+
+
+def test_clip_grad_norm_over_in_backward_params_is_refused():
+    model, _, _, _ = make_pair("AdamW")
+    model(batch(0)).backward()
+    with pytest.raises(CompileError, match="each bucket by its own norm is not the same"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    other = torch.nn.Linear(2, 2)  # a model of no in-backward optimizer clips as before
+    other(torch.ones(2)).sum().backward()
+    assert torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3) > 1e-3
+
+
+def test_grad_scaler_is_refused_before_the_backward():
+    model, _, _, _ = make_pair("AdamW")
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(CompileError, match="GradScaler"):
+        scaler.scale(model(batch(0)))
+    assert all(p.grad is None for p in model.parameters())
+    other = torch.nn.Linear(2, 2)
+    scaler.scale(other(torch.ones(2)).sum()).backward()  # other models scale as before
+
+
+def test_in_backward_is_refused_where_it_cannot_hold():
+    with pytest.raises(CompileError, match="LBFGS"):
+        lbfgs = torch.optim.LBFGS(TinyTransformer().parameters())
+        optcompile.compile(lbfgs, in_backward=True)
+    assert type(lbfgs) is torch.optim.LBFGS  # left as it was
+    with pytest.raises(CompileError, match="optimizers"):
+        optcompile.compile(lambda x: x.add_(1), in_backward=True)
+    with pytest.raises(CompileError, match="bucket_bytes"):
+        optcompile.compile(torch.optim.SGD(TinyTransformer().parameters()), bucket_bytes=0)
+    plain = torch.optim.SGD(TinyTransformer().parameters())
+    with pytest.raises(CompileError, match="in_backward=True"), optcompile.accumulate(plain):
+        pass
