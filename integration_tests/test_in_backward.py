@@ -263,6 +263,18 @@ def test_state_dict_round_trip_continues_like_eager():
     assert opt.state_dict()["param_groups"] == eager.state_dict()["param_groups"]
 
 
+def test_explain_lists_the_buckets_and_counts_their_traces():
+    model, opt, _, _ = make_pair("AdamW", bucket_bytes=4096)
+    assert "the first backward learns them" in str(optcompile.explain(opt))
+    for step in range(2):
+        model(batch(step)).backward()
+    report = optcompile.explain(opt)
+    assert len(report.buckets) == len(buckets(opt)) > 1
+    assert report.traces == len(buckets(opt)) and report.name == "AdamW.step"
+    assert report.buckets[0].startswith("bucket 0: ") and "traces 1" in report.buckets[0]
+    assert len(str(report).splitlines()) <= 40
+
+
 def test_step_hooks_run_in_step_not_per_bucket():
     model, opt, _, _ = make_pair("AdamW", bucket_bytes=4096)
     calls: list[str] = []

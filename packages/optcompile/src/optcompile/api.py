@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import types
@@ -13,12 +14,13 @@ from optguard import DEFAULT_RECOMPILE_LIMIT, Locals, group_guards, native
 from optsidefx import Effect, TensorWrite
 from opttrace import trace
 
+from optcompile import backward
 from optcompile.cudagraphs import GraphedPlan
 from optcompile.driver import Compiled, newest, reset_all
 from optcompile.errors import CompileError, NotCompilableError
 from optcompile.explanation import Explanation
 from optcompile.optimizer import _OPTIMIZERS as _OPTIMIZERS  # (tests reach the registry here)
-from optcompile.optimizer import compile_optimizer, is_compiled, registered
+from optcompile.optimizer import OPTIONS_ATTR, compile_optimizer, is_compiled, registered
 from optcompile.options import BACKEND_CHOICES, DEFAULT_BUCKET_BYTES, Options
 
 __all__ = ["BACKEND_CHOICES", "Explanation", "compile", "explain", "reset"]
@@ -190,6 +192,47 @@ def explain(obj: Any, verbose: bool = False) -> Explanation:
     summary of at most 40 lines; ``verbose=True`` makes it the full text; the fields always
     hold it)."""
     compiled = _compiled_of(obj)
+    learned = backward.buckets(obj) if isinstance(obj, torch.optim.Optimizer) else []
+    if learned:
+        return _explain_buckets(compiled, learned, verbose)
+    if is_compiled(obj) and obj.__dict__[OPTIONS_ATTR].in_backward:
+        return dataclasses.replace(
+            _explain(compiled, verbose),
+            buckets=["(none yet: the first backward learns them)"],
+        )
+    return _explain(compiled, verbose)
+
+
+def _explain_buckets(
+    compiled: Compiled, learned: list[tuple[list[torch.Tensor], Compiled | None]], verbose: bool
+) -> Explanation:
+    """An in-backward optimizer: the newest bucket's report, counts over every bucket."""
+    ran = [c for _, c in learned if c is not None]
+    base = _explain(ran[-1] if ran else compiled, verbose)
+    lines = []
+    for number, (params, bucket) in enumerate(learned):
+        mib = sum(p.numel() * p.element_size() for p in params) / 2**20
+        what = f"bucket {number}: {len(params)} params, {mib:.2f} MiB of gradients"
+        if bucket is not None:
+            entry = newest(bucket)
+            launches = entry.plan.kernel_launches_per_step if entry else 0
+            what += f", traces {bucket.stats.traces}, {launches} launches"
+            if entry is not None and isinstance(entry.plan, GraphedPlan):
+                what += f", CUDA graph: {entry.plan.status()}"
+            if bucket.stats.fallback_reason:
+                what += f", runs eagerly: {bucket.stats.fallback_reason}"
+        lines.append(what)
+    return dataclasses.replace(
+        base,
+        name=compiled.name,
+        traces=sum(c.stats.traces for c in ran),
+        entries=sum(len(c.cache.entries) for c in ran),
+        retrace_reasons=[r for c in ran for r in c.stats.retrace_reasons],
+        buckets=lines,
+    )
+
+
+def _explain(compiled: Compiled, verbose: bool) -> Explanation:
     entry = newest(compiled)
     plans = [e.value.plan for e in compiled.cache.entries]
     graphed = [p for p in plans if isinstance(p, GraphedPlan)]

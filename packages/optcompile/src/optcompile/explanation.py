@@ -23,6 +23,7 @@ LABELS = {
 MAX_REASONS = 5
 MAX_GROUPS = 15
 MAX_KEYS = 6
+MAX_BUCKETS = 5
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,14 @@ class Explanation:
     side_effects: int = 0  # effects the newest entry replays after its graph
     collectives: list[str] = field(default_factory=list)  # the newest graph's (DTensor's)
     verbose: bool = False
+    buckets: list[str] = field(default_factory=list)  # in_backward: one line per bucket
 
     def __str__(self) -> str:
         return "\n".join(self.full_lines() if self.verbose else self.summary_lines())
 
     def summary_lines(self) -> list[str]:
         """The summary: status, retrace reasons, the newest entry's graph and grouped guards."""
-        lines = [self._headline()]
+        lines = [self._headline(), *self._bucket_lines(MAX_BUCKETS)]
         lines.append(
             f"kernel launches per step: {self.kernel_launches_per_step}   "
             f"native per-tensor checks: {self.native_checks}"
@@ -105,6 +107,7 @@ class Explanation:
         ]
         return [
             self._headline(),
+            *self._bucket_lines(len(self.buckets)),
             f"kernel launches per step: {self.kernel_launches_per_step}",
             f"fallback: {self.fallback_reason or 'none'}",
             f"CUDA graphs: {self.cudagraphs}",
@@ -124,6 +127,20 @@ class Explanation:
             "replay code:",
             self.replay_code,
         ]
+
+    def _bucket_lines(self, most: int) -> list[str]:
+        """in_backward: the buckets (the rest of the report is about the newest bucket's
+        entry; traces and entries count every bucket's)."""
+        if not self.buckets:
+            return []
+        lines = [
+            f"in backward: {len(self.buckets)} buckets, each one compiled update; below, "
+            "the latest bucket's entry"
+        ]
+        lines += [f"  {_clip(b)}" for b in self.buckets[:most]]
+        if len(self.buckets) > most:
+            lines.append(f"  (+{len(self.buckets) - most} more in explain(opt).buckets)")
+        return lines
 
     def _headline(self) -> str:
         if self.eager:
