@@ -11,6 +11,7 @@ Triton cases run their kernels under TRITON_INTERPRET=1 on the CPU.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,8 @@ HAS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == 
 needs_triton = pytest.mark.skipif(
     not HAS_TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
 )
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class TinyTransformer(torch.nn.Module):
@@ -45,6 +48,7 @@ class TinyTransformer(torch.nn.Module):
         self.head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.to(self.pos.device)
         x = self.layers(self.embed(tokens) + self.pos, is_causal=False)
         logits = self.head(self.norm(x))
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1).flatten())
@@ -74,10 +78,10 @@ TRACES = {"AdamW": 1, "SGD": 2}
 
 
 def make_pair(
-    name: str, **options: Any
+    name: str, device: str = "cpu", **options: Any
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = TinyTransformer()
+    model = TinyTransformer().to(device)
     reference = copy.deepcopy(model)
     opt = optcompile.compile(OPTIMIZERS[name](model), in_backward=True, **options)
     return model, opt, reference, OPTIMIZERS[name](reference)
@@ -129,7 +133,7 @@ def test_ten_steps_in_backward_match_eager_after_backward(name):
 @needs_triton
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_ten_steps_in_backward_on_triton_match_eager(name):
-    opt = train_side_by_side(name, backend="triton", bucket_bytes=8192)
+    opt = train_side_by_side(name, device=TRITON_DEVICE, backend="triton", bucket_bytes=8192)
     learned = buckets(opt)
     assert len(learned) > 1
     assert all(c.backend.name.startswith("triton") for _, c in learned)
@@ -181,6 +185,41 @@ def test_under_compiled_autograd_a_bucket_left_incomplete_is_updated_by_step():
                 o.zero_grad()
             assert all(p.grad is None for p in model.parameters())
             assert_same(model, opt, reference, eager)
+
+
+@needs_cuda
+def test_on_cuda_each_bucket_replays_its_cuda_graph_and_matches_eager():
+    opt = train_side_by_side("AdamW", device="cuda", bucket_bytes=8192)  # auto: triton
+    report = optcompile.explain(opt)
+    assert len(report.buckets) > 1
+    assert all("1 recording(s), " in line for line in report.buckets), report.buckets
+
+
+@needs_cuda
+def test_on_cuda_peak_memory_drops_by_about_the_gradients():
+    def peak(in_backward: bool) -> tuple[int, int]:
+        gc.collect()  # the other run's model and optimizer are gone
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(1024, 1024, bias=False) for _ in range(8)]
+        model = torch.nn.Sequential(*layers).cuda()
+        opt = optcompile.compile(
+            torch.optim.AdamW(model.parameters()), in_backward=in_backward, bucket_bytes=2**22
+        )
+        inputs = torch.randn(4, 1024, device="cuda")
+        for step in range(3):
+            if step == 2:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            model(inputs).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        grads = sum(p.numel() * p.element_size() for p in model.parameters())
+        return torch.cuda.max_memory_allocated(), grads
+
+    after, grads = peak(False)
+    inside, _ = peak(True)
+    assert inside <= after - grads * 3 // 4, (after, inside, grads)
 
 
 def test_buckets_follow_the_order_gradients_arrive_in():
