@@ -247,6 +247,9 @@ def test_gradient_accumulation_updates_once_with_the_summed_gradients():
             with optcompile.accumulate(opt):
                 model(batch(10 * step + micro)).backward()
             assert all(p.grad is not None for p in model.parameters())
+            with optcompile.accumulate(opt):
+                opt.step()  # hooks only: the gradients stay for the next backward
+            assert all(p.grad is not None for p in model.parameters())
         model(batch(10 * step + 2)).backward()
         assert all(p.grad is None for p in model.parameters())
         for micro in range(3):
@@ -345,7 +348,8 @@ def test_a_closure_is_refused():
 
 
 def test_clip_grad_norm_over_in_backward_params_is_refused():
-    model, _, _, _ = make_pair("AdamW")
+    pair = make_pair("AdamW")  # the optimizer stays alive (its death removes the hooks)
+    model = pair[0]
     model(batch(0)).backward()
     with pytest.raises(CompileError, match="each bucket by its own norm is not the same"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -354,8 +358,18 @@ def test_clip_grad_norm_over_in_backward_params_is_refused():
     assert torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3) > 1e-3
 
 
+def test_params_outliving_their_in_backward_optimizer_train_as_before():
+    model, opt, _, _ = make_pair("SGD")
+    del opt
+    gc.collect()
+    model(batch(0)).backward()  # no hook left: the gradients stay
+    assert all(p.grad is not None for p in model.parameters())
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 0
+
+
 def test_grad_scaler_is_refused_before_the_backward():
-    model, _, _, _ = make_pair("AdamW")
+    pair = make_pair("AdamW")
+    model = pair[0]
     scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(CompileError, match="GradScaler"):
         scaler.scale(model(batch(0)))

@@ -80,6 +80,7 @@ class InBackward:
         self.accumulating = 0
         self.callback_queued = False
         self.handles: list[Any] = []
+        self.owned: list[tuple[int, tuple[weakref.ref[torch.Tensor], str]]] = []
         self.key: tuple[Any, ...] = ()
         self.group_of: dict[int, int] = {}  # id(param) -> index of its group
         self.bucket_of: dict[int, Bucket] = {}
@@ -105,16 +106,17 @@ class InBackward:
                 if p.requires_grad and id(p) not in self.group_of:
                     self.group_of[id(p)] = index
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
-                    _OWNED[id(p)] = (weakref.ref(p), self.name)
+                    owned = _OWNED[id(p)] = (weakref.ref(p), self.name)
+                    self.owned.append((id(p), owned))
 
     def detach(self) -> None:
+        """Remove the hooks and the ownership marks (also when the optimizer is gone)."""
         for handle in self.handles:
             handle.remove()
-        opt = self.ref()
-        for group in opt.param_groups if opt is not None else ():
-            for p in group["params"]:
-                if _owner(p) is not None:
-                    del _OWNED[id(p)]
+        for key, owned in self.owned:
+            if _OWNED.get(key) is owned:
+                del _OWNED[key]
+        self.owned.clear()
         self.handles.clear()
         self.group_of.clear()
         self.bucket_of.clear()
@@ -271,7 +273,8 @@ def attach(opt: torch.optim.Optimizer, options: Options) -> None:
     """Hook ``opt``'s params (``compile(opt, in_backward=True)``)."""
     detach(opt)
     _install_refusals()
-    _STATES[opt] = InBackward(opt, options)
+    state = _STATES[opt] = InBackward(opt, options)
+    weakref.finalize(opt, state.detach)  # params that outlive the optimizer lose its hooks
 
 
 def detach(opt: torch.optim.Optimizer) -> None:
@@ -303,7 +306,9 @@ def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> None:
         if result is not None:
             args, kwargs = result
     with state.lock:
-        state.flush()
+        state.callback_queued = False  # (a backward that raised never ran its callback)
+        if not state.accumulating:
+            state.flush()
     for hook in _torch_compat.step_post_hooks(opt):
         hook(opt, args, kwargs)
 
@@ -374,8 +379,8 @@ def _refuse_clipping(parameters: Any) -> None:
 
 
 def _refuse_scaling(scaled: Any) -> None:
-    if not _OWNED:
-        return
+    if not _OWNED or not isinstance(scaled, torch.Tensor | list | tuple):
+        return  # (an iterator GradScaler returns for other iterables is not consumed here)
     roots = [scaled] if isinstance(scaled, torch.Tensor) else list(scaled)
     p = _owned_leaf(roots)
     if p is not None:
