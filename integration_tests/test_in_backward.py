@@ -285,6 +285,24 @@ def test_a_parameter_unused_in_one_backward_is_updated_as_eager_does():
         assert_same(model, opt, reference, eager)
 
 
+def test_add_param_group_hooks_the_new_params_and_matches_eager():
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    extra = torch.nn.Parameter(torch.ones(WIDTH))
+    extra_reference = torch.nn.Parameter(torch.ones(WIDTH))
+    for step in range(4):
+        if step == 1:
+            opt.add_param_group({"params": [extra], "lr": 0.01})
+            eager.add_param_group({"params": [extra_reference], "lr": 0.01})
+        for m, o, e in ((model, opt, extra), (reference, eager, extra_reference)):
+            (m(batch(step)) + (e * step).sum()).backward()
+            o.step()
+            o.zero_grad()
+        assert step == 0 or extra.grad is None  # (before it joins, no optimizer owns it)
+        torch.testing.assert_close(extra, extra_reference)
+        assert_same(model, opt, reference, eager)
+    assert sum(len(params) for params, _ in buckets(opt)) == len(list(model.parameters())) + 1
+
+
 def test_state_dict_round_trip_continues_like_eager():
     model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
     for step in range(2):

@@ -64,6 +64,7 @@ class Bucket:
 
     params: list[torch.Tensor]
     view: torch.optim.Optimizer | None = None
+    step: Callable[[dict[str, Any]], Any] | None = None  # the view's Compiled
     groups: list[tuple[int, dict[str, Any]]] = dataclasses.field(default_factory=list)
     arrived: int = 0  # gradients arrived in this backward
 
@@ -193,6 +194,7 @@ class InBackward:
             return
         bucket.arrived = 0
         view = bucket.view if bucket.view is not None else self.make_view(opt, bucket)
+        assert bucket.step is not None
         for index, own in bucket.groups:
             live = opt.param_groups[index]
             for key, value in live.items():
@@ -205,9 +207,7 @@ class InBackward:
                 view.state.pop(p, None)  # cleared (load_state_dict without it)
             elif view.state.get(p) is not entry:
                 view.state[p] = entry
-        from optcompile.optimizer import registered
-
-        registered(view)({"opt": view})
+        bucket.step({"opt": view})
         for p in bucket.params:
             entry = view.state.get(p)
             if entry is not None and state.get(p) is not entry:
@@ -240,8 +240,9 @@ class InBackward:
         view.state = defaultdict(dict)
         compile_optimizer(view, self.options)
         number = self.buckets.index(bucket) if bucket in self.buckets else len(self.buckets)
-        registered(view).name = f"{self.name} (bucket {number}: {len(bucket.params)} params)"
-        bucket.view = view
+        compiled = registered(view)
+        compiled.name = f"{self.name} (bucket {number}: {len(bucket.params)} params)"
+        bucket.view, bucket.step = view, compiled
         return view
 
 
