@@ -21,7 +21,7 @@ Usage (GPU machine, from the repository root):
   PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
       python benchmarks/in_backward.py --json benchmarks/results/in_backward_h100.json \\
       --out benchmarks/results/in_backward_h100.md
-A CPU smoke run: python benchmarks/in_backward.py --config tiny --device cpu --iters 2
+A CPU smoke run: python benchmarks/in_backward.py --config tiny --device cpu --iters 2 --batches 2
 """
 
 from __future__ import annotations
@@ -170,14 +170,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         loss = iteration(tokens)
         sync()
         elapsed = time.perf_counter() - start
+        if i == 0:
+            first = elapsed
         if i >= args.warmup:
             times.append(elapsed)
             losses.append(loss)
-        elif i == 0:
-            first = elapsed
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     row: dict[str, Any] = {
         "variant": args.variant,
+        "batch": args.batch,
         "iteration_s": statistics.median(times),
         "iteration_s_all": times,
         "first_iteration_s": first,
@@ -201,26 +202,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_all(args: argparse.Namespace) -> None:
     rows = []
-    for variant in args.variants.split(","):
-        command = [sys.executable, __file__, "--variant", variant, "--device", args.device]
-        command += ["--config", args.config, "--batch", str(args.batch)]
-        command += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        lines = done.stdout.strip().splitlines()
-        if done.returncode != 0 or not lines:
-            error = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-            row = {"variant": variant, "error": error}
-        else:
-            row = json.loads(lines[-1])
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "iteration_s_all"}), flush=True)
+    for batch in args.batches.split(","):
+        for variant in args.variants.split(","):
+            command = [sys.executable, __file__, "--variant", variant, "--device", args.device]
+            command += ["--config", args.config, "--batch", batch]
+            command += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            lines = done.stdout.strip().splitlines()
+            if done.returncode != 0 or not lines:
+                error = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+                row = {"variant": variant, "batch": int(batch), "error": error}
+            else:
+                row = json.loads(lines[-1])
+            rows.append(row)
+            shown = {k: v for k, v in row.items() if k != "iteration_s_all"}
+            print(json.dumps(shown), flush=True)
     meta = {
         "command": "python benchmarks/in_backward.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "config": args.config,
-        "batch": args.batch,
+        "batches": args.batches,
         "warmup": args.warmup,
         "iters": args.iters,
     }
@@ -245,20 +248,24 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
         f"Command: `{meta['command']}`  ",
         f"torch {meta['torch']}, Triton {meta['triton']}, Python {meta['python']}; "
-        f"config {meta['config']}, batch {meta['batch']}, bf16 autocast, fp32 params, "
+        f"config {meta['config']}, batches {meta['batches']}, bf16 autocast, fp32 params, "
         f"AdamW; {meta['warmup']} warm-up iterations, median of {meta['iters']}.",
         "",
-        "| variant | iteration ms | first iteration s | peak MiB | peak - optcompile's MiB "
-        "| losses (first, last) | notes |",
-        "| --- | ---: | ---: | ---: | ---: | --- | --- |",
+        "| batch | variant | iteration ms | first iteration s | peak MiB "
+        "| peak - optcompile's MiB | losses (first, last) | notes |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | --- | --- |",
     ]
-    after = ok.get("optcompile", {}).get("peak_bytes")
+    after = {
+        r["batch"]: r.get("peak_bytes")
+        for r in rows
+        if r["variant"] == "optcompile" and "error" not in r
+    }
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | n/a | | | | | {r['error']} |")
+            lines.append(f"| {r['batch']} | {r['variant']} | n/a | | | | | {r['error']} |")
             continue
-        peak = r["peak_bytes"]
-        delta = "" if peak is None or after is None else f"{(peak - after) / 2**20:,.0f}"
+        peak, base = r["peak_bytes"], after.get(r["batch"])
+        delta = "" if peak is None or base is None else f"{(peak - base) / 2**20:,.0f}"
         notes = []
         if r.get("buckets"):
             notes.append(f"{len(r['buckets'])} buckets, {r['traces']} traces")
@@ -268,7 +275,8 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             notes.append(f"CUDA graphs: {r['cudagraphs']}")
         losses = r["losses"]
         lines.append(
-            f"| {r['variant']} | {r['iteration_s'] * 1e3:,.1f} | {r['first_iteration_s']:.2f} "
+            f"| {r['batch']} | {r['variant']} | {r['iteration_s'] * 1e3:,.1f} "
+            f"| {r['first_iteration_s']:.2f} "
             f"| {'' if peak is None else f'{peak / 2**20:,.0f}'} | {delta} "
             f"| {losses[0]:.4f}, {losses[-1]:.4f} | {'; '.join(notes)} |"
         )
@@ -285,7 +293,13 @@ def main() -> None:
     parser.add_argument("--variant", help="measure this one variant in this process")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--config", default="gpt2", choices=sorted(CONFIGS))
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="with --variant")
+    parser.add_argument(
+        "--batches",
+        default="1,8",
+        help="sequences per iteration, one table row set each: with few, the peak is at the "
+        "step (gradients and state alive); with many, activations early in backward dominate",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json")
