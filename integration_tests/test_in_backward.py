@@ -270,6 +270,23 @@ def test_a_parameter_without_gradient_is_left_alone_and_its_bucket_still_runs():
     assert_same(model, opt, reference, eager)
 
 
+def test_a_parameter_frozen_at_compile_and_trained_later_is_updated_as_eager_does():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    model.pos.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    opt = optcompile.compile(OPTIMIZERS["AdamW"](model), in_backward=True, bucket_bytes=4096)
+    eager = OPTIMIZERS["AdamW"](reference)
+    for step in range(4):
+        for m, o in ((model, opt), (reference, eager)):
+            m.pos.requires_grad_(step >= 1)  # frozen when compiled: no hook then
+            m(batch(step)).backward()
+            o.step()
+            o.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        assert_same(model, opt, reference, eager)
+
+
 def test_a_parameter_unused_in_one_backward_is_updated_as_eager_does():
     model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
     for step in range(4):

@@ -84,6 +84,7 @@ class InBackward:
         self.owned: list[tuple[int, tuple[weakref.ref[torch.Tensor], str]]] = []
         self.key: tuple[Any, ...] = ()
         self.group_of: dict[int, int] = {}  # id(param) -> index of its group
+        self.hooked: set[int] = set()  # ids of the params with a hook (those requiring grad)
         self.bucket_of: dict[int, Bucket] = {}
         self.buckets: list[Bucket] = []
         self.open: list[torch.Tensor] = []  # the bucket being learned
@@ -104,8 +105,11 @@ class InBackward:
         hook = torch.compiler.disable(lambda p: _arrived(ref, p))  # type: ignore[no-untyped-call]
         for index, group in enumerate(opt.param_groups):
             for p in group["params"]:
-                if p.requires_grad and id(p) not in self.group_of:
-                    self.group_of[id(p)] = index
+                if id(p) in self.group_of:
+                    continue
+                self.group_of[id(p)] = index
+                if p.requires_grad:
+                    self.hooked.add(id(p))
                     self.handles.append(p.register_post_accumulate_grad_hook(hook))
                     owned = _OWNED[id(p)] = (weakref.ref(p), self.name)
                     self.owned.append((id(p), owned))
@@ -120,6 +124,7 @@ class InBackward:
         self.owned.clear()
         self.handles.clear()
         self.group_of.clear()
+        self.hooked.clear()
         self.bucket_of.clear()
         self.buckets.clear()
         self.open.clear()
@@ -145,7 +150,7 @@ class InBackward:
         self.open.append(p)
         self.open_bytes += p.numel() * p.element_size()
         placed = len(self.bucket_of) + len(self.open)
-        if self.open_bytes >= self.bucket_bytes or placed >= len(self.group_of):
+        if self.open_bytes >= self.bucket_bytes or placed >= len(self.hooked):
             self.update(self.close())
 
     def close(self) -> Bucket:
@@ -176,12 +181,11 @@ class InBackward:
             if any(p.grad is not None for p in bucket.params):
                 self.update(bucket)
             bucket.arrived = 0
-        left = [
-            p
-            for g in opt.param_groups
-            for p in g["params"]
-            if p.grad is not None and id(p) not in self.bucket_of and id(p) in self.group_of
-        ]
+        left = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        left = [p for p in left if id(p) not in self.bucket_of]
+        if any(p.requires_grad and id(p) not in self.hooked for p in left):
+            self.key = ()  # frozen when hooked, trained now: hooked now, buckets learned again
+            self.refresh(opt)
         if left:
             self.open = left
             self.update(self.close())
