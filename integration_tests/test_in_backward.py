@@ -159,6 +159,9 @@ def test_in_backward_under_compiled_autograd_compiled_by_dynamo_matches_eager():
     opt = optcompile.compile(torch.optim.AdamW(model.parameters()), in_backward=True)
     eager = torch.optim.AdamW(reference.parameters())
     inputs = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    regions: list[bool] = []
+    spy = torch.compiler.disable(lambda p: regions.append(_torch_compat.in_compiled_autograd()))
+    model[0].bias.register_post_accumulate_grad_hook(spy)
     with _torch_compat.compiled_autograd(torch.compile(backend="eager")):
         for step in range(3):
             model(inputs * step).pow(2).sum().backward()
@@ -167,9 +170,48 @@ def test_in_backward_under_compiled_autograd_compiled_by_dynamo_matches_eager():
             reference(inputs * step).pow(2).sum().backward()
             eager.step()
             eager.zero_grad()
+    assert regions == [True] * 3  # the hooks ran inside compiled autograd's graph
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q)
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"], eager.state[q]["exp_avg_sq"])
+
+
+def test_in_backward_with_compiled_autograd_from_the_dynamo_config_matches_eager():
+    # torch._dynamo.config.compiled_autograd (read when torch.compile wraps the function):
+    # a backward called inside the compiled function runs through compiled autograd.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    reference = copy.deepcopy(model)
+    opt = optcompile.compile(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), in_backward=True
+    )
+    eager = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    inputs = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
+    regions: list[bool] = []
+    spy = torch.compiler.disable(lambda p: regions.append(_torch_compat.in_compiled_autograd()))
+    model[0].bias.register_post_accumulate_grad_hook(spy)  # (its own hooks run there too)
+
+    with _torch_compat.compiled_autograd_config():
+
+        @torch.compile(backend="eager")
+        def train(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            return loss
+
+        for step in range(3):
+            train(inputs * step)
+            assert all(p.grad is None for p in model.parameters())
+            opt.step()
+            reference(inputs * step).pow(2).sum().backward()
+            eager.step()
+            eager.zero_grad()
+    assert regions == [True] * 3
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(
+            opt.state[p]["momentum_buffer"], eager.state[q]["momentum_buffer"]
+        )
 
 
 def test_under_compiled_autograd_a_bucket_left_incomplete_is_updated_by_step():

@@ -72,6 +72,14 @@ def compiled_autograd(compiler: Callable[..., Any]) -> Any:
     return ca._enable(compiler)
 
 
+def compiled_autograd_config() -> Any:
+    """A context in which functions compiled by ``torch.compile`` run the backward they call
+    through compiled autograd (``torch._dynamo.config.compiled_autograd = True``)."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(compiled_autograd=True)
+
+
 def accumulate_grad_variable(node: Any) -> torch.Tensor | None:
     """The leaf tensor an autograd graph node accumulates into (None for other nodes)."""
     variable = getattr(node, "variable", None)
