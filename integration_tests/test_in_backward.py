@@ -462,6 +462,8 @@ def test_in_backward_is_refused_where_it_cannot_hold():
     assert type(lbfgs) is torch.optim.LBFGS  # left as it was
     with pytest.raises(CompileError, match="optimizers"):
         optcompile.compile(lambda x: x.add_(1), in_backward=True)
+    with pytest.raises(CompileError, match="in_backward must be True or False"):
+        optcompile.compile(torch.optim.SGD(TinyTransformer().parameters()), in_backward=1)
     with pytest.raises(CompileError, match="bucket_bytes"):
         optcompile.compile(torch.optim.SGD(TinyTransformer().parameters()), bucket_bytes=0)
     plain = torch.optim.SGD(TinyTransformer().parameters())

@@ -1,7 +1,9 @@
 """optcompile: compile optimizer steps and foreach-style functions.
 
 ``compile(optimizer)`` returns the same optimizer with a compiled ``step``; ``compile(fn)``
-returns a compiled function. ``explain(obj)`` reports what happened (traces, retrace
+returns a compiled function; ``compile(optimizer, in_backward=True)`` runs the
+update inside ``loss.backward()``, and ``accumulate(optimizer)`` holds it back for
+micro-batches. ``explain(obj)`` reports what happened (traces, retrace
 reasons, guards, generated code); ``reset()`` drops every compiled entry. ``set_logs`` (or
 ``$OPTCOMPILE_LOGS``) prints the ``optcompile.*`` loggers' topics.
 """
