@@ -96,6 +96,9 @@ class ScalarNode:
         # How to recompute the value from the inputs, for guards: ("source", Source),
         # ("const", value), ("op", template, operands), or None (depends on tensor data).
         self.expr = expr
+        # For (a == b) / (a != b): whether a and b are one node (what a C++ cache key
+        # comparison is answered with, see _decide); None for any other node.
+        self.identical: bool | None = None
 
     # -- constructors -------------------------------------------------------------------
 
@@ -128,7 +131,10 @@ class ScalarNode:
         expr = None if any(e is None for e in exprs) else ("op", text, tuple(exprs))
         args = tuple(o.fx_node if o.fx_node is not None else o.hint for o in operands)
         node = self.recorder.scalar_op(fn, args, hint if hint is not None else rtype())
-        return ScalarNode(self.recorder, rtype, hint, node, expr)
+        result = ScalarNode(self.recorder, rtype, hint, node, expr)
+        if name in ("eq", "ne") and len(others) == 1:
+            result.identical = (self is others[0]) == (name == "eq")
+        return result
 
     # -- what torch asks of a node --------------------------------------------------------
 
@@ -178,6 +184,12 @@ class ScalarNode:
     # -- decisions: take the traced value, guard its outcome --------------------------------
 
     def _decide(self, file: str | None = None, line: int | None = None) -> Scalar:
+        if self.identical is not None and self.hint is None and _is_key_comparison(file):
+            # C++ comparing two scalars read from tensors as parts of two cache keys whose
+            # hashes are equal (DTensor's native sharding cache, whose key does not hash a
+            # symbolic scalar's value): what it caches never depends on the value, so they
+            # are the same key only if they are the same node. Nothing is decided on a value.
+            return self.identical
         if self.hint is None or self.expr is None:
             raise TraceError(
                 f"the step makes a Python decision on a tensor's value ({self._text()}): "
@@ -220,6 +232,15 @@ class ScalarNode:
 
     def int_(self) -> int:
         return int(self._decide())
+
+
+# c10's ``SymFloat::operator==`` and ``SymInt::operator==`` (their headers): what C++ caches
+# call on the scalars of two keys whose hashes are equal.
+_KEY_COMPARISON_HEADERS = ("c10/core/SymFloat.h", "c10/core/SymInt.h")
+
+
+def _is_key_comparison(file: str | None) -> bool:
+    return file is not None and file.replace("\\", "/").endswith(_KEY_COMPARISON_HEADERS)
 
 
 def _install_methods() -> None:
