@@ -337,6 +337,44 @@ def placements_change_retraces() -> None:
     assert "placements" in reason and "Replicate" in reason, reason
 
 
+def triton_backend_fuses_like_plain() -> None:
+    # backend="triton" (under TRITON_INTERPRET=1 on the CPU): the sharded elementwise step
+    # is the plain step over the local shards, so it fuses into the same launches.
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return  # (test_dtensor.py skips it then)
+
+    def make(ps: list[Any]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)
+
+    model, ref = sharded_model(), sharded_model()
+    opt = optcompile.compile(make(list(model.parameters())), backend="triton")
+    eager = make(list(ref.parameters()))
+    plain = [nn.Parameter(local(p).detach().clone()) for p in model.parameters()]
+    plain_opt = optcompile.compile(make(plain), backend="triton")
+    for step in range(2):
+        backward(model, step)
+        copy_grads(model, ref)
+        for p, q in zip(plain, model.parameters(), strict=True):
+            p.grad = local(q.grad).clone()
+        for o in (opt, eager, plain_opt):
+            o.step()
+            o.zero_grad()
+    assert_same(model, opt, ref, eager)
+    sharded, flat = optcompile.explain(opt), optcompile.explain(plain_opt)
+    assert sharded.fallback_reason is None and "@triton.jit" in sharded.graph_code
+    # One generated kernel over every lane (plus the small one that writes the 0-dim step
+    # counts back: the step keeps them off the device here), the very kernels of the plain
+    # step over the same local shards.
+    code = sharded.graph_code
+    kernels = [line for line in code.splitlines() if line.startswith("def foreach_")]
+    assert len([k for k in kernels if "_small(" not in k]) == 1, code[:600]
+    assert code == flat.graph_code
+    assert sharded.kernel_launches_per_step == flat.kernel_launches_per_step
+    assert not sharded.collectives, sharded.collectives
+    for p, q in zip(plain, model.parameters(), strict=True):
+        torch.testing.assert_close(p, local(q))
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
     f.__name__: f
     for f in (
@@ -351,6 +389,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         checkpoint_interchange,
         ddp_unchanged,
         placements_change_retraces,
+        triton_backend_fuses_like_plain,
     )
 }
 

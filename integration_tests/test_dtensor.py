@@ -54,6 +54,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("scenario", list(dtensor_scenarios.SCENARIOS))
 def test_sharded_scenario_matches_eager(results: list[dict[str, str]], scenario: str) -> None:
+    if scenario == "triton_backend_fuses_like_plain" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on the CPU under TRITON_INTERPRET=1 only")
     for rank, by_name in enumerate(results):
         outcome = by_name.get(scenario, "did not run")
         assert outcome == "ok", f"rank {rank}:\n{outcome}"
