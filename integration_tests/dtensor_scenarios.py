@@ -8,6 +8,7 @@ scenario, "ok" or the error to ``<out>/rank<r>.json``: one spawn serves the whol
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -203,7 +204,7 @@ def custom_lion() -> None:
     assert traces(opt) == 2, optcompile.explain(opt).retrace_reasons
 
 
-def adafactor_vectors() -> None:
+def adafactor() -> None:
     # Eager Adafactor fails on sharded matrices in torch itself (an in-place pow_ of a
     # partial norm); its vector path (norms, biases) is what eager FSDP2 can run. Its lerp_
     # by a weight read from a tensor goes through DTensor's C++ sharding cache, which
@@ -211,8 +212,27 @@ def adafactor_vectors() -> None:
     # ``param.norm(2).item()`` reads the partial norm of the local shard, in eager DTensor as
     # here (DTensor's rules call for no all-reduce there): compiled equals eager, one trace.
     vectors = lambda m: [p for p in m.parameters() if p.dim() == 1]  # noqa: E731
-    _, opt, _, _ = run_pair(lambda ps: torch.optim.Adafactor(ps, lr=1e-2), params=vectors)
-    assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
+    for foreach in (False, True):
+        make = functools.partial(torch.optim.Adafactor, lr=1e-2, foreach=foreach)
+        _, opt, _, _ = run_pair(make, params=vectors)
+        assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
+    # On sharded matrices the trace meets eager's own error: a FallbackWarning that names
+    # it, then eager raises it.
+    errors = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for compiled in (True, False):
+            model = sharded_model()
+            opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+            backward(model, 0)
+            try:
+                (optcompile.compile(opt) if compiled else opt).step()
+            except RuntimeError as exc:
+                errors.append(str(exc).splitlines()[0])
+    assert len(errors) == 2 and errors[0] == errors[1], errors
+    assert "in-place operations that require placement changes" in errors[0], errors
+    fallbacks = [str(w.message) for w in caught if w.category is optcompile.FallbackWarning]
+    assert len(fallbacks) == 1 and errors[0] in fallbacks[0], fallbacks
 
 
 def clip_grad_norm_before_step() -> None:
@@ -382,7 +402,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         adamw_for_loop,
         sgd_momentum_with_scheduler,
         custom_lion,
-        adafactor_vectors,
+        adafactor,
         clip_grad_norm_before_step,
         global_norm_inside_step,
         mixed_groups,
