@@ -13,6 +13,7 @@ from optguard import (
     DataPtrGuard,
     DictLengthGuard,
     DisjointGuard,
+    EqualGuard,
     Guard,
     GuardSetBuilder,
     ItemSource,
@@ -298,3 +299,22 @@ def test_guards_relating_two_sources_run_on_every_hit_unless_both_lie_in_the_sta
     assert check(L) and check.fast(L)
     params[2].grad = opt.state[params[0]]["momentum_buffer"]  # the state did not change
     assert not check.fast(L) and not check(L)
+
+
+@needs_fast
+def test_an_equality_guard_runs_in_the_tree_and_passes_an_equal_new_object():
+    """A DTensor's mesh and placements are EqualGuards: the C++ tree tests them (the same
+    object at once, another with ==), not the Python residual."""
+    opt = _optimizer()
+    opt.layout = ("shard", 0)  # type: ignore[attr-defined]
+    layout = AttrSource(OPT, "layout")
+    check = _check(opt, (EqualGuard(layout, ("shard", 0)),))
+    L = {"opt": opt}
+    assert check(L) and check.fast is not None and check.fast(L)
+    assert not any(isinstance(g, EqualGuard) for g in check.fast.residual.guards.guards)
+    assert any("L['opt'].layout" in line for line in check.fast.lines)
+    opt.layout = ("shard", int("0"))  # type: ignore[attr-defined]  # equal, another tuple
+    assert check(L) and check.fast_hit
+    opt.layout = ("replicate",)  # type: ignore[attr-defined]
+    assert not check.fast(L) and not check(L)
+    assert "L['opt'].layout" in check.first_failure(L)

@@ -19,6 +19,7 @@ for much less:
   over the pinned tensors themselves (native ``held``; in Python until it is loaded), with
   no fetching: a backend that baked their addresses in (CUDA graphs, address tables) need
   not compare them again (``guarded_addresses`` of its plan);
+- equality guards (a DTensor's ``device_mesh`` and ``placements``) are tree nodes too;
 - the rest (predicates on hyperparameters, key tuples, other sources, data pointers of
   unpinned tensors) runs as generated Python.
 
@@ -52,6 +53,7 @@ from optguard.guards import (
     ConstantGuard,
     DataPtrGuard,
     DictLengthGuard,
+    EqualGuard,
     FloatGuard,
     Guard,
     IdentityGuard,
@@ -442,6 +444,10 @@ class _TreeBuilder:
             tree.tensor(node, value, text)
         elif isinstance(guard, IdentityGuard):
             tree.id_is(node, value, text)
+        elif isinstance(guard, EqualGuard):
+            # A DTensor's mesh and placements (immutable): the same object passes at once,
+            # another of the same type is compared with ==.
+            tree.equals(node, guard.value, text)
         else:
             return False
         self.lines.append(text)
