@@ -357,6 +357,47 @@ def placements_change_retraces() -> None:
     assert "placements" in reason and "Replicate" in reason, reason
 
 
+def fsdp_x_tensor_parallel() -> None:
+    # A 2-D mesh ("dp" x "tp" = 1 x 2 over the two ranks: four would need four processes):
+    # each block's MLP split column- then row-wise over "tp", then fully_shard over "dp";
+    # its params are DTensors with two placements. The batch is the same on every rank
+    # (tensor parallel replicates the input).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+
+    def model_2d() -> nn.Module:
+        torch.manual_seed(0)
+        model = Tiny()
+        for block in model.blocks:
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            parallelize_module(block.mlp, mesh["tp"], plan)  # type: ignore[arg-type]
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+
+    model, ref = model_2d(), model_2d()
+    opt = optcompile.compile(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    eager = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(5):
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).mean().backward()
+        copy_grads(model, ref)
+        for o in (opt, eager):
+            o.step()
+            o.zero_grad()
+    assert_same(model, opt, ref, eager)
+    assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
+    two_d = [p.placements for p in model.parameters() if len(p.placements) == 2]
+    assert len(two_d) == 8 and any("Shard(dim=1)" in str(pl) for pl in two_d), two_d
+
+
 def triton_backend_fuses_like_plain() -> None:
     # backend="triton" (under TRITON_INTERPRET=1 on the CPU): the sharded elementwise step
     # is the plain step over the local shards, so it fuses into the same launches.
@@ -409,6 +450,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         checkpoint_interchange,
         ddp_unchanged,
         placements_change_retraces,
+        fsdp_x_tensor_parallel,
         triton_backend_fuses_like_plain,
     )
 }
