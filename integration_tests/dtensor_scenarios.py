@@ -316,6 +316,55 @@ def checkpoint_interchange(tmp: str) -> None:
         assert_same(model, opt, saver, saver_opt)
 
 
+def checkpoint_reshards_into_a_2d_mesh(tmp: str) -> None:
+    # Saved by a compiled FSDP2 run (Shard(0) over both ranks), loaded by DCP into compiled
+    # and eager 2-D models (other placements: resharded); both continue equal.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = os.path.join(tmp, "ckpt-reshard")
+    saver = sharded_model()
+    saver_opt = optcompile.compile(torch.optim.AdamW(saver.parameters(), lr=1e-2))
+    for step in range(2):
+        backward(saver, step)
+        saver_opt.step()
+        saver_opt.zero_grad()
+    state = {
+        "model": get_model_state_dict(saver),
+        "optim": get_optimizer_state_dict(saver, saver_opt),
+    }
+    dcp.save(state, checkpoint_id=path)
+    loaded = []
+    for compiled in (True, False):
+        model = model_2d(seed=7)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if compiled:
+            opt = optcompile.compile(opt)
+        target = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, opt),
+        }
+        dcp.load(target, checkpoint_id=path)
+        set_model_state_dict(model, target["model"])
+        set_optimizer_state_dict(model, opt, target["optim"])
+        loaded.append((model, opt))
+    (model, opt), (ref, eager) = loaded
+    for p, q in zip(model.parameters(), saver.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=0)
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine, saved = opt.state[p][key], saver_opt.state[q][key]
+            assert mine.placements == p.placements, (key, mine.placements, p.placements)
+            torch.testing.assert_close(mine.full_tensor(), saved.full_tensor(), rtol=0, atol=0)
+    step_2d([(model, opt), (ref, eager)], range(2, 4))
+    assert_same(model, opt, ref, eager)
+    assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
+
+
 def ddp_unchanged() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -357,12 +406,17 @@ def placements_change_retraces() -> None:
     assert "placements" in reason and "Replicate" in reason, reason
 
 
-def fsdp_x_tensor_parallel() -> None:
-    # A 2-D mesh ("dp" x "tp" = 1 x 2 over the two ranks: four would need four processes):
-    # each block's MLP split column- then row-wise over "tp", then fully_shard over "dp";
-    # its params are DTensors with two placements. The batch is the same on every rank
-    # (tensor parallel replicates the input).
+@functools.cache
+def mesh_2d() -> Any:
+    """ "dp" x "tp" = 1 x 2 over the two ranks (a 2 x 2 mesh would need four processes)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+
+
+def model_2d(seed: int = 0) -> nn.Module:
+    """Tiny with each block's MLP split column- then row-wise over "tp", then fully_shard
+    over "dp": those params are DTensors with two placements."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -370,28 +424,36 @@ def fsdp_x_tensor_parallel() -> None:
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    mesh = mesh_2d()
+    torch.manual_seed(seed)
+    model = Tiny()
+    for block in model.blocks:
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        parallelize_module(block.mlp, mesh["tp"], plan)  # type: ignore[arg-type]
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
 
-    def model_2d() -> nn.Module:
-        torch.manual_seed(0)
-        model = Tiny()
-        for block in model.blocks:
-            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-            parallelize_module(block.mlp, mesh["tp"], plan)  # type: ignore[arg-type]
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        return model
 
+def step_2d(pairs: list[tuple[nn.Module, torch.optim.Optimizer]], steps: range) -> None:
+    """Steps of the first model on a batch the same on every rank (tensor parallel
+    replicates the input); every other model steps on its gradients."""
+    (model, _), *others = pairs
+    for step in steps:
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).mean().backward()
+        for other, _ in others:
+            copy_grads(model, other)
+        for _, o in pairs:
+            o.step()
+            o.zero_grad()
+
+
+def fsdp_x_tensor_parallel() -> None:
     model, ref = model_2d(), model_2d()
     opt = optcompile.compile(torch.optim.AdamW(model.parameters(), lr=1e-2))
     eager = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(5):
-        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(step))
-        model(x).pow(2).mean().backward()
-        copy_grads(model, ref)
-        for o in (opt, eager):
-            o.step()
-            o.zero_grad()
+    step_2d([(model, opt), (ref, eager)], range(5))
     assert_same(model, opt, ref, eager)
     assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
     two_d = [p.placements for p in model.parameters() if len(p.placements) == 2]
@@ -448,6 +510,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         global_norm_inside_step,
         mixed_groups,
         checkpoint_interchange,
+        checkpoint_reshards_into_a_2d_mesh,
         ddp_unchanged,
         placements_change_retraces,
         fsdp_x_tensor_parallel,
@@ -472,7 +535,7 @@ def main(rank: int, world_size: int, out: str) -> None:
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    if name == "checkpoint_interchange":
+                    if name.startswith("checkpoint_"):
                         scenario(out)
                     else:
                         scenario()
