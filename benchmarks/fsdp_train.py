@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpt
-from sharded_step import BYTES_PER_ELEMENT, copy_bandwidth, device_name, local, step_times
+from sharded_step import BYTES_PER_ELEMENT, copy_bandwidth, device_name, local, step_times, sync
 
 OPTIONS = {"lr": 1e-3, "weight_decay": 0.01}
 VARIANTS = ["optcompile", "fused", "foreach"]
@@ -209,11 +209,6 @@ def time_variant(variant: str, model: torch.nn.Module, args: argparse.Namespace)
         row["fallback"] = report.fallback_reason
     opt.zero_grad()
     return row
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def run_model(args: argparse.Namespace, workdir: str) -> dict[str, Any]:

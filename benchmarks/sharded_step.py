@@ -170,9 +170,9 @@ def measure(variant: str, params: list[torch.nn.Parameter], args: argparse.Names
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as store_dir:
-        init_world(args.device, store_dir)
+        mesh = init_world(args.device, store_dir)
         try:
-            model = gpt.shard(gpt.build(args.model, args.device))
+            model = gpt.shard(gpt.build(args.model, args.device), mesh=mesh)
             tokens = gpt.batch(args.model, args.batch, args.length, args.device, seed=0)
             gpt.loss(model, tokens).backward()
             params = [p for p in model.parameters() if p.grad is not None]
