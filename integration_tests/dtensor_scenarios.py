@@ -89,11 +89,15 @@ def local(t: Any) -> Any:
 
 
 def assert_same(
-    model: nn.Module, opt: torch.optim.Optimizer, ref: nn.Module, eager: torch.optim.Optimizer
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ref: nn.Module,
+    eager: torch.optim.Optimizer,
+    **tolerance: Any,
 ) -> None:
     """Parameters and every state entry equal (local shards), state of the same kind."""
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(local(p), local(q))
+        torch.testing.assert_close(local(p), local(q), **tolerance)
         assert set(opt.state[p]) == set(eager.state[q]), (set(opt.state[p]), set(eager.state[q]))
         for key, value in eager.state[q].items():
             mine = opt.state[p][key]
@@ -101,7 +105,7 @@ def assert_same(
             if hasattr(value, "placements"):
                 assert mine.placements == value.placements, (key, mine.placements)
                 assert mine.device_mesh == value.device_mesh
-            torch.testing.assert_close(local(mine), local(value))
+            torch.testing.assert_close(local(mine), local(value), **tolerance)
 
 
 def run_pair(
