@@ -500,6 +500,26 @@ def triton_backend_fuses_like_plain() -> None:
     assert not sharded.collectives, sharded.collectives
     for p, q in zip(plain, model.parameters(), strict=True):
         torch.testing.assert_close(p, local(q))
+    # A global norm inside the step: the norms and their all-reduce (DTensor's rules) run on
+    # the torch backend before the kernel; everything elementwise is one kernel.
+    optcompile.reset()
+    model, ref = sharded_model(), sharded_model()
+    opt = optcompile.compile(ClippedSGD(model.parameters()), backend="triton")
+    eager = ClippedSGD(ref.parameters())
+    for step in range(2):
+        backward(model, step)
+        copy_grads(model, ref)
+        for o in (opt, eager):
+            o.step()
+            o.zero_grad()
+    assert_same(model, opt, ref, eager)
+    explanation = optcompile.explain(opt)
+    code = explanation.graph_code
+    assert explanation.collectives == ["all_reduce(sum) of pow_tensor_scalar"], explanation
+    prelude = code.split("\n", 3)[2]  # the "# partly fused: ..." line names what runs first
+    assert prelude.startswith("# partly fused") and "all_reduce" in prelude, code[:800]
+    kernels = [line for line in code.splitlines() if line.startswith("def foreach_")]
+    assert len(kernels) == 1, kernels
 
 
 SCENARIOS: dict[str, Callable[..., None]] = {

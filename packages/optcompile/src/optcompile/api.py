@@ -272,6 +272,11 @@ def _explain(compiled: Compiled, verbose: bool) -> Explanation:
     )
 
 
+# Functional-collective ops that move no data between ranks: the wait for a result, and
+# the autograd wrapper a collective's output gets.
+_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
+
+
 def _collectives(graph: Any) -> list[str]:
     """The collectives a traced step runs (those DTensor's sharding rules called for), in
     graph order: ``all_reduce(sum) of linalg_vector_norm_default``."""
@@ -279,7 +284,7 @@ def _collectives(graph: Any) -> list[str]:
     for node in graph.nodes:
         target = getattr(node.target, "namespace", None)
         name = getattr(node.target, "__name__", "").split(".")[0]
-        if target != "_c10d_functional" or name.startswith("wait_tensor"):
+        if target != "_c10d_functional" or name.startswith(_NOT_COLLECTIVES):
             continue
         first = node.args[0] if node.args else None
         what = f" of {first.name}" if isinstance(first, torch.fx.Node) else ""
