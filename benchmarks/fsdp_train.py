@@ -58,9 +58,12 @@ VARIANTS = ["optcompile", "fused", "foreach"]
 
 
 def sharded_model(args: argparse.Namespace, seed: int = 0) -> gpt.GPT:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    options: dict[str, Any] = {}
+    # (named: FSDP2's default mesh is on the accelerator even for a CPU run)
+    mesh = init_device_mesh(args.device, (dist.get_world_size(),))
+    options: dict[str, Any] = {"mesh": mesh}
     if args.bf16:
         options["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32

@@ -59,14 +59,23 @@ class Tiny(nn.Module):
         return self.head(x)
 
 
+@functools.cache
+def cpu_mesh() -> Any:
+    """Both ranks, on the CPU (FSDP2's default mesh is on the accelerator where there is one,
+    and gloo cannot reduce-scatter CUDA tensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 def sharded_model(seed: int = 0) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     model = Tiny()
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
     return model
 
 
