@@ -219,6 +219,36 @@ def test_min_and_max_over_a_value_read_from_a_tensor_are_graph_nodes_not_decisio
         torch.testing.assert_close(x, expected)
 
 
+def test_a_cxx_cache_key_comparison_of_values_read_from_tensors_is_by_node_not_a_decision():
+    # DTensor's C++ sharding cache, on equal key hashes, compares two keys' scalars with
+    # c10's SymFloat::operator== (which passes its header as the file): same node, same key.
+    def step(x, y):
+        a, b = x.sum().item(), y.sum().item()
+        key = ("/src/c10/core/SymFloat.h", 59)
+        answers = [
+            a.node.eq(a.node).guard_bool(*key),
+            a.node.eq(b.node).guard_bool(*key),
+            a.node.ne(a.node).guard_bool(*key),
+            a.node.ne(b.node).guard_bool(*key),
+        ]
+        x.mul_(sum(int(answer) * 10**i for i, answer in enumerate(answers)))
+        y.mul_(2.0)
+
+    traced = trace(step, {"x": torch.ones(2), "y": torch.ones(2)})  # equal values: not asked
+    guards = {type(g).__name__ for g in traced.guards.guards}
+    assert not guards & {"PredicateGuard", "ConstantGuard"}, guards
+    x = torch.ones(2)
+    traced.graph_module(x, torch.ones(2))
+    torch.testing.assert_close(x, torch.full((2,), 1001.0))  # same: ==; different: !=
+
+    def deciding(x, y):  # the same comparison from Python code is a decision: refused
+        if x.sum().item() == y.sum().item():
+            x.mul_(2)
+
+    with pytest.raises(TraceError, match="decision on a tensor's value"):
+        trace(deciding, {"x": torch.ones(2), "y": torch.ones(2)})
+
+
 def test_min_and_max_in_the_graph_keep_pythons_order_of_operands_for_nan():
     def step(x, y):
         x.mul_(max(0.5, x.sum().item()))  # max(0.5, nan) is 0.5; max(nan, 0.5) would be nan
