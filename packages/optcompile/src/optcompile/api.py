@@ -39,6 +39,7 @@ def compile(
     recompile_limit: int = ...,
     in_backward: bool = ...,
     bucket_bytes: int = ...,
+    state_dtype: Any = ...,
 ) -> Opt: ...
 
 
@@ -50,6 +51,7 @@ def compile(
     cudagraphs: str | bool = ...,
     fullgraph: bool = ...,
     recompile_limit: int = ...,
+    state_dtype: Any = ...,
 ) -> F: ...
 
 
@@ -62,6 +64,7 @@ def compile(
     recompile_limit: int = DEFAULT_RECOMPILE_LIMIT,
     in_backward: bool = False,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> Any:
     """Compile an optimizer's ``step`` (returns the same optimizer) or a function.
 
@@ -75,10 +78,22 @@ def compile(
     ``in_backward=True`` (optimizers only): ``loss.backward()`` updates the parameters as
     their gradients arrive, in buckets of about ``bucket_bytes`` of gradients, each one
     compiled launch, and frees each gradient after its update (see docs/in_backward.md).
+    ``state_dtype``: None keeps the optimizer's state as it is; ``torch.bfloat16`` stores
+    each state tensor of a parameter's shape in bfloat16 with stochastic rounding,
+    ``"int8"`` in blockwise int8 (256 per block, float32 scales); ``state_dict()`` stays
+    full precision (docs/state_dtype.md).
     """
-    options = Options(backend, cudagraphs, fullgraph, recompile_limit, in_backward, bucket_bytes)
+    options = Options(
+        backend, cudagraphs, fullgraph, recompile_limit, in_backward, bucket_bytes, state_dtype
+    )
     if isinstance(obj, torch.optim.Optimizer):
         return compile_optimizer(obj, options)
+    if state_dtype is not None:
+        raise CompileError(
+            f"state_dtype={state_dtype!r} applies to optimizers (their state); "
+            f"{getattr(obj, '__qualname__', type(obj).__qualname__)} is not one: compile "
+            "it without state_dtype"
+        )
     _refuse_non_functions(obj)
     if in_backward:
         raise CompileError(

@@ -15,16 +15,18 @@ step traces its own entries.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from optguard import Locals
 from optkernels import Backend
-from opttrace import closure_reason, eager_step, trace_step
+from opttrace import TracedStep, closure_reason, eager_step, trace_step
 
-from optcompile import backward, logs
+from optcompile import backward, compressed_state, logs
 from optcompile._torch_compat import (
     has_step_hooks,
     step_post_hooks,
@@ -94,10 +96,22 @@ def registered(opt: torch.optim.Optimizer) -> Compiled:
 def _build(opt: torch.optim.Optimizer, options: Options) -> Compiled:
     backend = options.backend_for(opt)
     base: type = type(opt).__dict__["_optcompile_base"]
+
+    def tracer(L: Locals) -> TracedStep:
+        return trace_step(L["opt"], capturable=_traces_capturable(backend, L["opt"]))
+
+    def eager(L: Locals) -> Any:
+        return eager_step(L["opt"])
+
+    fmt = options.state_format
+    if fmt is not None:  # compressed state: traced over full precision, then rewritten
+        traced_plain, eager_plain = tracer, eager
+        tracer = functools.partial(compressed_state.traced_step, fmt=fmt, trace=traced_plain)
+        eager = functools.partial(_eager_compressed, fmt=fmt, run=eager_plain)
     compiled = Compiled(
         f"{base.__name__}.step",
-        lambda L: trace_step(L["opt"], capturable=_traces_capturable(backend, L["opt"])),
-        lambda L: eager_step(L["opt"]),
+        tracer,
+        eager,
         backend,
         options.fullgraph,
         options.recompile_limit,
@@ -111,6 +125,10 @@ def _build(opt: torch.optim.Optimizer, options: Options) -> Compiled:
     # finalizer releases it even if something still holds `compiled`.
     weakref.finalize(opt, compiled.release)
     return compiled
+
+
+def _eager_compressed(L: Locals, fmt: str, run: Callable[[Locals], Any]) -> Any:
+    return compressed_state.eager_step(L["opt"], fmt, lambda: run(L))
 
 
 # torch.optim steps whose capturable path rounds otherwise than eager's default one in
@@ -149,6 +167,8 @@ def _traces_capturable(backend: Backend, opt: torch.optim.Optimizer) -> bool:
 def _recompile(opt: torch.optim.Optimizer, old: Options, new: Options) -> None:
     """``compile()`` again with other options: the old entries go, the next step traces."""
     new.backend_for(opt)
+    if old.state_format is not None and old.state_format != new.state_format:
+        compressed_state.decompress_state(opt, old.state_format)  # the next trace compresses
     previous = _OPTIMIZERS.pop(opt, None)
     opt.__dict__[OPTIONS_ATTR] = new
     compiled = registered(opt)
@@ -186,6 +206,8 @@ def compiled_class(base: type) -> type:
         namespace = {
             "step": step,
             "__reduce_ex__": _reduce_ex,
+            "state_dict": _state_dict,
+            "load_state_dict": _load_state_dict,
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
@@ -237,6 +259,31 @@ def _reduce_ex(self: torch.optim.Optimizer, protocol: Any) -> tuple[Any, ...]:
     entries (traced on its first step). The state is what the optimizer's class pickles."""
     base = type(self).__dict__["_optcompile_base"]
     return (_rebuild, (base, self.__dict__[OPTIONS_ATTR]), self.__getstate__())
+
+
+def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's ``state_dict()``, compressed state at full precision (loadable into
+    an eager optimizer)."""
+    base = type(self).__dict__["_optcompile_base"]
+    state_dict: dict[str, Any] = base.state_dict(self)
+    fmt = _options(self).state_format
+    if fmt is None:
+        return state_dict
+    return compressed_state.full_precision_state_dict(self, fmt, state_dict)
+
+
+def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """The optimizer's ``load_state_dict()``, then its state compressed (``state_dtype``)."""
+    base = type(self).__dict__["_optcompile_base"]
+    base.load_state_dict(self, state_dict)
+    fmt = _options(self).state_format
+    if fmt is not None:
+        compressed_state.compress_state(self, fmt)
+
+
+def _options(opt: torch.optim.Optimizer) -> Options:
+    options = opt.__dict__.get(OPTIONS_ATTR)
+    return options if isinstance(options, Options) else Options()
 
 
 def _rebuild(base: type[torch.optim.Optimizer], options: Options) -> torch.optim.Optimizer:

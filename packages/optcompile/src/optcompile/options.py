@@ -9,12 +9,21 @@ import torch
 from optguard import DEFAULT_RECOMPILE_LIMIT
 from optkernels import Backend, BackendError, get_backend
 
+from optcompile.compressed_state import state_format
 from optcompile.cudagraphs import GraphedBackend
 from optcompile.errors import CompileError
 
 BACKEND_CHOICES = ("auto", "torch", "triton")
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # in_backward: gradient bytes per bucket (DDP's default)
-_NAMES = ("backend", "cudagraphs", "fullgraph", "recompile_limit", "in_backward", "bucket_bytes")
+_NAMES = (
+    "backend",
+    "cudagraphs",
+    "fullgraph",
+    "recompile_limit",
+    "in_backward",
+    "bucket_bytes",
+    "state_dtype",
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,7 @@ class Options:
     recompile_limit: int = DEFAULT_RECOMPILE_LIMIT
     in_backward: bool = False
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    state_dtype: Any = None  # None | torch.bfloat16 | "int8" (compressed_state.py)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -50,6 +60,17 @@ class Options:
         size = self.bucket_bytes
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise CompileError(f"bucket_bytes must be an int >= 1; got {size!r}")
+        if self.in_backward and self.state_dtype is not None:
+            raise CompileError(
+                "state_dtype with in_backward=True is not supported yet: the updates inside "
+                "backward() do not convert compressed state; drop one of them"
+            )
+        state_format(self.state_dtype)
+
+    @property
+    def state_format(self) -> str | None:
+        """The format compressed state is stored in: None, "bf16" or "int8"."""
+        return state_format(self.state_dtype)
 
     def backend_for(self, obj: Any) -> Backend:
         """The backend these options pick for ``obj`` (CUDA graphs wrapped around it)."""

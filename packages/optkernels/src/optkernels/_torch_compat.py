@@ -40,3 +40,18 @@ def direct_call(target: Any) -> Any:
     it: ~0.4 us less per call, which a loop over thousands of lanes pays each time)."""
     op = getattr(target, "_op", None) if isinstance(target, torch._ops.OpOverload) else None
     return op if callable(op) else target
+
+
+_FAKE_MODE: Any = None
+
+
+def fake_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor with metadata and no storage (for ``node.meta["val"]`` of nodes a rewrite
+    adds): a FakeTensor of one shared mode."""
+    global _FAKE_MODE
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if _FAKE_MODE is None:
+        _FAKE_MODE = FakeTensorMode(allow_non_fake_inputs=True)
+    with _FAKE_MODE:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
