@@ -15,12 +15,19 @@ from optsidefx import Effect, TensorWrite
 from opttrace import trace
 
 from optcompile import backward
+from optcompile.compressed_state import state_bytes
 from optcompile.cudagraphs import GraphedPlan
 from optcompile.driver import Compiled, newest, reset_all
 from optcompile.errors import CompileError, NotCompilableError
 from optcompile.explanation import Explanation
 from optcompile.optimizer import _OPTIMIZERS as _OPTIMIZERS  # (tests reach the registry here)
-from optcompile.optimizer import OPTIONS_ATTR, compile_optimizer, is_compiled, registered
+from optcompile.optimizer import (
+    OPTIONS_ATTR,
+    compile_optimizer,
+    is_compiled,
+    options_of,
+    registered,
+)
 from optcompile.options import BACKEND_CHOICES, DEFAULT_BUCKET_BYTES, Options
 
 __all__ = ["BACKEND_CHOICES", "Explanation", "compile", "explain", "reset"]
@@ -207,6 +214,14 @@ def explain(obj: Any, verbose: bool = False) -> Explanation:
     summary of at most 40 lines; ``verbose=True`` makes it the full text; the fields always
     hold it)."""
     compiled = _compiled_of(obj)
+    explanation = _explain_object(obj, compiled, verbose)
+    fmt = options_of(obj).state_format if isinstance(obj, torch.optim.Optimizer) else None
+    if fmt is None:
+        return explanation
+    return dataclasses.replace(explanation, state_format=fmt, state_bytes=state_bytes(obj, fmt))
+
+
+def _explain_object(obj: Any, compiled: Compiled, verbose: bool) -> Explanation:
     learned = backward.buckets(obj) if isinstance(obj, torch.optim.Optimizer) else []
     if learned:
         return _explain_buckets(compiled, learned, verbose)

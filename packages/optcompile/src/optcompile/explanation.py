@@ -59,6 +59,10 @@ class Explanation:
     graph_inputs: int = 0
     side_effects: int = 0  # effects the newest entry replays after its graph
     collectives: list[str] = field(default_factory=list)  # the newest graph's (DTensor's)
+    # compile(state_dtype=...): the format ("bf16", "int8") and the optimizer's state bytes
+    # (at full precision, as stored); None without state_dtype
+    state_format: str | None = None
+    state_bytes: tuple[int, int] | None = None
     verbose: bool = False
     buckets: list[str] = field(default_factory=list)  # in_backward: one line per bucket
 
@@ -73,6 +77,7 @@ class Explanation:
             f"native per-tensor checks: {self.native_checks}"
         )
         lines.append(f"CUDA graphs: {self.cudagraphs}")
+        lines += self._state_lines()
         lines.append(f"fallback: {self.fallback_reason or 'none'}")
         reasons = self.retrace_reasons
         lines.append(f"retrace reasons ({len(reasons)}):" if reasons else "retrace reasons: none")
@@ -113,6 +118,7 @@ class Explanation:
             f"CUDA graphs: {self.cudagraphs}",
             f"native per-tensor checks: {self.native_checks}",
             f"collectives per step: {', '.join(self.collectives) or 'none'}",
+            *self._state_lines(),
             "retrace reasons:",
             *(f"  - {r}" for r in self.retrace_reasons or ["(none)"]),
             f"guards of the newest entry ({len(self.guards)}):",
@@ -141,6 +147,16 @@ class Explanation:
         if len(self.buckets) > most:
             lines.append(f"  (+{len(self.buckets) - most} more in explain(opt).buckets)")
         return lines
+
+    def _state_lines(self) -> list[str]:
+        if self.state_bytes is None:
+            return []
+        full, stored = self.state_bytes
+        ratio = f" ({full / stored:.2f}x less)" if stored else ""
+        return [
+            f"state ({self.state_format}): {_mb(stored)} stored, {_mb(full)} at full "
+            f"precision{ratio}"
+        ]
 
     def _headline(self) -> str:
         if self.eager:
@@ -176,6 +192,10 @@ def _group_lines(groups: list[GuardGroup]) -> list[str]:
             f"({sum(g.guards for g in rest)} guards)"
         )
     return lines
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
 
 def _clip(line: str, width: int = 160) -> str:

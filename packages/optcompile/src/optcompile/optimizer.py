@@ -266,7 +266,7 @@ def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
     an eager optimizer)."""
     base = type(self).__dict__["_optcompile_base"]
     state_dict: dict[str, Any] = base.state_dict(self)
-    fmt = _options(self).state_format
+    fmt = options_of(self).state_format
     if fmt is None:
         return state_dict
     return compressed_state.full_precision_state_dict(self, fmt, state_dict)
@@ -276,12 +276,13 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
     """The optimizer's ``load_state_dict()``, then its state compressed (``state_dtype``)."""
     base = type(self).__dict__["_optcompile_base"]
     base.load_state_dict(self, state_dict)
-    fmt = _options(self).state_format
+    fmt = options_of(self).state_format
     if fmt is not None:
         compressed_state.compress_state(self, fmt)
 
 
-def _options(opt: torch.optim.Optimizer) -> Options:
+def options_of(opt: torch.optim.Optimizer) -> Options:
+    """The options ``opt`` was compiled with (the defaults for an optimizer that was not)."""
     options = opt.__dict__.get(OPTIONS_ATTR)
     return options if isinstance(options, Options) else Options()
 

@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from optkernels import TorchBackend
+from optkernels.compressed import (
+    BLOCK,
+    UNSIGNED_POWER,
+    Compressed,
+    CompressionError,
+    compress_inputs,
+    dequantize_state,
+    hash32,
+    packed_numel,
+    quantize_state,
+    reads_elementwise,
+)
+from torch import fx
+
+aten = torch.ops.aten
+
+
+def _int8_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    payload = quantize_state(x, "int8", None, 0)
+    assert payload.dtype is torch.uint8 and payload.shape == (packed_numel(x.numel()),)
+    return dequantize_state(payload, "int8", list(x.shape), x.dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    numel=st.integers(1, 3 * BLOCK + 7),
+    scale=st.floats(1e-8, 1e4),
+    nonnegative=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_roundtrip_error_is_within_half_a_code_of_each_blocks_map(
+    numel: int, scale: float, nonnegative: bool, seed: int
+) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
+    if nonnegative:
+        x = x.abs()
+    y = _int8_roundtrip(x)
+    pad = -numel % BLOCK
+    blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK)
+    got = torch.nn.functional.pad(y, (0, pad)).view(-1, BLOCK)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    if nonnegative:  # companded: half a code in the map's root domain
+        root = 1.0 / UNSIGNED_POWER
+        assert ((got / absmax) ** root - (blocks / absmax) ** root).abs().max() <= 0.5 / 255 + 1e-6
+    else:
+        assert ((got - blocks).abs() <= absmax * (0.5 / 127) * (1 + 1e-5)).all()
+
+
+def test_int8_second_moments_keep_small_values_that_a_linear_map_would_zero() -> None:
+    v = torch.tensor([1.0, 1e-3, 1e-4] + [0.5] * (BLOCK - 3))
+    y = _int8_roundtrip(v)
+    assert y[1] > 0 and y[2] > 0  # a linear map's smallest step is 1/254 of the absmax
+    assert abs(y[1] / 1e-3 - 1) < 0.3
+
+
+def test_int8_zero_blocks_and_the_padding_of_the_last_block_read_back_as_zeros() -> None:
+    x = torch.zeros(BLOCK + 5)
+    x[-1] = -2.0
+    y = _int8_roundtrip(x)
+    assert torch.equal(y[:BLOCK], torch.zeros(BLOCK))
+    assert y[-1] == -2.0 and torch.equal(y[BLOCK:-1], torch.zeros(4))
+
+
+def _hash_in_python(index: int, counter: int, salt: int) -> int:
+    """The hash as uint32 arithmetic, the way a kernel computes it."""
+    m = 0xFFFFFFFF
+    h = (index * 0x9E3779B1 + ((counter * 0x85EBCA77 + salt * 0xC2B2AE3D) & m)) & m
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & m
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & m
+    return h ^ (h >> 16)
+
+
+def test_rounding_hash_equals_uint32_arithmetic_for_large_indices_and_counters() -> None:
+    index = torch.tensor([0, 1, 2**31 - 1, 2**32 + 5, 123456789])
+    counter = torch.tensor(2**40 + 3)
+    got = hash32(index, counter, 7).tolist()
+    assert got == [_hash_in_python(i, 2**40 + 3, 7) for i in index.tolist()]
+
+
+def test_bf16_stochastic_rounding_picks_a_neighbour_and_is_unbiased() -> None:
+    value = 1.0 + 2**-10  # 1/8 of the way from 1.0 to the next bfloat16
+    x = torch.full((200_000,), value)
+    y = quantize_state(x, "bf16", torch.tensor(5), 3).float()
+    assert set(y.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(y.mean().item() - value) < 2e-5
+
+
+def test_bf16_rounding_is_reproducible_per_counter_and_salt_and_keeps_specials() -> None:
+    x = torch.randn(4096)
+    a = quantize_state(x, "bf16", torch.tensor(9), 1)
+    assert torch.equal(a, quantize_state(x, "bf16", torch.tensor(9), 1))
+    assert not torch.equal(a, quantize_state(x, "bf16", torch.tensor(10), 1))
+    assert not torch.equal(a, quantize_state(x, "bf16", torch.tensor(9), 2))
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.3895e38, -0.0])
+    y = quantize_state(special, "bf16", torch.tensor(0), 0)
+    assert y[0] == float("inf") and y[1] == -float("inf") and torch.isnan(y[2])
+    assert torch.isfinite(y[3]) or y[3] == float("inf")  # rounds up at most to inf
+
+
+def _momentum_graph(matmul: bool = False) -> fx.GraphModule:
+    """buf <- 0.9 * buf + g; p <- p - 0.1 * buf (written back in place)."""
+    graph = fx.Graph()
+    p, g, buf = (graph.placeholder(n) for n in ("p", "g", "buf"))
+    for node, val in zip((p, g, buf), (torch.empty(64, 80),) * 3, strict=True):
+        node.meta["val"] = val
+    source = graph.call_function(aten.mm.default, (buf, buf)) if matmul else buf
+    new_buf = graph.call_function(
+        aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (source, 0.9)), g)
+    )
+    new_p = graph.call_function(aten.add.Tensor, (p, new_buf), {"alpha": -0.1})
+    graph.call_function(aten.copy_.default, (p, new_p))
+    graph.call_function(aten.copy_.default, (buf, new_buf))
+    graph.output([])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_compressed_graph_dequantizes_updates_and_requantizes_its_state(fmt: str) -> None:
+    gm = compress_inputs(_momentum_graph(), {2: Compressed(fmt, torch.float32)}, {2: "buf"})
+    p, g, buf = torch.randn(64, 80), torch.randn(64, 80), torch.randn(64, 80)
+    counter = torch.tensor(4)
+    payload = quantize_state(buf, fmt, counter, 99)
+    full = dequantize_state(payload, fmt, [64, 80], torch.float32)
+    inputs = [p.clone(), g, payload] + ([counter] if fmt == "bf16" else [])
+    TorchBackend().compile(gm)(inputs)
+    new_buf = full * 0.9 + g
+    torch.testing.assert_close(inputs[0], p - 0.1 * new_buf)
+    expected = quantize_state(new_buf, fmt, torch.tensor(4), 2)  # salt: the input's position
+    assert torch.equal(payload, expected)
+    if fmt == "bf16":
+        assert counter.item() == 5  # each call draws new bits
+
+
+def test_a_state_read_by_a_matmul_is_refused_with_its_name() -> None:
+    with pytest.raises(CompressionError, match=r"state\['buf'\] is read by aten.mm.default"):
+        compress_inputs(
+            _momentum_graph(matmul=True),
+            {2: Compressed("int8", torch.float32)},
+            {2: "state['buf']"},
+        )
+
+
+def test_elementwise_readers_are_pointwise_and_foreach_ops_but_not_reductions() -> None:
+    assert reads_elementwise(aten.lerp.Scalar) and reads_elementwise(aten._foreach_lerp.Scalar)
+    assert reads_elementwise(aten.copy_.default)
+    assert not reads_elementwise(aten.mm.default) and not reads_elementwise(aten.sum.default)
+    assert not reads_elementwise(aten._foreach_norm.Scalar)
