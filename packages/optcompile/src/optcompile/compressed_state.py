@@ -27,8 +27,10 @@ from optguard import (
     DataPtrGuard,
     GuardSet,
     ItemSource,
+    KeyedSource,
     Locals,
     LocalSource,
+    Source,
     TensorMatchGuard,
     TensorMeta,
 )
@@ -40,7 +42,7 @@ from optkernels.compressed import (
     is_payload,
     quantize_state,
 )
-from optsidefx import Input, ItemStore
+from optsidefx import Build, Const, Input, ItemStore, Output
 from opttrace import TracedStep, TraceError
 
 from optcompile.errors import CompileError
@@ -184,24 +186,66 @@ def traced_step(L: Locals, fmt: str, trace: Callable[[Locals], TracedStep]) -> T
             owner = owners.get(id(t))
             if owner is not None and (id(t) in payloads or compressible(owner[0], t)):
                 chosen[i] = (owner[0], owner[1], t)
+        created = dict(_created_state(L, traced))
     stored: dict[int, torch.Tensor] = {}
     for i, (p, k, t) in chosen.items():
         payload = payloads.get(id(t))
         if payload is None:  # created by this trace (the optimizer's _init_group)
             payload = opt.state[p][k] = encode(opt, fmt, t, _EAGER_SALT + i)
         stored[i] = payload
-    return _rewritten(traced, opt, fmt, stored)
+    return _rewritten(traced, opt, fmt, stored, created)
+
+
+def _created_state(L: Locals, traced: TracedStep) -> Iterator[tuple[int, torch.dtype]]:
+    """(output position, dtype) of each compressible state tensor the step creates (a graph
+    output stored into ``state[param]``, or into a new dict stored there): stored
+    compressed from the start."""
+    results = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+    for param_source, value in _state_stores(traced):
+        if not isinstance(value, Output):
+            continue
+        p = param_source.fetch(L)
+        val = results[value.index].meta.get("val")  # type: ignore[index]
+        if (
+            isinstance(p, torch.Tensor)
+            and isinstance(val, torch.Tensor)
+            and val.dtype in (torch.float32, torch.float64)
+            and val.dtype == p.dtype
+            and val.shape == p.shape
+            and val.numel() >= MIN_NUMEL
+        ):
+            yield value.index, val.dtype
+
+
+def _state_stores(traced: TracedStep) -> Iterator[tuple[Source, Any]]:
+    """(the param's source, the value) of each store into a param's state the step makes:
+    ``state[p][key] = value`` and ``state[p] = {key: value, ...}``."""
+    state = AttrSource(LocalSource("opt"), "state")
+    for effect in traced.effects:
+        if not (isinstance(effect, ItemStore) and isinstance(effect.target, Input)):
+            continue
+        target = effect.target.source
+        if isinstance(target, KeyedSource) and target.base == state:
+            yield target.key, effect.value
+        elif target == state and isinstance(effect.key, Input):
+            items = effect.value.items if isinstance(effect.value, Build) else ()
+            yield from ((effect.key.source, item) for item in items)
 
 
 def _rewritten(
-    traced: TracedStep, opt: torch.optim.Optimizer, fmt: str, stored: dict[int, torch.Tensor]
+    traced: TracedStep,
+    opt: torch.optim.Optimizer,
+    fmt: str,
+    stored: dict[int, torch.Tensor],
+    created: dict[int, torch.dtype],
 ) -> TracedStep:
     sources = traced.input_sources
     by_source = {sources[i]: payload for i, payload in stored.items()}
     for effect in traced.effects:
         if isinstance(effect, ItemStore) and isinstance(effect.target, Input):
-            slot = ItemSource(effect.target.source, effect.key)
-            if slot in by_source:
+            key = effect.key.value if isinstance(effect.key, Const) else effect.key
+            slot = ItemSource(effect.target.source, key)
+            if slot in by_source and effect.value != Input(slot):  # (not a store of itself)
                 raise TraceError(
                     f"state_dtype: the step stores a new tensor into {slot.name()} "
                     "(state[...] = ...) on each call; only state updated in place (add_, "
@@ -211,14 +255,17 @@ def _rewritten(
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     inputs = {i: Compressed(fmt, placeholders[i].meta["val"].dtype) for i in stored}
     names = {i: sources[i].name() for i in inputs}
+    outputs = {j: Compressed(fmt, dtype) for j, dtype in created.items()}
     try:
-        gm = compress_inputs(traced.graph_module, inputs, names)
+        gm = compress_inputs(traced.graph_module, inputs, names, outputs)
     except CompressionError as exc:
         raise TraceError(f"state_dtype: {exc}") from None
     guards = tuple(_retarget(g, by_source) for g in traced.guards.guards)
-    if fmt == "bf16":
+    if fmt == "bf16" and (inputs or outputs):
         counter(opt)
         sources = (*sources, AttrSource(LocalSource("opt"), COUNTER_ATTR))
+    if not inputs and not outputs:
+        return traced
     return dataclasses.replace(
         traced, graph_module=gm, input_sources=sources, guards=GuardSet(guards)
     )

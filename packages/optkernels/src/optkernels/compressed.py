@@ -39,6 +39,7 @@ from optkernels.errors import BackendError
 aten = torch.ops.aten
 
 FORMATS = ("bf16", "int8")
+OUTPUT_SALT = 1 << 20  # salts of outputs (an input's is its position)
 BLOCK = 256  # elements per int8 block (one float32 scale each)
 _MASK32 = 0xFFFFFFFF
 # The power of int8's map for blocks without negative values: value = absmax * (code /
@@ -219,12 +220,16 @@ class Compressed:
 
 
 def compress_inputs(
-    gm: fx.GraphModule, inputs: Mapping[int, Compressed], names: Mapping[int, str]
+    gm: fx.GraphModule,
+    inputs: Mapping[int, Compressed],
+    names: Mapping[int, str],
+    outputs: Mapping[int, Compressed] | None = None,
 ) -> fx.GraphModule:
     """A copy of ``gm`` whose inputs at ``inputs`` (placeholder positions) are payloads.
 
     Each such input is dequantized once where the graph starts, and the value the graph
-    writes back into it (its trailing ``copy_``) is quantized first. When a format needs
+    writes back into it (its trailing ``copy_``) is quantized first; so is each output at
+    ``outputs`` (positions in the output list: new state the caller stores). When a format needs
     random bits (bf16) the graph takes one more input, last: an int64 0-dim step counter
     that it increments (written back like any input), so every call draws new bits.
     ``names`` name the inputs in errors (their Sources). Raises CompressionError when a
@@ -243,9 +248,12 @@ def compress_inputs(
             new.meta = {**node.meta, "val": _fake_like(node, shape, dtype)}
             payloads[node] = new
     counter: fx.Node | None = None
-    if any(c.fmt == "bf16" for c in inputs.values()):
+    outputs = outputs or {}
+    if any(c.fmt == "bf16" for c in (*inputs.values(), *outputs.values())):
         counter = graph.placeholder("state_rounding_counter")
-        counter.meta["val"] = _fake_like(next(iter(chosen)), (), torch.int64)
+        results = next(n for n in old if n.op == "output").args[0]
+        on = [*chosen, *(results[j] for j in outputs)]  # type: ignore[index]
+        counter.meta["val"] = _fake_like(on[0], (), torch.int64)  # on their device
     for node, (_, c) in chosen.items():
         val = node.meta["val"]
         d = graph.call_function(DEQUANTIZE, (payloads[node], c.fmt, list(val.shape), c.dtype))
@@ -258,7 +266,14 @@ def compress_inputs(
             if counter is not None:
                 one = _meta(graph.call_function(aten.add.Tensor, (counter, 1)), counter)
                 _meta(graph.call_function(aten.copy_.default, (counter, one)), counter)
-            graph.output(fx.map_arg(node.args[0], env.__getitem__))
+            results = list(fx.map_arg(node.args[0], env.__getitem__))  # type: ignore[arg-type]
+            for j, c in outputs.items():
+                salt = OUTPUT_SALT + j
+                q = graph.call_function(QUANTIZE, (results[j], c.fmt, counter, salt))  # type: ignore[index]
+                shape, dtype = payload_spec(c.fmt, tuple(results[j].meta["val"].shape))  # type: ignore[index]
+                q.meta["val"] = _fake_like(results[j], shape, dtype)  # type: ignore[index]
+                results[j] = q  # type: ignore[index]
+            graph.output(results)
             break
         dest = node.args[0] if node.target is aten.copy_.default else None
         if isinstance(dest, fx.Node) and dest in chosen:
