@@ -106,7 +106,8 @@ def counter(opt: torch.optim.Optimizer) -> torch.Tensor:
 def encode(opt: torch.optim.Optimizer, fmt: str, t: torch.Tensor, salt: int) -> torch.Tensor:
     """``t`` as a payload; a bf16 conversion draws from (and advances) the counter."""
     if fmt != "bf16":
-        return quantize_state(t, fmt, None, salt)
+        payload: torch.Tensor = quantize_state(t, fmt, None, salt)
+        return payload
     c = counter(opt)
     payload = quantize_state(t, fmt, c.to(t.device), salt)
     c.add_(1)
@@ -114,7 +115,8 @@ def encode(opt: torch.optim.Optimizer, fmt: str, t: torch.Tensor, salt: int) -> 
 
 
 def decode(fmt: str, p: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
-    return dequantize_state(payload, fmt, list(p.shape), p.dtype)
+    full: torch.Tensor = dequantize_state(payload, fmt, list(p.shape), p.dtype)
+    return full
 
 
 def _compressed_slots(
@@ -122,7 +124,7 @@ def _compressed_slots(
 ) -> Iterator[tuple[torch.Tensor, dict[str, Any], str, torch.Tensor]]:
     """(param, its state dict, key, payload) for each compressed state tensor."""
     for p in _params(opt):
-        st = opt.state.get(p)
+        st: Any = opt.state.get(p)
         for k, t in list(st.items()) if isinstance(st, dict) else ():
             if is_compressed(fmt, p, t):
                 yield p, st, k, t
@@ -131,7 +133,7 @@ def _compressed_slots(
 def compress_state(opt: torch.optim.Optimizer, fmt: str) -> None:
     """Store every compressible state tensor of ``opt`` as its payload."""
     for n, p in enumerate(_params(opt)):
-        st = opt.state.get(p)
+        st: Any = opt.state.get(p)
         for j, (k, t) in enumerate(list(st.items()) if isinstance(st, dict) else ()):
             if compressible(p, t):
                 st[k] = encode(opt, fmt, t, _EAGER_SALT + 64 * n + j)
@@ -205,7 +207,7 @@ def _created_state(L: Locals, traced: TracedStep) -> Iterator[tuple[int, torch.d
         if not isinstance(value, Output):
             continue
         p = param_source.fetch(L)
-        val = results[value.index].meta.get("val")  # type: ignore[index]
+        val = results[value.index].meta.get("val")
         if (
             isinstance(p, torch.Tensor)
             and isinstance(val, torch.Tensor)

@@ -252,7 +252,7 @@ def compress_inputs(
     if any(c.fmt == "bf16" for c in (*inputs.values(), *outputs.values())):
         counter = graph.placeholder("state_rounding_counter")
         results = next(n for n in old if n.op == "output").args[0]
-        on = [*chosen, *(results[j] for j in outputs)]  # type: ignore[index]
+        on = [*chosen, *(results[j] for j in outputs)]
         counter.meta["val"] = _fake_like(on[0], (), torch.int64)  # on their device
     for node, (_, c) in chosen.items():
         val = node.meta["val"]
@@ -266,19 +266,19 @@ def compress_inputs(
             if counter is not None:
                 one = _meta(graph.call_function(aten.add.Tensor, (counter, 1)), counter)
                 _meta(graph.call_function(aten.copy_.default, (counter, one)), counter)
-            results = list(fx.map_arg(node.args[0], env.__getitem__))  # type: ignore[arg-type]
+            results = list(fx.map_arg(node.args[0], env.__getitem__))
             for j, c in outputs.items():
                 salt = OUTPUT_SALT + j
-                q = graph.call_function(QUANTIZE, (results[j], c.fmt, counter, salt))  # type: ignore[index]
-                shape, dtype = payload_spec(c.fmt, tuple(results[j].meta["val"].shape))  # type: ignore[index]
-                q.meta["val"] = _fake_like(results[j], shape, dtype)  # type: ignore[index]
-                results[j] = q  # type: ignore[index]
+                q = graph.call_function(QUANTIZE, (results[j], c.fmt, counter, salt))
+                shape, dtype = payload_spec(c.fmt, tuple(results[j].meta["val"].shape))
+                q.meta["val"] = _fake_like(results[j], shape, dtype)
+                results[j] = q
             graph.output(results)
             break
         dest = node.args[0] if node.target is aten.copy_.default else None
         if isinstance(dest, fx.Node) and dest in chosen:
             i, c = chosen[dest]
-            value = env[node.args[1]]  # type: ignore[index]
+            value = env[node.args[1]]
             q = _meta(graph.call_function(QUANTIZE, (value, c.fmt, counter, i)), payloads[dest])
             copy = graph.call_function(aten.copy_.default, (payloads[dest], q))
             env[node] = _meta(copy, payloads[dest])
