@@ -50,7 +50,7 @@ def _model() -> torch.nn.Module:
 def _roundtrip(opt: torch.optim.Optimizer) -> None:
     """What int8 storage does to an eager optimizer's state after its step."""
     for p, state in opt.state.items():
-        for key, t in state.items():
+        for t in state.values():
             if isinstance(t, torch.Tensor) and t.shape == p.shape and t.numel() >= MIN_NUMEL:
                 payload = quantize_state(t, "int8", None, 0)
                 t.copy_(dequantize_state(payload, "int8", list(t.shape), t.dtype))
@@ -138,7 +138,7 @@ def test_bf16_runs_are_reproducible_and_each_step_draws_new_rounding_bits() -> N
 def test_tiny_transformer_final_loss_is_close_to_full_precision(
     name: str, fmt: str, full_precision_losses: dict[str, float]
 ) -> None:
-    loss, opt = train(OPTIMIZERS[name], state_dtype=DTYPES[fmt], data=_DATA())
+    loss, opt = train(OPTIMIZERS[name], state_dtype=DTYPES[fmt], data=_data())
     base = full_precision_losses[name]
     assert abs(loss / base - 1) <= TOLERANCE[fmt], (loss, base)
     full, stored = optcompile.explain(opt).state_bytes or (0, 0)
@@ -148,7 +148,8 @@ def test_tiny_transformer_final_loss_is_close_to_full_precision(
 _BATCHES: list[torch.Tensor] = []
 
 
-def _DATA() -> list[torch.Tensor]:  # noqa: N802 (one set of batches for every run)
+def _data() -> list[torch.Tensor]:
+    """One set of batches for every run."""
     if not _BATCHES:
         _BATCHES.extend(batches(300))
     return _BATCHES
@@ -156,7 +157,7 @@ def _DATA() -> list[torch.Tensor]:  # noqa: N802 (one set of batches for every r
 
 @pytest.fixture(scope="module")
 def full_precision_losses() -> dict[str, float]:
-    return {name: train(make, data=_DATA())[0] for name, make in OPTIMIZERS.items()}
+    return {name: train(make, data=_data())[0] for name, make in OPTIMIZERS.items()}
 
 
 def test_state_dict_is_full_precision_and_loads_into_an_eager_optimizer() -> None:
@@ -278,7 +279,7 @@ def test_a_state_it_cannot_keep_compressed_is_refused_and_steps_eagerly_on_full_
 
 
 def test_state_dtype_options_are_checked_and_recompiling_without_it_restores_full_state() -> None:
-    with pytest.raises(optcompile.CompileError, match="state_dtype=torch.float16 is not supported"):
+    with pytest.raises(optcompile.CompileError, match=r"state_dtype=torch\.float16 is not supported"):
         optcompile.compile(torch.optim.SGD(_model().parameters()), state_dtype=torch.float16)
     with pytest.raises(optcompile.CompileError, match="applies to optimizers"):
         optcompile.compile(lambda x: x * 2, state_dtype="int8")
