@@ -325,7 +325,7 @@ def test_triton_backend_runs_compressed_state_like_the_torch_backend(fmt: str) -
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_cuda_compressed_state_under_cuda_graphs_matches_the_torch_backend(fmt: str) -> None:
+def test_cuda_compressed_state_on_the_auto_backend_matches_the_torch_backend(fmt: str) -> None:
     runs = []
     for backend in ("torch", "auto"):
         optcompile.reset()

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from optkernels import TorchBackend
 from optkernels.compressed import (
     BLOCK,
+    SIGNED_POWER,
     UNSIGNED_POWER,
     Compressed,
     CompressionError,
@@ -46,11 +47,12 @@ def test_int8_roundtrip_error_is_within_half_a_code_of_each_blocks_map(
     blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK)
     got = torch.nn.functional.pad(y, (0, pad)).view(-1, BLOCK)
     absmax = blocks.abs().amax(dim=1, keepdim=True)
-    if nonnegative:  # companded: half a code in the map's root domain
-        root = 1.0 / UNSIGNED_POWER
-        assert ((got / absmax) ** root - (blocks / absmax) ** root).abs().max() <= 0.5 / 255 + 1e-6
-    else:
-        assert ((got - blocks).abs() <= absmax * (0.5 / 127) * (1 + 1e-5)).all()
+    # companded maps: within half a code in the map's root domain
+    power, codes = (UNSIGNED_POWER, 255) if nonnegative else (SIGNED_POWER, 127)
+    root = 1.0 / power
+    a, b = got / absmax, blocks / absmax
+    error = (a.sign() * a.abs() ** root - b.sign() * b.abs() ** root).abs().max()
+    assert error <= 0.5 / codes + 1e-6
 
 
 def test_int8_second_moments_keep_small_values_that_a_linear_map_would_zero() -> None:

@@ -12,12 +12,13 @@ one of two formats, each a single tensor (so the optimizer's state dict keeps it
   graph draws fresh bits because the counter is a graph input it increments itself.
 - ``"int8"``: blockwise absmax quantization, blocks of 256 elements of the flattened
   tensor, one uint8 code per element followed by one float32 scale per block, packed in
-  one flat uint8 tensor (``packed_numel``). A block with a negative value uses a signed
-  linear map (code 128 is 0, 1..255 are -1..1 times the block's absmax); a block with none
-  (every block of a second moment such as exp_avg_sq) uses a square-root companded map,
-  value = absmax * (code / 255) ** 2, whose steps near 0 are 1/255 of the linear map's:
-  Adam divides by sqrt(v), so the small second moments are the ones that must not collapse
-  to 0. The scale's sign bit says which map a block uses. Rounding is to nearest.
+  one flat uint8 tensor (``packed_numel``). Both maps are square-root companded, so values
+  far below the block's absmax keep a step of their own instead of collapsing to 0: a
+  block with a negative value (a first moment) uses value = absmax * s * s.abs() with
+  s = (code - 128) / 127; a block with none (every block of a second moment, which Adam
+  divides by the square root of) value = absmax * (code / 255) ** 2. The scale's sign bit
+  says which map a block uses. Rounding is to nearest. Both powers were chosen by
+  measurement (benchmarks/state_dtype_map.py, docs/state_dtype.md).
 
 ``compress_inputs`` rewrites a traced graph so that chosen inputs are such payloads: each is
 dequantized where the graph starts and the value written back into it is quantized where
@@ -45,6 +46,9 @@ _MASK32 = 0xFFFFFFFF
 # The power of int8's map for blocks without negative values: value = absmax * (code /
 # 255) ** UNSIGNED_POWER (1 would be the linear map). Chosen by measurement (README).
 UNSIGNED_POWER = 2
+# The same for blocks with a negative value: value = absmax * sign * (|code - 128| / 127) **
+# SIGNED_POWER (1: the linear map).
+SIGNED_POWER = 2
 
 
 class CompressionError(BackendError):
@@ -116,7 +120,7 @@ def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     unsigned = (rows >= 0).all(dim=1) | torch.isnan(absmax)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
     ratio = (rows / safe).clamp(-1.0, 1.0)
-    signed_codes = torch.round(ratio * 127.0) + 128.0
+    signed_codes = torch.round(ratio.sign() * ratio.abs() ** (1.0 / SIGNED_POWER) * 127.0) + 128.0
     unsigned_codes = torch.round(ratio.clamp(min=0.0) ** (1.0 / UNSIGNED_POWER) * 255.0)
     codes = torch.where(unsigned[:, None], unsigned_codes, signed_codes).to(torch.uint8)
     scales = torch.where(unsigned, -absmax, absmax)  # the sign bit flags the map
@@ -134,7 +138,9 @@ def dequantize_int8(payload: torch.Tensor, shape: list[int], dtype: torch.dtype)
     scales = payload[blocks * BLOCK :].view(torch.float32)
     unsigned = torch.signbit(scales)[:, None]
     absmax = scales.abs()[:, None]
-    level = torch.where(unsigned, (codes / 255.0) ** UNSIGNED_POWER, (codes - 128.0) / 127.0)
+    centered = (codes - 128.0) / 127.0
+    signed = centered.sign() * centered.abs() ** SIGNED_POWER
+    level = torch.where(unsigned, (codes / 255.0) ** UNSIGNED_POWER, signed)
     return (level * absmax).reshape(-1)[:n].reshape(shape).to(dtype)
 
 
