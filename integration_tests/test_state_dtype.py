@@ -52,7 +52,7 @@ def _roundtrip(opt: torch.optim.Optimizer) -> None:
     for p, state in opt.state.items():
         for t in state.values():
             if isinstance(t, torch.Tensor) and t.shape == p.shape and t.numel() >= MIN_NUMEL:
-                payload = quantize_state(t, "int8", None, 0)
+                payload = quantize_state(t, "int8", 0, 0)
                 t.copy_(dequantize_state(payload, "int8", list(t.shape), t.dtype))
 
 
@@ -129,7 +129,7 @@ def test_bf16_runs_are_reproducible_and_each_step_draws_new_rounding_bits() -> N
         assert opt.state[weight]["exp_avg_sq"].dtype is torch.bfloat16
         # one draw per step, and one per conversion when the state was created (the two
         # weights' exp_avg and exp_avg_sq)
-        assert opt.__dict__[COUNTER_ATTR].item() == 3 + 4
+        assert opt.__dict__[COUNTER_ATTR] == 3 + 4
     assert torch.equal(payloads[0], payloads[1])
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,7 +51,6 @@ from optcompile.errors import CompileError
 STATE_DTYPES: dict[Any, str] = {torch.bfloat16: "bf16", "int8": "int8"}
 MIN_NUMEL = 4096  # bitsandbytes' min_8bit_size: smaller state stays exact
 COUNTER_ATTR = "_optcompile_state_counter"  # bf16's rounding counter, on the optimizer
-_EAGER_SALT = 1 << 30  # salts of eager conversions (a graph's salts are input positions)
 
 
 def state_format(state_dtype: Any) -> str | None:
@@ -92,25 +92,27 @@ def is_compressed(fmt: str, p: torch.Tensor, t: Any) -> bool:
     )
 
 
-def counter(opt: torch.optim.Optimizer) -> torch.Tensor:
-    """bf16's rounding counter (an int64 0-dim tensor on the first param's device): each
-    compiled step draws its random bits from it and increments it."""
+def counter(opt: torch.optim.Optimizer) -> int:
+    """bf16's rounding counter (an int on the optimizer, 0 in a new one): each compiled step
+    reads it as a graph input (its random bits) and the compiled ``step()`` advances it."""
     found = opt.__dict__.get(COUNTER_ATTR)
-    if not isinstance(found, torch.Tensor):
-        params = _params(opt)
-        device = params[0].device if params else torch.device("cpu")
-        found = opt.__dict__[COUNTER_ATTR] = torch.zeros((), dtype=torch.int64, device=device)
+    if not isinstance(found, int):
+        found = opt.__dict__[COUNTER_ATTR] = 0
     return found
 
 
-def encode(opt: torch.optim.Optimizer, fmt: str, t: torch.Tensor, salt: int) -> torch.Tensor:
-    """``t`` as a payload; a bf16 conversion draws from (and advances) the counter."""
-    if fmt != "bf16":
-        payload: torch.Tensor = quantize_state(t, fmt, None, salt)
-        return payload
-    c = counter(opt)
-    payload = quantize_state(t, fmt, c.to(t.device), salt)
-    c.add_(1)
+def salt(key: Any) -> int:
+    """The rounding salt of state entry ``key`` (the same in every process: a CRC)."""
+    return zlib.crc32(repr(key).encode()) & 0xFFFF
+
+
+def encode(opt: torch.optim.Optimizer, fmt: str, t: torch.Tensor, key: Any) -> torch.Tensor:
+    """``t`` (state entry ``key``) as a payload; a bf16 conversion draws from the counter
+    and advances it."""
+    n = counter(opt) if fmt == "bf16" else 0
+    payload: torch.Tensor = quantize_state(t, fmt, n, salt(key))
+    if fmt == "bf16":
+        opt.__dict__[COUNTER_ATTR] = n + 1
     return payload
 
 
@@ -132,11 +134,11 @@ def _compressed_slots(
 
 def compress_state(opt: torch.optim.Optimizer, fmt: str) -> None:
     """Store every compressible state tensor of ``opt`` as its payload."""
-    for n, p in enumerate(_params(opt)):
+    for p in _params(opt):
         st: Any = opt.state.get(p)
-        for j, (k, t) in enumerate(list(st.items()) if isinstance(st, dict) else ()):
+        for k, t in list(st.items()) if isinstance(st, dict) else ():
             if compressible(p, t):
-                st[k] = encode(opt, fmt, t, _EAGER_SALT + 64 * n + j)
+                st[k] = encode(opt, fmt, t, k)
 
 
 def decompress_state(opt: torch.optim.Optimizer, fmt: str) -> None:
@@ -159,11 +161,11 @@ def inflated(
     try:
         yield {id(full): payload for _, _, full, payload in swapped}
     finally:
-        for n, (st, k, full, payload) in enumerate(swapped):
+        for st, k, full, payload in swapped:
             if st.get(k) is not full:
                 continue  # the step stored another tensor there: compress_state takes it
             if write_back:
-                payload.copy_(encode(opt, fmt, full, _EAGER_SALT + n))
+                payload.copy_(encode(opt, fmt, full, k))
             st[k] = payload
 
 
@@ -182,7 +184,7 @@ def traced_step(L: Locals, fmt: str, trace: Callable[[Locals], TracedStep]) -> T
     with inflated(opt, fmt, write_back=False) as payloads:
         traced = trace(L)
         owners = {id(t): (p, k) for p in _params(opt) for k, t in opt.state.get(p, {}).items()}
-        chosen: dict[int, tuple[torch.Tensor, str, torch.Tensor]] = {}
+        chosen: dict[int, tuple[torch.Tensor, Any, torch.Tensor]] = {}
         for i, source in enumerate(traced.input_sources):
             t = source.fetch(L)
             owner = owners.get(id(t))
@@ -193,17 +195,18 @@ def traced_step(L: Locals, fmt: str, trace: Callable[[Locals], TracedStep]) -> T
     for i, (p, k, t) in chosen.items():
         payload = payloads.get(id(t))
         if payload is None:  # created by this trace (the optimizer's _init_group)
-            payload = opt.state[p][k] = encode(opt, fmt, t, _EAGER_SALT + i)
+            payload = opt.state[p][k] = encode(opt, fmt, t, k)
         stored[i] = payload
-    return _rewritten(traced, opt, fmt, stored, created)
+    keys = {i: k for i, (_, k, _) in chosen.items()}
+    return _rewritten(traced, opt, fmt, stored, keys, created)
 
 
-def _created_state(L: Locals, traced: TracedStep) -> Iterator[tuple[int, torch.dtype]]:
+def _created_state(L: Locals, traced: TracedStep) -> Iterator[tuple[int, Compressed]]:
     """(output position, dtype) of each compressible state tensor the step creates (a graph
     output stored into ``state[param]``, or into a new dict stored there): stored
     compressed from the start."""
     results = next(n for n in traced.graph.nodes if n.op == "output").args[0]
-    for param_source, value in _state_stores(traced):
+    for param_source, key, value in _state_stores(traced):
         if not isinstance(value, Output):
             continue
         p = param_source.fetch(L)
@@ -216,11 +219,12 @@ def _created_state(L: Locals, traced: TracedStep) -> Iterator[tuple[int, torch.d
             and val.shape == p.shape
             and val.numel() >= MIN_NUMEL
         ):
-            yield value.index, val.dtype
+            yield value.index, Compressed("", val.dtype, salt(key))
 
 
-def _state_stores(traced: TracedStep) -> Iterator[tuple[Source, Any]]:
-    """(the param's source, the value) of each store into a param's state the step makes:
+def _state_stores(traced: TracedStep) -> Iterator[tuple[Source, Any, Any]]:
+    """(the param's source, the key, the value) of each store into a param's state the step
+    makes:
     ``state[p][key] = value`` and ``state[p] = {key: value, ...}``."""
     state = AttrSource(LocalSource("opt"), "state")
     for effect in traced.effects:
@@ -228,10 +232,16 @@ def _state_stores(traced: TracedStep) -> Iterator[tuple[Source, Any]]:
             continue
         target = effect.target.source
         if isinstance(target, KeyedSource) and target.base == state:
-            yield target.key, effect.value
+            yield target.key, _constant(effect.key), effect.value
         elif target == state and isinstance(effect.key, Input):
-            items = effect.value.items if isinstance(effect.value, Build) else ()
-            yield from ((effect.key.source, item) for item in items)
+            value = effect.value
+            if isinstance(value, Build):
+                for key, item in zip(value.keys or (), value.items, strict=False):
+                    yield effect.key.source, key, item
+
+
+def _constant(key: Any) -> Any:
+    return key.value if isinstance(key, Const) else key
 
 
 def _rewritten(
@@ -239,14 +249,14 @@ def _rewritten(
     opt: torch.optim.Optimizer,
     fmt: str,
     stored: dict[int, torch.Tensor],
-    created: dict[int, torch.dtype],
+    keys: dict[int, Any],
+    created: dict[int, Compressed],
 ) -> TracedStep:
     sources = traced.input_sources
     by_source = {sources[i]: payload for i, payload in stored.items()}
     for effect in traced.effects:
         if isinstance(effect, ItemStore) and isinstance(effect.target, Input):
-            key = effect.key.value if isinstance(effect.key, Const) else effect.key
-            slot = ItemSource(effect.target.source, key)
+            slot = ItemSource(effect.target.source, _constant(effect.key))
             if slot in by_source and effect.value != Input(slot):  # (not a store of itself)
                 raise TraceError(
                     f"state_dtype: the step stores a new tensor into {slot.name()} "
@@ -255,9 +265,9 @@ def _rewritten(
                     "or compile with state_dtype=None"
                 )
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    inputs = {i: Compressed(fmt, placeholders[i].meta["val"].dtype) for i in stored}
+    inputs = {i: Compressed(fmt, placeholders[i].meta["val"].dtype, salt(keys[i])) for i in stored}
     names = {i: sources[i].name() for i in inputs}
-    outputs = {j: Compressed(fmt, dtype) for j, dtype in created.items()}
+    outputs = {j: dataclasses.replace(c, fmt=fmt) for j, c in created.items()}
     try:
         gm = compress_inputs(traced.graph_module, inputs, names, outputs)
     except CompressionError as exc:

@@ -230,6 +230,7 @@ def _step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any
         return base.step(self, closure)
     if closure is None and not has_step_hooks(self):  # the usual call: nothing else to run
         compiled({"opt": self})
+        _advance_rounding(self)
         return None
     args: tuple[Any, ...] = (self,)
     kwargs: dict[str, Any] = {} if closure is None else {"closure": closure}
@@ -243,9 +244,18 @@ def _step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any
         with torch.enable_grad():
             loss = closure()
     compiled({"opt": self})
+    _advance_rounding(self)
     for hook in step_post_hooks(self):
         hook(self, args, kwargs)
     return loss
+
+
+def _advance_rounding(opt: torch.optim.Optimizer) -> None:
+    """The next step draws new rounding bits (``state_dtype=torch.bfloat16``: its graph
+    reads the counter as an input)."""
+    count = opt.__dict__.get(compressed_state.COUNTER_ATTR)
+    if count is not None:
+        opt.__dict__[compressed_state.COUNTER_ATTR] = count + 1
 
 
 # Inside a function torch.compile traces (a training step calling opt.step()), dynamo would

@@ -8,8 +8,10 @@ one of two formats, each a single tensor (so the optimizer's state dict keeps it
   stored value is the exact one and an update far below one bfloat16 ulp still moves the
   state on average (round-to-nearest would lose it every time). The random bits are a
   counter-based hash (murmur3's finalizer) of (element index, step counter, a salt per
-  state tensor): no generator state, the same bits on every backend, and a replayed CUDA
-  graph draws fresh bits because the counter is a graph input it increments itself.
+  state entry): no generator state, the same bits on every backend (the torch ops here and
+  the Triton kernels compute the same uint32 arithmetic), and a replayed CUDA graph draws
+  fresh bits because the counter is a scalar input the caller advances on every call (the
+  plan writes it into its scalar buffer each call, as it does a learning rate).
 - ``"int8"``: blockwise absmax quantization, blocks of 256 elements of the flattened
   tensor, one uint8 code per element followed by one float32 scale per block, packed in
   one flat uint8 tensor (``packed_numel``). Both maps are square-root companded, so values
@@ -40,7 +42,6 @@ from optkernels.errors import BackendError
 aten = torch.ops.aten
 
 FORMATS = ("bf16", "int8")
-OUTPUT_SALT = 1 << 20  # salts of outputs (an input's is its position)
 BLOCK = 256  # elements per int8 block (one float32 scale each)
 _MASK32 = 0xFFFFFFFF
 # The power of int8's map for blocks without negative values: value = absmax * (code /
@@ -83,11 +84,11 @@ def is_payload(fmt: str, t: torch.Tensor, like: torch.Tensor) -> bool:
     return t.dtype is dtype and tuple(t.shape) == shape
 
 
-def hash32(index: torch.Tensor, counter: torch.Tensor, salt: int) -> torch.Tensor:
+def hash32(index: torch.Tensor, counter: int, salt: int) -> torch.Tensor:
     """32 random bits per element (int64 in [0, 2**32)): murmur3's finalizer over the element
     index mixed with the step counter and the salt. Every product wraps in int64 and is
     masked to 32 bits, as uint32 arithmetic in a kernel computes it."""
-    seed = (counter.to(torch.int64) * 0x85EBCA77 + salt * 0xC2B2AE3D) & _MASK32
+    seed = (int(counter) * 0x85EBCA77 + salt * 0xC2B2AE3D) & _MASK32
     h = (index * 0x9E3779B1 + seed) & _MASK32
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & _MASK32
@@ -96,7 +97,7 @@ def hash32(index: torch.Tensor, counter: torch.Tensor, salt: int) -> torch.Tenso
     return h ^ (h >> 16)
 
 
-def round_bf16_stochastic(x: torch.Tensor, counter: torch.Tensor, salt: int) -> torch.Tensor:
+def round_bf16_stochastic(x: torch.Tensor, counter: int, salt: int) -> torch.Tensor:
     """``x`` (float32) in bfloat16, rounded up with probability equal to the dropped
     fraction of an ulp (see the module docstring); infinities and NaNs stay as they are."""
     x = x.to(torch.float32)
@@ -166,21 +167,18 @@ def _(payload: torch.Tensor, fmt: str, shape: list[int], dtype: torch.dtype) -> 
 @torch.library.custom_op(
     "optkernels::quantize_state",
     mutates_args=(),
-    schema="(Tensor x, str fmt, Tensor? counter, int salt) -> Tensor",
+    schema="(Tensor x, str fmt, SymInt counter, int salt) -> Tensor",
 )
-def quantize_state(
-    x: torch.Tensor, fmt: str, counter: torch.Tensor | None, salt: int
-) -> torch.Tensor:
-    """``x`` as a payload of ``fmt``; ``counter`` and ``salt`` seed bf16's rounding."""
+def quantize_state(x: torch.Tensor, fmt: str, counter: int, salt: int) -> torch.Tensor:
+    """``x`` as a payload of ``fmt``; ``counter`` and ``salt`` seed bf16's rounding (int8
+    rounds to nearest and ignores them)."""
     if fmt == "bf16":
-        if counter is None:
-            raise ValueError("bf16 state needs a counter: its rounding draws random bits")
         return round_bf16_stochastic(x, counter, salt)
     return quantize_int8(x)
 
 
 @quantize_state.register_fake
-def _(x: torch.Tensor, fmt: str, counter: torch.Tensor | None, salt: int) -> torch.Tensor:
+def _(x: torch.Tensor, fmt: str, counter: int, salt: int) -> torch.Tensor:
     shape, dtype = payload_spec(fmt, tuple(x.shape))
     return x.new_empty(shape, dtype=dtype)
 
@@ -219,10 +217,13 @@ def reads_elementwise(target: object) -> bool:
 
 @dataclass(frozen=True)
 class Compressed:
-    """One graph input stored compressed: its format and the dtype it has in the step."""
+    """One graph input (or output) stored compressed: its format, the dtype it has in the
+    step, and the salt of its rounding bits (the caller's: the same for every tensor of one
+    state entry, e.g. every exp_avg, so one kernel column rounds with one salt)."""
 
     fmt: str
     dtype: torch.dtype
+    salt: int = 0
 
 
 def compress_inputs(
@@ -235,9 +236,10 @@ def compress_inputs(
 
     Each such input is dequantized once where the graph starts, and the value the graph
     writes back into it (its trailing ``copy_``) is quantized first; so is each output at
-    ``outputs`` (positions in the output list: new state the caller stores). When a format needs
-    random bits (bf16) the graph takes one more input, last: an int64 0-dim step counter
-    that it increments (written back like any input), so every call draws new bits.
+    ``outputs`` (positions in the output list: new state the caller stores). When a format
+    needs random bits (bf16) the graph takes one more input, last: the step counter, an int
+    the caller advances on every call, so every call draws new bits. A payload placeholder
+    records ``meta["dequantized"] = (fmt, dtype)``: kernels read it as that dtype.
     ``names`` name the inputs in errors (their Sources). Raises CompressionError when a
     compressed input is read by an op that is not elementwise, or is an output."""
     old = list(gm.graph.nodes)
@@ -251,15 +253,18 @@ def compress_inputs(
         new = env[node] = graph.node_copy(node, env.__getitem__)
         if node in chosen:
             shape, dtype = payload_spec(chosen[node][1].fmt, tuple(node.meta["val"].shape))
-            new.meta = {**node.meta, "val": _fake_like(node, shape, dtype)}
+            c = chosen[node][1]
+            new.meta = {
+                **node.meta,
+                "val": _fake_like(node, shape, dtype),
+                "dequantized": (c.fmt, c.dtype),
+            }
             payloads[node] = new
     counter: fx.Node | None = None
     outputs = outputs or {}
     if any(c.fmt == "bf16" for c in (*inputs.values(), *outputs.values())):
         counter = graph.placeholder("state_rounding_counter")
-        results = next(n for n in old if n.op == "output").args[0]
-        on = [*chosen, *(results[j] for j in outputs)]
-        counter.meta["val"] = _fake_like(on[0], (), torch.int64)  # on their device
+        counter.meta["val"] = 0
     for node, (_, c) in chosen.items():
         val = node.meta["val"]
         d = graph.call_function(DEQUANTIZE, (payloads[node], c.fmt, list(val.shape), c.dtype))
@@ -269,13 +274,10 @@ def compress_inputs(
         if node.op == "placeholder":
             continue
         if node.op == "output":
-            if counter is not None:
-                one = _meta(graph.call_function(aten.add.Tensor, (counter, 1)), counter)
-                _meta(graph.call_function(aten.copy_.default, (counter, one)), counter)
             results = list(fx.map_arg(node.args[0], env.__getitem__))
             for j, c in outputs.items():
-                salt = OUTPUT_SALT + j
-                q = graph.call_function(QUANTIZE, (results[j], c.fmt, counter, salt))
+                args = (results[j], c.fmt, 0 if counter is None else counter, c.salt)
+                q = graph.call_function(QUANTIZE, args)
                 shape, dtype = payload_spec(c.fmt, tuple(results[j].meta["val"].shape))
                 q.meta["val"] = _fake_like(results[j], shape, dtype)
                 results[j] = q
@@ -283,9 +285,10 @@ def compress_inputs(
             break
         dest = node.args[0] if node.target is aten.copy_.default else None
         if isinstance(dest, fx.Node) and dest in chosen:
-            i, c = chosen[dest]
+            _, c = chosen[dest]
             value = env[node.args[1]]
-            q = _meta(graph.call_function(QUANTIZE, (value, c.fmt, counter, i)), payloads[dest])
+            args = (value, c.fmt, 0 if counter is None else counter, c.salt)
+            q = _meta(graph.call_function(QUANTIZE, args), payloads[dest])
             copy = graph.call_function(aten.copy_.default, (payloads[dest], q))
             env[node] = _meta(copy, payloads[dest])
             continue
