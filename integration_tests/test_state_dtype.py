@@ -315,9 +315,15 @@ def test_triton_backend_runs_compressed_state_like_the_torch_backend(fmt: str) -
             set_grads(model, step)
             opt.step()
         runs.append((list(model.parameters()), _full_state(opt)))
+        if fmt == "bf16":  # dequantize, update, requantize in one kernel per dtype group
+            explanation = optcompile.explain(opt)
+            assert "not fused" not in explanation.graph_code
+            assert "partly fused" not in explanation.graph_code
     (params, state), (fused_params, fused_state) = runs
+    # The kernels compute each op as ATen does, up to an ulp of float32 (fused multiply-adds);
+    # where that ulp crosses a rounding boundary the state differs by an ulp of its format.
     for p, q in zip(fused_params, params, strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=0, atol=3 * 1e-2 * 2**-6)
     for got, expected in zip(fused_state, state, strict=True):
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], rtol=2**-7, atol=1e-6)

@@ -42,8 +42,11 @@ def op_dtypes(program: LaneProgram, lane: int) -> dict[int, OpDtypes]:
     dim0: dict[int, bool] = {}  # the lane's value is a 0-dim tensor (or a number)
     for op in program.ops:
         if op.op == "input":
-            val = program.inputs[op.args[0]][lane].meta["val"]
-            out[op.out] = OpDtypes(val.dtype, val.dtype)
+            node = program.inputs[op.args[0]][lane]
+            val = node.meta["val"]
+            # compressed state (a bfloat16 payload) is read as the dtype it stores
+            stored = node.meta.get("dequantized", (None, val.dtype))[1]
+            out[op.out] = OpDtypes(val.dtype, stored)
             dim0[op.out] = val.dim() == 0
             continue
         lanes = op.lane_vars

@@ -125,6 +125,7 @@ def kernel_source(
     host: dict[int, int | None] | None = None,
     dynamic: Sequence[bool] | None = None,
     lane: int = 0,
+    rounding: dict[int, tuple[int, int]] | None = None,
 ) -> str:
     """Triton source of the kernel for ``program`` whose inputs have ``dtypes``, for lanes
     whose ops record the same result dtypes as lane ``lane``'s. ``host`` maps vars computed
@@ -198,6 +199,7 @@ def kernel_source(
             numbers.add(op.out)
         value_dtype[op.out] = dtype
         body.append(f"    v{op.out} = {expr}")
+    counters = {k: scalars.ref(c, torch.float64) for k, (c, _) in (rounding or {}).items()}
     lines += scalars.lines + body
     for var, k in program.writes:
         if program.input_small[k] and host:
@@ -208,6 +210,11 @@ def kernel_source(
             lines.append(
                 f"    tl.store(small_out + lane * {len(small_writes)} + {j}, {value}, mask=first)"
             )
+        elif k in counters:  # bfloat16 state, stochastically rounded (optkernels.compressed)
+            value = _convert(f"v{var}", value_dtype[var], torch.float32)
+            mix = (rounding or {})[k][1] * 0xC2B2AE3D
+            stored = f"_round_bf16_stochastic({value}, offs, {counters[k]}, {mix})"
+            lines.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
         else:
             stored = _store_cast(f"v{var}", value_dtype[var], dtypes[k])
             lines.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
@@ -452,6 +459,24 @@ def _is_literal(expr: str) -> bool:
 # float64 op gets it to about |e * log(b)| float64 ulps (beta ** step: a few).
 _PRELUDE = """import triton
 import triton.language as tl
+
+
+@triton.jit
+def _round_bf16_stochastic(x, offs, counter, salt_mix):
+    # optkernels.compressed.round_bf16_stochastic: the same int64 arithmetic, masked to 32 bits
+    seed = (counter.to(tl.int64) * 0x85EBCA77 + salt_mix) & 0xFFFFFFFF
+    h = (offs.to(tl.int64) * 0x9E3779B1 + seed) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    r = (bits + (h & 0xFFFF)) & 0xFFFF0000
+    r = tl.where(r >= 0x80000000, r - 0x100000000, r)
+    y = r.to(tl.int32).to(tl.float32, bitcast=True)
+    finite = (x == x) & (tl.abs(x) != float("inf"))
+    return tl.where(finite, y, x).to(tl.bfloat16)
 
 
 @triton.jit

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from optkernels.compressed import DEQUANTIZE, QUANTIZE
+
 aten = torch.ops.aten
 
 
@@ -69,6 +71,10 @@ class LaneProgram:
     ops: list[LaneOp] = field(default_factory=list)
     writes: list[tuple[int, int]] = field(default_factory=list)  # (lane var, input index)
     num_vars: int = 0
+    # Written input columns stored with stochastic rounding to bfloat16 (compressed state,
+    # optkernels.compressed): column -> (scalar index of the counter, salt, the lanes whose
+    # payload it is).
+    rounding: dict[int, tuple[int, int, frozenset[int]]] = field(default_factory=dict)
 
 
 # Foreach op base name -> per-element op name understood by the kernel generator.
@@ -133,6 +139,8 @@ def fusible(node: fx.Node) -> bool:
     target = node.target
     if target is operator.getitem or target is aten.copy_.default or _is_scalar(node):
         return True
+    if target in (DEQUANTIZE, QUANTIZE):  # bf16 state: a load of bf16, a rounding store
+        return node.args[1] == "bf16"
     if target in (min, max, abs):
         return True
     base = getattr(target, "__name__", "").partition(".")[0]
@@ -393,6 +401,8 @@ class _Builder:
         # per-item op groups: [key, var, members so far, their recorded result dtypes]
         self.groups: list[list[Any]] = []
         self.free: dict[Any, int] = {}  # lane-independent per-item values -> their var
+        self.rounded: dict[fx.Node, tuple[int, int]] = {}  # quantize node -> (counter, salt)
+        self.rounded_writes: dict[fx.Node, tuple[int, int]] = {}  # payload -> (counter, salt)
 
     def visit(self, node: fx.Node) -> None:
         if node.op == "placeholder":
@@ -419,8 +429,13 @@ class _Builder:
                 raise NotLanes(f"{node.name} takes an item of something that is not a lane list")
             self.value[node] = ("item", base[1], node.args[1])
             return
+        if target is DEQUANTIZE or target is QUANTIZE:
+            self._compressed(node)
+            return
         if target is aten.copy_.default:
             dst, src = node.args
+            if src in self.rounded:
+                self.rounded_writes[dst] = self.rounded[src]  # type: ignore[index]
             item = self.value.get(src)  # type: ignore[arg-type]
             if (
                 item is None
@@ -450,6 +465,25 @@ class _Builder:
         args = tuple(self._arg(a) for a in node.args)
         kwargs = tuple(sorted((k, self._arg(v)) for k, v in node.kwargs.items()))
         self.value[node] = ("lanes", self._emit((op, overload, args, kwargs), _result_dtypes(node)))
+
+    def _compressed(self, node: fx.Node) -> None:
+        """bfloat16 state (optkernels.compressed): a dequantized payload is the payload itself
+        (a kernel loads bfloat16 and computes in float32), and a quantized value is the value,
+        stored with stochastic rounding into the column it is written to."""
+        payload_or_value, fmt = node.args[0], node.args[1]
+        if fmt != "bf16":
+            raise NotLanes(f"{node.name}: {fmt} state is converted outside the kernels")
+        if node.target is DEQUANTIZE:
+            self.value[node] = ("tensor", payload_or_value)
+            return
+        value = self.value.get(payload_or_value)  # type: ignore[arg-type]
+        counter = self.value.get(node.args[2])  # type: ignore[arg-type]
+        if value is None or value[0] not in ("item", "peritem") or counter is None:
+            raise NotLanes(f"{node.name} rounds something other than a lane value")
+        if counter[0] != "scalar":
+            raise NotLanes(f"{node.name}: its counter is not a scalar input")
+        self.value[node] = value
+        self.rounded[node] = (counter[1], node.args[3])  # type: ignore[assignment]
 
     def _per_item(self, node: fx.Node, base: str, overload: str) -> None:
         """A single-tensor op applied to item i of lane lists (``[torch.where(r > 5, ...)
@@ -529,11 +563,11 @@ class _Builder:
             if v[0] == "scalar":
                 return ("scalar", v[1])
             if v[0] == "tensor" and self.lanes is not None:
-                return ("lane", self._input((a,) * self.lanes))  # one tensor for all lanes
+                return ("lane", self._input((v[1],) * self.lanes))  # one tensor for all lanes
             raise NotLanes(f"{a.name} ({v[0]}) cannot be an argument of a lane op")
         if isinstance(a, list | tuple):
             if a and all(isinstance(x, fx.Node) and self._kind(x) == "tensor" for x in a):
-                return ("lane", self._input(tuple(a)))
+                return ("lane", self._input(tuple(self.value[x][1] for x in a)))
             refs = [self.value.get(x) if isinstance(x, fx.Node) else None for x in a]
             if a and all(r is not None and r[0] in ("item", "peritem") for r in refs):
                 vars_ = {r[1] for r in refs}  # type: ignore[index]
@@ -593,7 +627,16 @@ class _Builder:
                 raise NotLanes("a lane value is written back to only some of its lanes")
             nodes = tuple(targets[i] for i in range(self.lanes))
             self._input(nodes, load=False)
-            program.writes.append((var, program.inputs.index(nodes)))
+            column = program.inputs.index(nodes)
+            program.writes.append((var, column))
+            rounded = {
+                i: self.rounded_writes[n] for i, n in enumerate(nodes) if n in self.rounded_writes
+            }
+            if rounded:
+                if len(set(rounded.values())) != 1:
+                    raise NotLanes("a column of bfloat16 state is rounded with different salts")
+                counter, salt = next(iter(rounded.values()))
+                program.rounding[column] = (counter, salt, frozenset(rounded))
         covered = {n for nodes in program.inputs for n in nodes}
         if set(self.copies) - covered:
             raise NotLanes("a write-back target is not part of a lane list")

@@ -75,7 +75,13 @@ class _Group:
         self.name = "foreach_" + "_".join(str(d).replace("torch.", "") for d in dtypes)
         if host:
             self.name += "_host"
-        self.source = kernel_source(program, dtypes, self.name, host, dynamic, lanes[0])
+        rounding = {}
+        for k, (counter, salt, rounded) in program.rounding.items():
+            if dtypes[k] is torch.bfloat16 and rounded.issuperset(lanes):
+                rounding[k] = (counter, salt)
+            elif rounded.intersection(lanes):
+                raise KernelError(f"input column {k} mixes rounded and plain bfloat16 lanes")
+        self.source = kernel_source(program, dtypes, self.name, host, dynamic, lanes[0], rounding)
         # (the launch shape follows the full-size tensors: 0-dim counts are read once a lane)
         full = [d for k, d in enumerate(dtypes) if not program.input_small[k]]
         self.block, self.num_warps = launch_config(full)
