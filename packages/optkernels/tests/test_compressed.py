@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -154,3 +156,58 @@ def test_elementwise_readers_are_pointwise_and_foreach_ops_but_not_reductions() 
     assert reads_elementwise(aten.copy_.default)
     assert not reads_elementwise(aten.mm.default) and not reads_elementwise(aten.sum.default)
     assert not reads_elementwise(aten._foreach_norm.Scalar)
+
+
+def _foreach_momentum_graph(sizes: list[int]) -> fx.GraphModule:
+    """buf_i <- 0.9 * buf_i + g_i; p_i <- p_i - buf_i, as one foreach step."""
+    graph = fx.Graph()
+
+    def placeholder(name: str, val: object) -> fx.Node:
+        node = graph.placeholder(name)
+        node.meta["val"] = val
+        return node
+
+    ps = [placeholder(f"p{i}", torch.empty(n)) for i, n in enumerate(sizes)]
+    gs = [placeholder(f"g{i}", torch.empty(n)) for i, n in enumerate(sizes)]
+    bufs = [placeholder(f"b{i}", torch.empty(n)) for i, n in enumerate(sizes)]
+    vals = [torch.empty(n) for n in sizes]
+
+    def call(target: object, args: tuple[object, ...]) -> fx.Node:
+        node = graph.call_function(target, args)  # type: ignore[arg-type]
+        node.meta["val"] = vals
+        return node
+
+    new_bufs = call(aten._foreach_add.List, (call(aten._foreach_mul.Scalar, (bufs, 0.9)), gs))
+    new_ps = graph.call_function(aten._foreach_add.List, (ps, new_bufs), {"alpha": -1.0})
+    new_ps.meta["val"] = vals
+    for dsts, result in ((ps, new_ps), (bufs, new_bufs)):
+        for i, dst in enumerate(dsts):
+            item = graph.call_function(operator.getitem, (result, i))
+            graph.call_function(aten.copy_.default, (dst, item))
+    graph.output([])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_triton_kernel_reads_bf16_state_and_rounds_it_with_the_reference_bits() -> None:
+    from optkernels.triton_backend import TritonPlan
+
+    sizes = [300, 1500, 7]  # the last stays float32 (a small tensor)
+    compressed = {6: Compressed("bf16", torch.float32, 5), 7: Compressed("bf16", torch.float32, 5)}
+    gm = compress_inputs(_foreach_momentum_graph(sizes), compressed, {})
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(n, generator=gen) for n in sizes]
+    gs = [torch.randn(n, generator=gen) for n in sizes]
+    bufs = [torch.randn(n, generator=gen) for n in sizes]
+    payloads = [quantize_state(b, "bf16", 0, 5) for b in bufs[:2]]
+    inputs = [*ps, *gs, *payloads, bufs[2], 12]  # (12: the rounding counter)
+    plan = TritonPlan(gm)
+    assert plan.parts and plan.split is None, plan.reason  # fully fused
+    fused = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    reference = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    plan(fused)
+    TorchBackend().compile(gm)(reference)
+    for got, expected in zip(fused[:9], reference[:9], strict=True):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    for k in (6, 7):  # equal float32 values round to equal bits on both backends
+        assert torch.equal(fused[k], reference[k])
