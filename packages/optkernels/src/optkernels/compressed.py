@@ -121,14 +121,20 @@ def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     unsigned = (rows >= 0).all(dim=1) | torch.isnan(absmax)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
     ratio = (rows / safe).clamp(-1.0, 1.0)
-    signed_codes = torch.round(ratio.sign() * ratio.abs() ** (1.0 / SIGNED_POWER) * 127.0) + 128.0
-    unsigned_codes = torch.round(ratio.clamp(min=0.0) ** (1.0 / UNSIGNED_POWER) * 255.0)
+    # (each step as the fused kernel computes it: _quantize_int8 in foreach_kernel.py)
+    root = _root(ratio.abs(), SIGNED_POWER)
+    signed_codes = torch.floor(torch.where(ratio < 0, -root, root) * 127.0 + 128.0 + 0.5)
+    unsigned_codes = torch.floor(_root(ratio.clamp(min=0.0), UNSIGNED_POWER) * 255.0 + 0.5)
     codes = torch.where(unsigned[:, None], unsigned_codes, signed_codes).to(torch.uint8)
     scales = torch.where(unsigned, -absmax, absmax)  # the sign bit flags the map
     out = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
     out[: blocks * BLOCK] = codes.view(-1)
     out[blocks * BLOCK :] = scales.view(torch.uint8)
     return out
+
+
+def _root(x: torch.Tensor, power: int) -> torch.Tensor:
+    return x.sqrt() if power == 2 else x ** (1.0 / power)
 
 
 def dequantize_int8(payload: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -139,9 +145,14 @@ def dequantize_int8(payload: torch.Tensor, shape: list[int], dtype: torch.dtype)
     scales = payload[blocks * BLOCK :].view(torch.float32)
     unsigned = torch.signbit(scales)[:, None]
     absmax = scales.abs()[:, None]
-    centered = (codes - 128.0) / 127.0
-    signed = centered.sign() * centered.abs() ** SIGNED_POWER
-    level = torch.where(unsigned, (codes / 255.0) ** UNSIGNED_POWER, signed)
+    centered = (codes - 128.0) * (1.0 / 127.0)
+    if SIGNED_POWER == 2:
+        signed = centered * centered.abs()
+    else:
+        signed = centered.sign() * centered.abs() ** SIGNED_POWER
+    fraction = codes * (1.0 / 255.0)
+    positive = fraction * fraction if UNSIGNED_POWER == 2 else fraction**UNSIGNED_POWER
+    level = torch.where(unsigned, positive, signed)
     return (level * absmax).reshape(-1)[:n].reshape(shape).to(dtype)
 
 
@@ -239,7 +250,8 @@ def compress_inputs(
     ``outputs`` (positions in the output list: new state the caller stores). When a format
     needs random bits (bf16) the graph takes one more input, last: the step counter, an int
     the caller advances on every call, so every call draws new bits. A payload placeholder
-    records ``meta["dequantized"] = (fmt, dtype)``: kernels read it as that dtype.
+    records ``meta["dequantized"] = (fmt, dtype, numel)``: kernels read it as ``numel``
+    values of that dtype.
     ``names`` name the inputs in errors (their Sources). Raises CompressionError when a
     compressed input is read by an op that is not elementwise, or is an output."""
     old = list(gm.graph.nodes)
@@ -257,7 +269,7 @@ def compress_inputs(
             new.meta = {
                 **node.meta,
                 "val": _fake_like(node, shape, dtype),
-                "dequantized": (c.fmt, c.dtype),
+                "dequantized": (c.fmt, c.dtype, node.meta["val"].numel()),
             }
             payloads[node] = new
     counter: fx.Node | None = None

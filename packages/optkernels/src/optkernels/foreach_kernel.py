@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from optkernels._triton_compat import Kernel
+from optkernels.compressed import BLOCK as INT8_BLOCK
 from optkernels.dtypes import COMPARE, OpDtypes, compute_dtype, op_dtypes
 from optkernels.host import HOST_ROWS, scalar_slot
 from optkernels.lanes import LaneOp, LaneProgram
@@ -56,6 +57,7 @@ _TL_DTYPES = {
     torch.bfloat16: "tl.bfloat16",
     torch.float64: "tl.float64",
     torch.bool: "tl.int8",  # one byte each, read as ``!= 0`` (a mask a prelude computed)
+    torch.uint8: "tl.uint8",  # int8 state: codes, then block scales (optkernels.compressed)
 }
 _NARROW = (torch.float16, torch.bfloat16)
 
@@ -125,7 +127,7 @@ def kernel_source(
     host: dict[int, int | None] | None = None,
     dynamic: Sequence[bool] | None = None,
     lane: int = 0,
-    rounding: dict[int, tuple[int, int]] | None = None,
+    rounding: dict[int, tuple[str, int, int]] | None = None,
 ) -> str:
     """Triton source of the kernel for ``program`` whose inputs have ``dtypes``, for lanes
     whose ops record the same result dtypes as lane ``lane``'s. ``host`` maps vars computed
@@ -190,7 +192,16 @@ def kernel_source(
                 load = f"tl.load(host_vals + {HOST_ROWS} + row + {column})"
                 body.append(f"    v{op.out} = {load}{' != 0' if truth else ''}")
             continue
-        if op.op == "input":
+        if op.op == "input" and dtypes[op.args[0]] is torch.uint8:
+            k = op.args[0]  # int8 state: the codes, and the scale of each one's block
+            dtype, expr = (
+                torch.float32,
+                (
+                    f"_dequantize_int8(tl.load(p{k} + offs, mask=mask, other=0), "
+                    f"tl.load({_scales(k)} + offs // {INT8_BLOCK}, mask=mask, other=0.0))"
+                ),
+            )
+        elif op.op == "input":
             dtype = dtypes[op.args[0]]
             expr = _load(op, dtype)
         else:
@@ -199,7 +210,10 @@ def kernel_source(
             numbers.add(op.out)
         value_dtype[op.out] = dtype
         body.append(f"    v{op.out} = {expr}")
-    counters = {k: scalars.ref(c, torch.float64) for k, (c, _) in (rounding or {}).items()}
+    rounding = rounding or {}
+    counters = {
+        k: scalars.ref(c, torch.float64) for k, (f, c, _) in rounding.items() if f == "bf16"
+    }
     lines += scalars.lines + body
     for var, k in program.writes:
         if program.input_small[k] and host:
@@ -210,9 +224,18 @@ def kernel_source(
             lines.append(
                 f"    tl.store(small_out + lane * {len(small_writes)} + {j}, {value}, mask=first)"
             )
+        elif dtypes[k] is torch.uint8:  # int8 state: codes and block scales
+            if rounding.get(k, ("",))[0] != "int8":
+                raise KernelError(f"input column {k} (uint8) is written without its scales")
+            value = _convert(f"v{var}", value_dtype[var], torch.float32)
+            lines.append(f"    q{k}, scale{k} = _quantize_int8({value}, mask, BLOCK)")
+            lines.append(f"    tl.store(p{k} + offs, q{k}, mask=mask)")
+            first = f"mask & (offs % {INT8_BLOCK} == 0)"
+            target = f"{_scales(k)} + offs // {INT8_BLOCK}"
+            lines.append(f"    tl.store({target}, scale{k}, mask={first})")
         elif k in counters:  # bfloat16 state, stochastically rounded (optkernels.compressed)
             value = _convert(f"v{var}", value_dtype[var], torch.float32)
-            mix = (rounding or {})[k][1] * 0xC2B2AE3D
+            mix = rounding[k][2] * 0xC2B2AE3D
             stored = f"_round_bf16_stochastic({value}, offs, {counters[k]}, {mix})"
             lines.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
         else:
@@ -222,6 +245,12 @@ def kernel_source(
         copies = _small_kernel(dtypes, name, small_writes, table_columns(dynamic, "lanes"))
         lines += ["", "", *copies]
     return "\n".join(lines) + "\n"
+
+
+def _scales(k: int) -> str:
+    """Where input ``k``'s int8 block scales start: after its codes, padded to whole blocks."""
+    padded = f"(numel + {INT8_BLOCK - 1}) // {INT8_BLOCK} * {INT8_BLOCK}"
+    return f"(p{k} + {padded}).to(tl.pointer_type(tl.float32))"
 
 
 def _lower(
@@ -459,6 +488,35 @@ def _is_literal(expr: str) -> bool:
 # float64 op gets it to about |e * log(b)| float64 ulps (beta ** step: a few).
 _PRELUDE = """import triton
 import triton.language as tl
+
+
+@triton.jit
+def _dequantize_int8(code, scale):
+    # optkernels.compressed.dequantize_int8 (maps of power 2), step by step
+    c = code.to(tl.float32)
+    centered = (c - 128.0) * (1.0 / 127.0)
+    fraction = c * (1.0 / 255.0)
+    unsigned = scale.to(tl.int32, bitcast=True) < 0
+    return tl.where(unsigned, fraction * fraction, centered * tl.abs(centered)) * tl.abs(scale)
+
+
+@triton.jit
+def _quantize_int8(x, mask, BLOCK: tl.constexpr):
+    # optkernels.compressed.quantize_int8 over the 256-element blocks of this kernel block
+    a = tl.where(mask, tl.abs(x), 0.0)
+    neg = tl.where(mask & (x < 0), 1, 0)
+    absmax = tl.max(tl.reshape(a, (BLOCK // 256, 256)), axis=1)
+    any_neg = tl.max(tl.reshape(neg, (BLOCK // 256, 256)), axis=1)
+    absmax = tl.reshape(tl.broadcast_to(absmax[:, None], (BLOCK // 256, 256)), (BLOCK,))
+    any_neg = tl.reshape(tl.broadcast_to(any_neg[:, None], (BLOCK // 256, 256)), (BLOCK,))
+    unsigned = any_neg == 0
+    safe = tl.where(absmax > 0, absmax, 1.0)
+    ratio = tl.minimum(tl.maximum(tl.div_rn(tl.where(mask, x, 0.0), safe), -1.0), 1.0)
+    root = tl.sqrt_rn(tl.abs(ratio))
+    signed = tl.floor(tl.where(ratio < 0, -root, root) * 127.0 + 128.0 + 0.5)
+    positive = tl.floor(tl.sqrt_rn(tl.maximum(ratio, 0.0)) * 255.0 + 0.5)
+    code = tl.where(unsigned, positive, signed)
+    return code.to(tl.uint8), tl.where(unsigned, -absmax, absmax)
 
 
 @triton.jit

@@ -71,10 +71,10 @@ class LaneProgram:
     ops: list[LaneOp] = field(default_factory=list)
     writes: list[tuple[int, int]] = field(default_factory=list)  # (lane var, input index)
     num_vars: int = 0
-    # Written input columns stored with stochastic rounding to bfloat16 (compressed state,
-    # optkernels.compressed): column -> (scalar index of the counter, salt, the lanes whose
-    # payload it is).
-    rounding: dict[int, tuple[int, int, frozenset[int]]] = field(default_factory=dict)
+    # Written input columns of compressed state (optkernels.compressed): column -> (format,
+    # scalar index of bf16's rounding counter (-1 for int8), salt, the lanes whose payload
+    # it is).
+    rounding: dict[int, tuple[str, int, int, frozenset[int]]] = field(default_factory=dict)
 
 
 # Foreach op base name -> per-element op name understood by the kernel generator.
@@ -139,8 +139,8 @@ def fusible(node: fx.Node) -> bool:
     target = node.target
     if target is operator.getitem or target is aten.copy_.default or _is_scalar(node):
         return True
-    if target in (DEQUANTIZE, QUANTIZE):  # bf16 state: a load of bf16, a rounding store
-        return node.args[1] == "bf16"
+    if target in (DEQUANTIZE, QUANTIZE):  # compressed state: converted where loaded/stored
+        return node.args[1] in ("bf16", "int8")
     if target in (min, max, abs):
         return True
     base = getattr(target, "__name__", "").partition(".")[0]
@@ -401,8 +401,9 @@ class _Builder:
         # per-item op groups: [key, var, members so far, their recorded result dtypes]
         self.groups: list[list[Any]] = []
         self.free: dict[Any, int] = {}  # lane-independent per-item values -> their var
-        self.rounded: dict[fx.Node, tuple[int, int]] = {}  # quantize node -> (counter, salt)
-        self.rounded_writes: dict[fx.Node, tuple[int, int]] = {}  # payload -> (counter, salt)
+        # quantize node, and the payload it is written to -> (format, counter, salt)
+        self.rounded: dict[fx.Node, tuple[str, int, int]] = {}
+        self.rounded_writes: dict[fx.Node, tuple[str, int, int]] = {}
 
     def visit(self, node: fx.Node) -> None:
         if node.op == "placeholder":
@@ -467,23 +468,25 @@ class _Builder:
         self.value[node] = ("lanes", self._emit((op, overload, args, kwargs), _result_dtypes(node)))
 
     def _compressed(self, node: fx.Node) -> None:
-        """bfloat16 state (optkernels.compressed): a dequantized payload is the payload itself
-        (a kernel loads bfloat16 and computes in float32), and a quantized value is the value,
-        stored with stochastic rounding into the column it is written to."""
+        """Compressed state (optkernels.compressed): a dequantized payload is the payload
+        itself (a kernel converts what it loads), and a quantized value is the value, which
+        the kernel converts where it stores it into its column (bf16: stochastic rounding;
+        int8: codes and block scales)."""
         payload_or_value, fmt = node.args[0], node.args[1]
-        if fmt != "bf16":
-            raise NotLanes(f"{node.name}: {fmt} state is converted outside the kernels")
         if node.target is DEQUANTIZE:
             self.value[node] = ("tensor", payload_or_value)
             return
         value = self.value.get(payload_or_value)  # type: ignore[arg-type]
-        counter = self.value.get(node.args[2])  # type: ignore[arg-type]
-        if value is None or value[0] not in ("item", "peritem") or counter is None:
-            raise NotLanes(f"{node.name} rounds something other than a lane value")
-        if counter[0] != "scalar":
-            raise NotLanes(f"{node.name}: its counter is not a scalar input")
+        if value is None or value[0] not in ("item", "peritem"):
+            raise NotLanes(f"{node.name} quantizes something other than a lane value")
+        counter = -1
+        if fmt == "bf16":
+            ref = self.value.get(node.args[2])  # type: ignore[arg-type]
+            if ref is None or ref[0] != "scalar":
+                raise NotLanes(f"{node.name}: its counter is not a scalar input")
+            counter = ref[1]
         self.value[node] = value
-        self.rounded[node] = (counter[1], node.args[3])  # type: ignore[assignment]
+        self.rounded[node] = (fmt, counter, node.args[3])  # type: ignore[assignment]
 
     def _per_item(self, node: fx.Node, base: str, overload: str) -> None:
         """A single-tensor op applied to item i of lane lists (``[torch.where(r > 5, ...)
@@ -635,8 +638,8 @@ class _Builder:
             if rounded:
                 if len(set(rounded.values())) != 1:
                     raise NotLanes("a column of bfloat16 state is rounded with different salts")
-                counter, salt = next(iter(rounded.values()))
-                program.rounding[column] = (counter, salt, frozenset(rounded))
+                fmt, counter, salt = next(iter(rounded.values()))
+                program.rounding[column] = (fmt, counter, salt, frozenset(rounded))
         covered = {n for nodes in program.inputs for n in nodes}
         if set(self.copies) - covered:
             raise NotLanes("a write-back target is not part of a lane list")
@@ -647,9 +650,15 @@ class _Builder:
 def _check_numels(program: LaneProgram) -> None:
     for lane in range(program.lanes):
         numels = {
-            nodes[lane].meta["val"].numel()
+            logical_numel(nodes[lane])
             for nodes, small in zip(program.inputs, program.input_small, strict=True)
             if not small
         }
         if len(numels) > 1:
             raise NotLanes(f"lane {lane} mixes tensors of different sizes {sorted(numels)}")
+
+
+def logical_numel(node: fx.Node) -> int:
+    """The elements input ``node`` holds (a compressed payload: those it stores)."""
+    stored = node.meta.get("dequantized")
+    return int(stored[2]) if stored else int(node.meta["val"].numel())

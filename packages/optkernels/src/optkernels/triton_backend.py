@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 from optkernels.addresses import AddressCheck
+from optkernels.compressed import BLOCK as INT8_BLOCK
 from optkernels.dtypes import op_dtypes
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError, kernel_source, launch_config, load_kernel
@@ -76,15 +77,18 @@ class _Group:
         if host:
             self.name += "_host"
         rounding = {}
-        for k, (counter, salt, rounded) in program.rounding.items():
-            if dtypes[k] is torch.bfloat16 and rounded.issuperset(lanes):
-                rounding[k] = (counter, salt)
+        payload_dtypes = {"bf16": torch.bfloat16, "int8": torch.uint8}
+        for k, (fmt, counter, salt, rounded) in program.rounding.items():
+            if dtypes[k] is payload_dtypes[fmt] and rounded.issuperset(lanes):
+                rounding[k] = (fmt, counter, salt)
             elif rounded.intersection(lanes):
-                raise KernelError(f"input column {k} mixes rounded and plain bfloat16 lanes")
+                raise KernelError(f"input column {k} mixes compressed and plain lanes")
         self.source = kernel_source(program, dtypes, self.name, host, dynamic, lanes[0], rounding)
         # (the launch shape follows the full-size tensors: 0-dim counts are read once a lane)
         full = [d for k, d in enumerate(dtypes) if not program.input_small[k]]
         self.block, self.num_warps = launch_config(full)
+        if torch.uint8 in full and self.block % INT8_BLOCK:
+            raise KernelError(f"int8 state needs blocks of a multiple of {INT8_BLOCK} elements")
         self.kernel = load_kernel(self.source, self.name)
         has_small = any(program.input_small[k] for _, k in program.writes)
         self.small_kernel = (
@@ -107,6 +111,7 @@ class _Group:
         self.dynamic = AddressCheck(self.dynamic_slots)
         self.small_slots = {k: slots([k]) for k, small in enumerate(program.input_small) if small}
         big = [k for k, small in enumerate(program.input_small) if not small]
+        big = [k for k in big if dtypes[k] is not torch.uint8] or big  # (not a packed payload)
         self.numel_slots = slots(big[:1])  # one full-size input per lane gives its size
         self.ptrs: torch.Tensor | None = None
         self.dptrs: torch.Tensor | None = None
