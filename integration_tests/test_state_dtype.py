@@ -342,8 +342,11 @@ def test_cuda_compressed_state_on_the_auto_backend_matches_the_torch_backend(fmt
             set_grads(model, step)
             opt.step()
         runs.append((list(model.parameters()), _full_state(opt)))
-        if backend == "auto":
-            assert optcompile.explain(opt).traces == 1
+        if backend == "auto":  # fused and recorded once as a CUDA graph
+            explanation = optcompile.explain(opt)
+            assert explanation.traces == 1
+            assert "partly fused" not in explanation.graph_code
+            assert explanation.cudagraph_recordings == 1, explanation.cudagraphs
     (params, state), (fused_params, fused_state) = runs
     for p, q in zip(fused_params, params, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
