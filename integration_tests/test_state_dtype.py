@@ -284,6 +284,10 @@ def test_state_dtype_options_are_checked_and_recompiling_without_it_restores_ful
         optcompile.compile(torch.optim.SGD(_model().parameters()), state_dtype=torch.float16)
     with pytest.raises(optcompile.CompileError, match="applies to optimizers"):
         optcompile.compile(lambda x: x * 2, state_dtype="int8")
+    with pytest.raises(optcompile.CompileError, match="with in_backward=True is not supported"):
+        optcompile.compile(
+            torch.optim.SGD(_model().parameters()), state_dtype="int8", in_backward=True
+        )
     model = _model()
     opt = optcompile.compile(torch.optim.AdamW(model.parameters()), state_dtype="int8")
     set_grads(model, 0)
