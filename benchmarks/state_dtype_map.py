@@ -38,7 +38,7 @@ def _moments(steps: int) -> dict[str, torch.Tensor]:
 
 
 def _readback(x: torch.Tensor) -> torch.Tensor:
-    payload = compressed.quantize_state(x, "int8", None, 0)
+    payload = compressed.quantize_state(x, "int8", 0, 0)
     return compressed.dequantize_state(payload, "int8", [x.numel()], torch.float32)
 
 

@@ -125,6 +125,10 @@ def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     root = _root(ratio.abs(), SIGNED_POWER)
     signed_codes = torch.floor(torch.where(ratio < 0, -root, root) * 127.0 + 128.0 + 0.5)
     unsigned_codes = torch.floor(_root(ratio.clamp(min=0.0), UNSIGNED_POWER) * 255.0 + 0.5)
+    # A positive value never reads back as 0: a second moment read as 0 would make Adam's
+    # update m / eps (a step thousands of times too large); the smallest code overstates
+    # it instead, which only shrinks that element's update.
+    unsigned_codes = torch.where(ratio > 0, unsigned_codes.clamp(min=1.0), unsigned_codes)
     codes = torch.where(unsigned[:, None], unsigned_codes, signed_codes).to(torch.uint8)
     scales = torch.where(unsigned, -absmax, absmax)  # the sign bit flags the map
     out = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)

@@ -515,6 +515,7 @@ def _quantize_int8(x, mask, BLOCK: tl.constexpr):
     root = tl.sqrt_rn(tl.abs(ratio))
     signed = tl.floor(tl.where(ratio < 0, -root, root) * 127.0 + 128.0 + 0.5)
     positive = tl.floor(tl.sqrt_rn(tl.maximum(ratio, 0.0)) * 255.0 + 0.5)
+    positive = tl.where(ratio > 0, tl.maximum(positive, 1.0), positive)
     code = tl.where(unsigned, positive, signed)
     return code.to(tl.uint8), tl.where(unsigned, -absmax, absmax)
 
