@@ -330,12 +330,17 @@ def test_triton_backend_runs_compressed_state_like_the_torch_backend(fmt: str) -
             assert "partly fused" not in explanation.graph_code
     (params, state), (fused_params, fused_state) = runs
     # The kernels compute each op as ATen does, up to an ulp of float32 (fused multiply-adds);
-    # where that ulp crosses a rounding boundary the state differs by an ulp of its format.
+    # where that ulp crosses a rounding boundary the state differs by an ulp (bf16) or a
+    # code (int8) of its format, and that element's later updates by as much: on a GPU,
+    # whose compiler fuses multiply-adds, up to a code of int8's map (2/127 relative at the
+    # top of a block) and its effect on three updates of lr 1e-2.
+    cuda = torch.cuda.is_available()
     for p, q in zip(fused_params, params, strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=3 * 1e-2 * 2**-6)
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-3 if cuda else 3 * 1e-2 * 2**-6)
     for got, expected in zip(fused_state, state, strict=True):
         for key in expected:
-            torch.testing.assert_close(got[key], expected[key], rtol=2**-7, atol=1e-6)
+            rtol = 2**-5 if cuda else 2**-7
+            torch.testing.assert_close(got[key], expected[key], rtol=rtol, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -357,8 +362,14 @@ def test_cuda_compressed_state_on_the_auto_backend_matches_the_torch_backend(fmt
             assert "partly fused" not in explanation.graph_code
             assert explanation.cudagraph_recordings == 1, explanation.cudagraphs
     (params, state), (fused_params, fused_state) = runs
+    # (as above: a code or ulp of the format where a fused multiply-add flips it; the step
+    # counts live on the device with capturable=True, on the CPU without)
     for p, q in zip(fused_params, params, strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
     for got, expected in zip(fused_state, state, strict=True):
         for key in expected:
-            torch.testing.assert_close(got[key], expected[key], rtol=2**-6, atol=1e-5)
+            a, b = got[key].cpu(), expected[key].cpu()
+            if fmt == "int8" and a.dim() > 0:  # a code is relative to its block's absmax
+                assert (a - b).abs().max() <= b.abs().max() * 2 / 127, key
+            else:
+                torch.testing.assert_close(a, b, rtol=2**-5, atol=1e-5)

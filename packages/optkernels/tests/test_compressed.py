@@ -233,10 +233,27 @@ def test_triton_kernel_converts_state_where_it_loads_and_stores_it_as_the_refere
         assert got.dtype == expected.dtype
         if got.dtype is torch.float32:
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    for k, n in ((6, sizes[0]), (7, sizes[1])):  # equal float32 values, equal bits
+    # Equal float32 values give equal bits (the interpreter). On a GPU the kernel's fused
+    # multiply-adds may put a value an ulp of float32 off the torch backend's: a block's
+    # absmax (its scale) then differs by that ulp, and a code next to a rounding boundary by
+    # one; values that far apart are the same state for every later step.
+    exact = device == "cpu"
+    for k, n in ((6, sizes[0]), (7, sizes[1])):
         if fmt == "int8":  # (the codes of the last block's padding are never read)
             padded = -(-n // BLOCK) * BLOCK
-            assert torch.equal(fused[k][:n], reference[k][:n])
-            assert torch.equal(fused[k][padded:], reference[k][padded:])  # the scales
-        else:
+            codes, want = fused[k][:n].int(), reference[k][:n].int()
+            scales = fused[k][padded:].view(torch.float32)
+            want_scales = reference[k][padded:].view(torch.float32)
+            if exact:
+                assert torch.equal(codes, want) and torch.equal(scales, want_scales)
+            else:
+                assert (codes - want).abs().max() <= 1
+                torch.testing.assert_close(scales, want_scales, rtol=2**-22, atol=0)
+        elif exact:
             assert torch.equal(fused[k], reference[k])
+        else:  # bfloat16 bits: one ulp of bfloat16 at most
+            got, want = (
+                fused[k].view(torch.bfloat16).float(),
+                reference[k].view(torch.bfloat16).float(),
+            )
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
