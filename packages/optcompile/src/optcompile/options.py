@@ -13,7 +13,7 @@ from optcompile.compressed_state import state_format
 from optcompile.cudagraphs import GraphedBackend
 from optcompile.errors import CompileError
 
-BACKEND_CHOICES = ("auto", "torch", "triton")
+BACKEND_CHOICES = ("auto", "torch", "triton", "cpu")
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # in_backward: gradient bytes per bucket (DDP's default)
 _NAMES = (
     "backend",

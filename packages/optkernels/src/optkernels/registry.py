@@ -6,7 +6,7 @@ from optkernels.backend import Backend
 from optkernels.errors import BackendError
 from optkernels.reference import TorchBackend
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 
 def get_backend(name: str) -> Backend:
@@ -17,4 +17,8 @@ def get_backend(name: str) -> Backend:
         from optkernels.triton_backend import TritonBackend  # imports triton lazily
 
         return TritonBackend()
+    if name == "cpu":
+        from optkernels.cpu_backend import CpuBackend
+
+        return CpuBackend()
     raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,0 +1,486 @@
+"""Generated C for a LaneProgram on the CPU: one vectorized, multi-threaded loop nest.
+
+``kernel_source`` emits, per dtype group of a program's lanes, a C function that walks a
+table of work items (lane, first element, end) built once from the shapes, OpenMP threads
+taking items, and computes the lane program over each item's elements in one ``omp simd``
+loop: every tensor is read once and written once per step, with no temporaries in memory.
+Each op computes as the Triton kernels do (``foreach_kernel``): operands cast to the op's
+dtype, computed in float32 for float16/bfloat16/float32 and in float64 for float64, the
+result rounded to its dtype after each op (bfloat16 to nearest even, float16 through
+``_Float16``), Python scalars read unrounded in the compute dtype, and ``fma`` where ATen's
+functors compute ``a + b * c``. What depends only on 0-dim inputs (step counts) and scalars
+is computed on the host for every lane (``host.host_function``) and read from ``host_vals``.
+
+``build`` compiles the sources with the system C compiler into a shared library cached on
+disk, named by a hash of the source, the compiler, its flags and the CPU (``-march=native``):
+written to a temporary file and renamed into place, so processes compiling the same step at
+once never wait on each other (both compile; one rename wins, with the same bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from optkernels.dtypes import COMPARE, OpDtypes, compute_dtype, op_dtypes
+from optkernels.foreach_kernel import KernelError
+from optkernels.host import HOST_ROWS, scalar_slot
+from optkernels.lanes import LaneOp, LaneProgram
+
+_C_TYPES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.bfloat16: "uint16_t",
+    torch.float16: "_Float16",
+    torch.bool: "uint8_t",
+}
+_NARROW = (torch.float16, torch.bfloat16)
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",  # sqrt vectorizes (it sets no errno); results are IEEE's either way
+    "-ffp-contract=off",  # no multiply-add fused where ATen rounds twice (fma() is explicit)
+    "-std=gnu11",
+    "-shared",
+    "-fPIC",
+)
+
+_PRELUDE = """#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bf2f(uint16_t x) { uint32_t b = (uint32_t)x << 16; float f; memcpy(&f, &b, 4); return f; }
+static inline uint16_t f2bf(float f) {
+    uint32_t b; memcpy(&b, &f, 4);
+    if (f != f) return (uint16_t)((b >> 16) | 0x40);
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+static inline float rbf(float f) { return bf2f(f2bf(f)); }
+static inline float rhf(float f) { return (float)(_Float16)f; }
+static inline float mxf(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
+static inline float mnf(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
+static inline double mxd(double a, double b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
+static inline double mnd(double a, double b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
+"""
+
+
+def _ctype(dtype: torch.dtype) -> str:
+    """The C type a value of ``dtype`` is held in while computing."""
+    if dtype is torch.bool:
+        return "int"
+    return "double" if compute_dtype(dtype) is torch.float64 else "float"
+
+
+def _round(expr: str, dtype: torch.dtype) -> str:
+    """``expr`` (a float) rounded to ``dtype`` and back to float."""
+    return f"rbf({expr})" if dtype is torch.bfloat16 else f"rhf({expr})"
+
+
+def _convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
+    """``expr``, a ``src`` value held in its compute type, as a ``dst`` value held in dst's
+    compute type: rounded where ``dst`` cannot hold it (float64 goes through float32 to a
+    narrower type, as torch's conversions do)."""
+    if src is dst or torch.bool in (src, dst):
+        return expr
+    if compute_dtype(src) is not compute_dtype(dst):
+        expr = f"(({_ctype(dst)})({expr}))"
+    return _round(expr, dst) if dst in _NARROW else expr
+
+
+def _store(expr: str, src: torch.dtype, dtype: torch.dtype) -> str:
+    """``expr`` (a ``src`` value in its compute type) as a ``dtype`` element to store."""
+    if dtype is torch.bool:
+        return f"(uint8_t)({expr})"
+    if src is torch.float64 and dtype in _NARROW:
+        expr = f"(float)({expr})"
+    if dtype is torch.bfloat16:
+        return f"f2bf({expr})"
+    return f"({_C_TYPES[dtype]})({expr})"
+
+
+def _load(k: int, dtype: torch.dtype) -> str:
+    element = f"p{k}[i]"
+    if dtype is torch.bool:
+        return f"({element} != 0)"
+    if dtype is torch.bfloat16:
+        return f"bf2f({element})"
+    if dtype is torch.float16:
+        return f"(float){element}"
+    return element
+
+
+def _literal(value: float, compute: torch.dtype) -> str:
+    if math.isnan(value):
+        text = "NAN"
+    elif math.isinf(value):
+        text = "INFINITY" if value > 0 else "(-INFINITY)"
+    else:
+        text = repr(float(value))
+    return f"(({_ctype(compute)}){text})"
+
+
+@dataclass
+class _Env:
+    """What the expressions of one kernel refer to: scalars read once per call."""
+
+    program: LaneProgram
+    lines: list[str]
+    names: set[str]
+
+    def scalar(self, index: int, compute: torch.dtype) -> str:
+        slot = scalar_slot(index, self.program)
+        name = f"s{slot}"
+        if name not in self.names:
+            self.names.add(name)
+            self.lines.append(f"    const double {name} = scalars[{slot}];")
+        if compute is torch.float64:
+            return name
+        if f"{name}_f" not in self.names:
+            self.names.add(f"{name}_f")
+            self.lines.append(f"    const float {name}_f = (float){name};")
+        return f"{name}_f"
+
+
+def kernel_source(
+    program: LaneProgram,
+    dtypes: Sequence[torch.dtype],
+    name: str,
+    host: dict[int, int | None],
+    dynamic: Sequence[bool],
+    lane: int = 0,
+) -> str:
+    """C source of ``void name(ptrs, dptrs, items, n_items, scalars, host_vals, threads)``
+    for the lanes of ``program`` whose inputs have ``dtypes`` and whose ops record the same
+    result dtypes as lane ``lane``'s. ``host`` maps every var computed on the host to its
+    column in a ``host_vals`` row (None where the kernel does not read it). Input ``k``'s
+    address is ``ptrs[lane * n_static + j]`` or, where ``dynamic[k]`` (grads: new tensors
+    every step), ``dptrs[lane * n_dynamic + j]``. ``items``: rows of (lane, start, end)."""
+    n_static = max(sum(1 for d in dynamic if not d), 1)
+    n_dynamic = max(sum(1 for d in dynamic if d), 1)
+    head = [
+        f"void {name}(const int64_t *restrict ptrs, const int64_t *restrict dptrs,",
+        "        const int64_t *restrict items, int64_t n_items, const double *restrict scalars,",
+        "        const double *restrict host_vals, int threads) {",
+        "    const int64_t row_stride = (int64_t)host_vals[0];",
+    ]
+    env = _Env(program, [], set())
+    pointers: list[str] = []
+    counts = {False: 0, True: 0}
+    for k, dtype in enumerate(dtypes):
+        if dtype not in _C_TYPES:
+            raise KernelError(f"dtype {dtype} of a lane input")
+        table, width = ("dptrs", n_dynamic) if dynamic[k] else ("ptrs", n_static)
+        column = counts[bool(dynamic[k])]
+        counts[bool(dynamic[k])] += 1
+        if program.input_small[k]:
+            continue  # read on the host
+        ctype = _C_TYPES[dtype]
+        pointers.append(
+            f"        {ctype} *restrict p{k} = ({ctype} *)(intptr_t){table}[lane * {width} + {column}];"
+        )
+    per_item: list[str] = []  # host values, read once per work item
+    body: list[str] = []  # the elementwise loop
+    resolved = op_dtypes(program, lane)
+    value_dtype: dict[int, torch.dtype] = {}
+    numbers: set[int] = set()
+    for op in program.ops:
+        if op.out in host:
+            column = host[op.out]
+            if column is not None:
+                truth = op.op in COMPARE
+                value_dtype[op.out] = torch.bool if truth else torch.float64
+                if not truth:
+                    numbers.add(op.out)
+                read = f"hv[{column}]"
+                per_item.append(
+                    f"        const int v{op.out} = {read} != 0;"
+                    if truth
+                    else f"        const double v{op.out} = {read};"
+                )
+            continue
+        if op.op == "input":
+            dtype = dtypes[op.args[0]]
+            expr = _load(op.args[0], dtype)
+        else:
+            dtype, expr = _lower(op, resolved[op.out], value_dtype, numbers, env)
+        if op.op == "item":
+            numbers.add(op.out)
+        value_dtype[op.out] = dtype
+        body.append(f"            const {_ctype(dtype)} v{op.out} = {expr};")
+    for var, k in program.writes:
+        if program.input_small[k]:
+            continue  # written on the host
+        body.append(f"            p{k}[i] = {_store(f'v{var}', value_dtype[var], dtypes[k])};")
+    lines = [
+        *head,
+        *env.lines,
+        "    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)",
+        "    for (int64_t it = 0; it < n_items; ++it) {",
+        "        const int64_t lane = items[3 * it], start = items[3 * it + 1];",
+        "        const int64_t end = items[3 * it + 2];",
+        f"        const double *hv = host_vals + {HOST_ROWS} + lane * row_stride;",
+        "        (void)hv;",
+        *pointers,
+        *per_item,
+        "        #pragma omp simd",
+        "        for (int64_t i = start; i < end; ++i) {",
+        *body,
+        "        }",
+        "    }",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _lower(
+    op: LaneOp,
+    dtypes: OpDtypes,
+    value_dtype: dict[int, torch.dtype],
+    numbers: set[int],
+    env: _Env,
+) -> tuple[torch.dtype, str]:
+    """The dtype of ``op``'s value and its C expression (in that dtype's compute type)."""
+    refs = {v: _operand(v, value_dtype[v], dtypes.common, v in numbers) for v in op.lane_vars}
+    compute = compute_dtype(dtypes.common)
+    expr = _expr(op, refs, compute, env)
+    if dtypes.result is torch.bool:
+        return torch.bool, expr
+    result = dtypes.result or torch.float64
+    return result, _convert(expr, compute, result)
+
+
+def _operand(var: int, dtype: torch.dtype, common: torch.dtype, number: bool) -> str:
+    if dtype is torch.bool:
+        return f"v{var}"
+    if number:
+        return _convert(f"v{var}", dtype, compute_dtype(common))
+    return _convert(f"v{var}", dtype, common)
+
+
+_OMITTED = "<omitted>"
+
+
+def _ref(arg: Any, refs: dict[int, str], compute: torch.dtype, env: _Env) -> str:
+    kind = arg[0]
+    if kind == "lane":
+        return refs[arg[1]]
+    if kind == "scalar":
+        return env.scalar(arg[1], compute)
+    if kind == "const":
+        value = arg[1]
+        if value is None:
+            return _OMITTED
+        if isinstance(value, bool):
+            raise KernelError(f"constant {value!r} as an operand")
+        return _literal(float(value), compute)
+    if kind == "ignore":
+        return "0"
+    raise KernelError(f"argument {arg!r}")
+
+
+def _constant(arg: Any) -> float | None:
+    """The number ``arg`` stands for when it is a literal, else None."""
+    if arg[0] == "const" and isinstance(arg[1], int | float) and not isinstance(arg[1], bool):
+        return float(arg[1])
+    return None
+
+
+def _expr(op: LaneOp, refs: dict[int, str], compute: torch.dtype, env: _Env) -> str:
+    """``op`` as a C expression over its operands (already in ``compute``)."""
+    a = [_ref(x, refs, compute, env) for x in op.args]
+    kw = {k: _ref(v, refs, compute, env) for k, v in op.kwargs}
+    name = op.op
+    wide = compute is torch.float64
+    fma, sqrt, mx, mn = ("fma", "sqrt", "mxd", "mnd") if wide else ("fmaf", "sqrtf", "mxf", "mnf")
+    one, zero = _literal(1.0, compute), _literal(0.0, compute)
+    if name != "clamp" and (_OMITTED in a or _OMITTED in kw.values()):
+        raise KernelError(f"constant None as an operand of {name}")
+    if name in ("add", "sub"):  # self + alpha * other
+        alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
+        if alpha is None:
+            return f"({a[0]} {'+' if name == 'add' else '-'} {a[1]})"
+        return f"{fma}({a[1] if name == 'add' else f'(-{a[1]})'}, {alpha}, {a[0]})"
+    if name == "mul":
+        return f"({a[0]} * {a[1]})"
+    if name == "div":
+        return f"({a[0]} / {a[1]})"
+    if name in ("addcmul", "addcdiv"):  # self + value * (t1 * t2), self + value * (t1 / t2)
+        value = kw.get("value", a[3] if len(a) > 3 else one)
+        product = f"({a[1]} * {a[2]})" if name == "addcmul" else f"({a[1]} / {a[2]})"
+        return f"{fma}({value}, {product}, {a[0]})"
+    if name == "lerp":  # exact at both ends; |weight| < 0.5 picks the formula
+        s, e, w = a[0], a[1], a[2]
+        near, far = f"{fma}({w}, {e} - {s}, {s})", f"{fma}({s} - {e}, {one} - {w}, {e})"
+        weight = _constant(op.args[2])
+        if weight is not None:
+            return near if abs(weight) < 0.5 else far
+        return f"(fabs((double){w}) < 0.5 ? {near} : {far})"
+    if name == "sqrt":
+        return f"{sqrt}({a[0]})"
+    if name == "rsqrt":
+        return f"({one} / {sqrt}({a[0]}))"
+    if name == "reciprocal":
+        return f"({one} / {a[0]})"
+    if name == "neg":
+        return f"(-{a[0]})"
+    if name == "abs":
+        return f"fabs({a[0]})" if wide else f"fabsf({a[0]})"
+    if name == "sign":  # torch.sign(nan) is 0, like sign(0)
+        x = a[0]
+        return f"({x} > {zero} ? {one} : ({x} < {zero} ? -{one} : {zero}))"
+    if name in ("exp", "log", "pow"):  # in double, rounded once for a float32 op
+        args = ", ".join(f"(double){x}" for x in a[:2] if name == "pow") or f"(double){a[0]}"
+        call = f"{name}({args})"
+        return call if wide else f"(float){call}"
+    if name in ("maximum", "minimum"):
+        return f"{mx if name == 'maximum' else mn}({a[0]}, {a[1]})"
+    if name == "rsub":  # other - alpha * self
+        alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
+        if alpha is None:
+            return f"({a[1]} - {a[0]})"
+        return f"{fma}((-{a[0]}), {alpha}, {a[1]})"
+    if name == "clamp":
+        low = kw.get("min", a[1] if len(a) > 1 else _OMITTED)
+        high = kw.get("max", a[2] if len(a) > 2 else _OMITTED)
+        out = a[0]
+        if low != _OMITTED:
+            out = f"{mx}({out}, {low})"
+        if high != _OMITTED:
+            out = f"{mn}({out}, {high})"
+        return out
+    if name == "where":
+        return f"({a[0]} ? {a[1]} : {a[2]})"
+    if name in COMPARE:
+        return f"({a[0]} {_COMPARE[name]} {a[1]})"
+    if name in ("identity", "item", "full"):
+        return f"({a[0]})"
+    if name == "copy":
+        return f"({a[1]})"
+    if name == "zero":
+        return zero
+    if name == "ones":
+        return one
+    raise KernelError(f"op {name}.{op.overload}")
+
+
+_COMPARE = {"gt": ">", "lt": "<", "ge": ">=", "le": "<=", "eq": "==", "ne": "!="}
+
+
+# -- the compiler and the on-disk cache ------------------------------------------------------
+
+
+def cache_dir() -> str:
+    """Where compiled kernels live: $OPTKERNELS_CACHE_DIR/c, else a per-user temp folder."""
+    configured = os.environ.get("OPTKERNELS_CACHE_DIR")
+    if configured:
+        return os.path.join(configured, "c")
+    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    return os.path.join(tempfile.gettempdir(), f"optkernels-c-{user}")
+
+
+@dataclass(frozen=True)
+class Compiler:
+    """A C compiler that builds OpenMP shared libraries here."""
+
+    path: str
+    version: str  # its first ``--version`` line
+
+
+@functools.cache
+def find_compiler() -> Compiler | str:
+    """The C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``) that can build the kernels,
+    or why none can (tried once per process: a trivial OpenMP build, ~0.1 s)."""
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    found = [p for p in (shutil.which(n) for n in names) if p]
+    if not found:
+        return f"no C compiler found ({', '.join(names)} on PATH; set CC)"
+    path = found[0]
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        version = (out.stdout.splitlines() or ["unknown"])[0].strip()
+        probe = "void probe(int n, float *x) {\n#pragma omp parallel for\nfor (int i = 0; i < n; ++i) x[i] += 1.0f;\n}\n"
+        _compile(Compiler(path, version), probe, os.path.join(cache_dir(), "probe"))
+    except (OSError, subprocess.SubprocessError, KernelError) as exc:
+        return f"{path} cannot build OpenMP shared libraries here: {exc}"
+    return Compiler(path, version)
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the machine and its CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))]
+    except OSError:
+        lines = []
+    return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
+
+
+def _compile(compiler: Compiler, source: str, stem: str) -> str:
+    """Build ``source`` into ``stem``.so unless it exists; the path of the library."""
+    path = stem + ".so"
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{stem}.{os.getpid()}.{os.urandom(4).hex()}"
+    with open(tmp + ".c", "w") as f:
+        f.write(source)
+    try:
+        done = subprocess.run(
+            [compiler.path, *FLAGS, tmp + ".c", "-o", tmp + ".so", "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise KernelError(f"{compiler.path} failed on {tmp}.c:\n{done.stderr[-2000:]}")
+        os.replace(tmp + ".so", path)  # atomic: a reader sees the whole library or none
+    finally:
+        for leftover in (tmp + ".c", tmp + ".so"):
+            if os.path.exists(leftover) and not (leftover.endswith(".c") and _keep_sources()):
+                os.remove(leftover)
+    return path
+
+
+def _keep_sources() -> bool:
+    return os.environ.get("OPTKERNELS_KEEP_C") == "1"
+
+
+def library_source(functions: Sequence[str]) -> str:
+    return _PRELUDE + "\n" + "\n".join(functions)
+
+
+@functools.cache
+def _open(path: str) -> ctypes.CDLL:
+    return ctypes.CDLL(path)
+
+
+def build(compiler: Compiler, source: str) -> ctypes.CDLL:
+    """The loaded library of ``source`` (a ``library_source``), from the disk cache or
+    compiled now. Raises KernelError with the compiler's message if it fails."""
+    key = "\n".join([compiler.path, compiler.version, *FLAGS, _cpu_id(), source])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return _open(_compile(compiler, source, os.path.join(cache_dir(), f"k_{digest}")))
+
+
+KERNEL_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+
+
+def function(library: ctypes.CDLL, name: str) -> Any:
+    fn = getattr(library, name)
+    fn.argtypes = KERNEL_ARGS
+    fn.restype = None
+    return fn

@@ -1,0 +1,342 @@
+"""The CPU backend: a foreach graph runs as generated C loop nests, one call per step.
+
+Each lane program (``lanes.analyze_parts``: the programs the Triton backend fuses) becomes
+one C function per dtype group (``c_kernel``), compiled once by the system C compiler and
+cached on disk. A call computes the Python scalars and, for every lane at once, what
+depends only on step counts (``host.host_function``, in float64 as eager's Python floats),
+refreshes the address tables of tensors that moved, and calls the functions through ctypes:
+OpenMP threads (``torch.get_num_threads()`` of them) take (lane, block) items, and each
+element of a parameter, its grad and its state is read and written once. Ops the generator
+does not know run on the torch backend first (``split.split_unfused``, as on Triton);
+graphs that are not lane programs, or tensors off the CPU, run wholly on the torch backend
+(batched), and ``describe()`` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import fx
+
+from optkernels.addresses import AddressCheck
+from optkernels.backend import Plan
+from optkernels.c_kernel import (
+    Compiler,
+    build,
+    find_compiler,
+    function,
+    kernel_source,
+    library_source,
+)
+from optkernels.dtypes import op_dtypes
+from optkernels.errors import BackendError
+from optkernels.foreach_kernel import KernelError
+from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
+from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
+from optkernels.layouts import layouts
+from optkernels.reference import TorchBackend, TorchPlan
+from optkernels.split import Split, split_unfused
+
+log = logging.getLogger("optcompile.kernels")
+
+# Elements per work item: large enough that an item's setup is noise, small enough that a
+# few large tensors still spread over every thread.
+BLOCK = 1 << 15
+
+
+def cpu_usable() -> str | None:
+    """Why the CPU backend cannot run here, or None when it can."""
+    found = find_compiler()
+    return found if isinstance(found, str) else None
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.ctypes.data)
+
+
+class _Part:
+    """One lane program: its C functions (one per dtype group), its address tables, its
+    work items, and the host-side state of its 0-dim values (step counts)."""
+
+    def __init__(self, program: LaneProgram, index: dict[Any, int], compiler: Compiler):
+        if all(program.input_small):
+            raise NotLanes("every lane input is 0-dim (the host computes such steps)")
+        self.program = program
+        self.index = index
+        self._scalars = scalar_function(program, index)
+        order = host_vars(program)
+        self.host_read = host_reads(program, order)
+        columns = {v: j for j, v in enumerate(self.host_read)}
+        host: dict[int, int | None] = {v: columns.get(v) for v in order}
+        self._host_fn = host_function(program, order)
+        self._host_fn_uniform = host_function(program, order, uniform=True)
+        self.dynamic = [
+            not all(n.meta.get("static_address", False) for n in column)
+            for column in program.inputs
+        ]
+        by_dtypes: dict[tuple[Any, ...], list[int]] = {}
+        for lane in range(program.lanes):
+            dtypes = tuple(nodes[lane].meta["val"].dtype for nodes in program.inputs)
+            ops = tuple(sorted(op_dtypes(program, lane).items()))
+            by_dtypes.setdefault((dtypes, ops), []).append(lane)
+        self.groups = [(dtypes, lanes) for (dtypes, _), lanes in by_dtypes.items()]
+        self.sources = [
+            kernel_source(program, dtypes, f"k{g}", host, self.dynamic, lanes[0])
+            for g, (dtypes, lanes) in enumerate(self.groups)
+        ]
+        started = time.perf_counter()
+        library = build(compiler, library_source(self.sources))
+        self.build_seconds = time.perf_counter() - started
+        self.functions = [function(library, f"k{g}") for g in range(len(self.groups))]
+
+        def slots(columns: list[int]) -> list[int]:
+            return [
+                -1 if program.input_small[k] else index[program.inputs[k][lane]]
+                for lane in range(program.lanes)
+                for k in columns
+            ]
+
+        self.static = AddressCheck(slots([k for k, d in enumerate(self.dynamic) if not d]))
+        self.dynamic_check = AddressCheck(slots([k for k, d in enumerate(self.dynamic) if d]))
+        self.ptrs = np.zeros(max(len(self.static.indices), 1), dtype=np.int64)
+        self.dptrs = np.zeros(max(len(self.dynamic_check.indices), 1), dtype=np.int64)
+        self.small_slots = {
+            k: [index[n] for n in nodes]
+            for k, nodes in enumerate(program.inputs)
+            if program.input_small[k]
+        }
+        self.small = AddressCheck([i for s in self.small_slots.values() for i in s])
+        self.small_views: dict[int, np.ndarray] = {}
+        width = len(self.host_read)
+        self.host_vals = np.zeros(HOST_ROWS + max(program.lanes * width, 1), dtype=np.float64)
+        self.scalars = np.zeros(max(len(program.scalar_inputs) + len(program.scalar_nodes), 1))
+        self.items: list[np.ndarray] = []  # per group: (lane, start, end) rows, from shapes
+        self._calls: list[tuple[Any, ...]] = []
+
+    def _work(self, inputs: Sequence[Any]) -> None:
+        """The work items of each group, built once (the entry's guards fix the shapes)."""
+        program = self.program
+        big = next(k for k, small in enumerate(program.input_small) if not small)
+        for g, (_, lanes) in enumerate(self.groups):
+            rows = []
+            for lane in lanes:
+                numel = inputs[self.index[program.inputs[big][lane]]].numel()
+                rows += [(lane, s, min(s + BLOCK, numel)) for s in range(0, numel, BLOCK)]
+            items = np.array(rows or [(0, 0, 0)], dtype=np.int64).reshape(-1, 3)
+            self.items.append(items)
+            self._calls.append(
+                (
+                    self.functions[g],
+                    _address(self.ptrs),
+                    _address(self.dptrs),
+                    _address(items),
+                    len(rows),
+                    _address(self.scalars),
+                    _address(self.host_vals),
+                )
+            )
+
+    def run(self, inputs: Sequence[Any]) -> None:
+        if not self._calls:
+            self._work(inputs)
+        self.scalars[: len(self.scalars)] = self._scalars(inputs) or [0.0]
+        if self.small_slots:
+            self._host_values(inputs)
+        elif self.host_read:
+            self._uniform_or_rows({}, list(self.scalars))
+        if not self.static.equal(inputs):
+            self.ptrs[: len(self.static.indices)] = self.static.record(inputs)
+        if not self.dynamic_check.equal(inputs):
+            self.dptrs[: len(self.dynamic_check.indices)] = self.dynamic_check.record(inputs)
+        threads = torch.get_num_threads()
+        for fn, *args in self._calls:
+            fn(*args, threads)
+
+    def _host_values(self, inputs: Sequence[Any]) -> None:
+        """The host vars of every lane, from the 0-dim inputs (step counts), which are made
+        to alias one CPU buffer per column (``set_``: the same tensor objects, values, dtype
+        and shape; a tensor re-pointed since is aliased again), read and written through
+        numpy views of it; and the rows the kernels read, in ``host_vals``."""
+        if not self.small_views or not self.small.equal(inputs):
+            views = {}
+            with torch.no_grad():
+                for k, slots in self.small_slots.items():
+                    tensors = [inputs[i] for i in slots]
+                    buffer = torch.stack(tensors).contiguous()
+                    storage = buffer.untyped_storage()
+                    for j, t in enumerate(tensors):
+                        t.set_(storage, j, (), ())
+                    views[k] = buffer.numpy()
+            self.small_views = views
+            self.small.record(inputs)
+        self._uniform_or_rows(self.small_views, list(self.scalars))
+
+    def _uniform_or_rows(self, views: dict[int, np.ndarray], scalars: list[float]) -> None:
+        program = self.program
+        values = None
+        first: dict[int, Any] = {}
+        if all(v.tobytes() == v[:1].tobytes() * len(v) for v in views.values()):
+            first = {k: v[:1].item() for k, v in views.items()}
+            try:
+                values = self._host_fn_uniform(first, scalars, 1)
+            except (ArithmeticError, ValueError):
+                values = None
+        block = self.host_vals
+        if values is not None:  # one row for every lane
+            for var, k in program.writes:
+                if program.input_small[k]:
+                    views[k].fill(values[var])
+            block[0] = 0
+            block[HOST_ROWS : HOST_ROWS + len(self.host_read)] = [
+                values[var] for var in self.host_read
+            ]
+            return
+        with np.errstate(all="ignore"):
+            values = self._host_fn(views, scalars, program.lanes)
+        for var, k in program.writes:
+            if program.input_small[k]:
+                np.copyto(views[k], values[var], casting="unsafe")
+        width = len(self.host_read)
+        block[0] = width
+        rows = block[HOST_ROWS : HOST_ROWS + program.lanes * width].reshape(program.lanes, width)
+        for j, var in enumerate(self.host_read):
+            rows[:, j] = values[var]
+
+
+class CpuPlan:
+    """A graph lowered to generated C loop nests (or run by the torch backend)."""
+
+    backend = "cpu"
+
+    def __init__(self, gm: fx.GraphModule, compiler: Compiler) -> None:
+        self.gm = gm
+        self.compiler = compiler
+        self.num_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        self.parts: list[_Part] = []
+        self.reason: str | None = None
+        self.split: Split | None = None
+        self.prelude: TorchPlan | None = None
+        self.layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.fallback: Plan | None = None
+        off_cpu = sorted(
+            {
+                str(n.meta["val"].device)
+                for n in gm.graph.nodes
+                if n.op == "placeholder"
+                and isinstance(n.meta.get("val"), torch.Tensor)
+                and n.meta["val"].device.type != "cpu"
+            }
+        )
+        try:
+            if off_cpu:
+                raise NotLanes(f"its tensors live on {', '.join(off_cpu)}, not the CPU")
+            self.parts = self._lower(gm)
+        except (NotLanes, KernelError) as exc:
+            self.parts, self.reason = [], str(exc)
+            split = None if off_cpu else split_unfused(gm)
+            if split is not None:
+                try:
+                    self.parts = self._lower(split.main)
+                except (NotLanes, KernelError):
+                    self.parts = []
+                else:
+                    self.split, self.prelude = split, TorchPlan(split.prelude)
+        if not self.parts:
+            self.fallback = TorchBackend().compile(gm)
+
+    def _lower(self, gm: fx.GraphModule) -> list[_Part]:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        index = {n: i for i, n in enumerate(placeholders)}
+        programs = analyze_parts(gm.graph)
+        self.layouts = layouts(programs, index, self.num_inputs)
+        return [_Part(p, index, self.compiler) for p in programs]
+
+    @property
+    def build_seconds(self) -> float:
+        """Time spent compiling (or loading from the disk cache) this plan's C."""
+        return sum(part.build_seconds for part in self.parts)
+
+    @property
+    def kernel_launches_per_step(self) -> int:
+        if self.fallback is not None:
+            return self.fallback.kernel_launches_per_step
+        launches = sum(len(part.functions) for part in self.parts)
+        if self.prelude is not None and self.split is not None:
+            launches += self.prelude.kernel_launches_per_step + (1 if self.split.writes else 0)
+        return launches
+
+    def guarded_addresses(self, indices: Collection[int]) -> None:
+        """Nothing to skip: comparing a table's addresses costs a few ns per tensor here."""
+
+    def __call__(self, inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        if self.fallback is not None:
+            return self.fallback(inputs)
+        if len(inputs) != self.num_inputs:
+            raise ValueError(f"graph takes {self.num_inputs} inputs, got {len(inputs)}")
+        results: tuple[torch.Tensor, ...] = ()
+        if self.prelude is not None:
+            results = self.prelude(inputs)
+            inputs = [*inputs, *results]
+            for i, (shape, stride) in self.layouts.items():
+                value = inputs[i]
+                if value.stride() != stride:
+                    inputs[i] = torch.empty_strided(shape, stride, dtype=value.dtype).copy_(value)
+        elif type(inputs) is not list:
+            inputs = list(inputs)
+        for part in self.parts:
+            part.run(inputs)
+        if self.split is not None and self.split.writes:
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [inputs[i] for i, _ in self.split.writes],
+                    [results[j] for _, j in self.split.writes],
+                )
+        return ()
+
+    def describe(self) -> str:
+        if not any(n.op == "call_function" for n in self.gm.graph.nodes):
+            return "# no tensor work in this step (no parameter has a gradient): nothing runs"
+        if self.fallback is not None:
+            return (
+                f"# not fused ({self.reason}); the torch backend runs this graph\n"
+                + self.fallback.describe()
+            )
+        lanes = " + ".join(str(part.program.lanes) for part in self.parts)
+        sections = [
+            f"# {self.kernel_launches_per_step} C loop nest(s) per step over {lanes} lanes "
+            f"({self.compiler.version}, OpenMP; built or loaded in {self.build_seconds:.2f} s)"
+        ]
+        if self.split is not None and self.prelude is not None:
+            ops = sorted({str(n.target) for n in self.split.unfused})
+            sections.append(
+                f"# partly fused: {', '.join(ops)} not an op the kernel generator knows; "
+                "the torch backend runs them and what they depend on first:\n"
+                + self.prelude.describe()
+            )
+        return "\n\n".join([*sections, *(s for part in self.parts for s in part.sources)])
+
+
+class CpuBackend:
+    """Backend that fuses foreach graphs into generated C (OpenMP) for CPU tensors."""
+
+    name = "cpu"
+    wants_capturable = True
+
+    def __init__(self) -> None:
+        found = find_compiler()
+        if isinstance(found, str):
+            raise BackendError(f"backend='cpu' cannot run here: {found}")
+        self.compiler = found
+
+    def compile(self, gm: fx.GraphModule) -> CpuPlan:
+        plan = CpuPlan(gm, self.compiler)
+        if log.isEnabledFor(logging.INFO):
+            notes = [ln[2:] for ln in plan.describe().splitlines() if ln.startswith("# ")]
+            log.info("cpu backend: %s", "; ".join(notes[:2]))
+        return plan
+
