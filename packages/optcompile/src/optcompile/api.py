@@ -28,7 +28,7 @@ from optcompile.optimizer import (
     options_of,
     registered,
 )
-from optcompile.options import BACKEND_CHOICES, DEFAULT_BUCKET_BYTES, Options
+from optcompile.options import BACKEND_CHOICES, DEFAULT_BUCKET_BYTES, Options, backend_reason
 
 __all__ = ["BACKEND_CHOICES", "Explanation", "compile", "explain", "reset"]
 
@@ -282,6 +282,7 @@ def _explain(compiled: Compiled, verbose: bool) -> Explanation:
         gather_code=entry.gather_code if entry else "",
         replay_code=entry.replay.code if entry else "",
         backend=compiled.backend.name,
+        backend_reason=backend_reason(compiled.backend),
         entries=len(compiled.cache.entries),
         fallback_reason=compiled.stats.fallback_reason,
         entry_guards=[e.value.traced.guards.describe() for e in compiled.cache.entries],

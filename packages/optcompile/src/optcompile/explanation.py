@@ -65,13 +65,14 @@ class Explanation:
     state_bytes: tuple[int, int] | None = None
     verbose: bool = False
     buckets: list[str] = field(default_factory=list)  # in_backward: one line per bucket
+    backend_reason: str = ""  # why this backend: "asked for", or what backend="auto" saw
 
     def __str__(self) -> str:
         return "\n".join(self.full_lines() if self.verbose else self.summary_lines())
 
     def summary_lines(self) -> list[str]:
         """The summary: status, retrace reasons, the newest entry's graph and grouped guards."""
-        lines = [self._headline(), *self._bucket_lines(MAX_BUCKETS)]
+        lines = [self._headline(), *self._backend_line(), *self._bucket_lines(MAX_BUCKETS)]
         lines.append(
             f"kernel launches per step: {self.kernel_launches_per_step}   "
             f"native per-tensor checks: {self.native_checks}"
@@ -112,6 +113,7 @@ class Explanation:
         ]
         return [
             self._headline(),
+            *self._backend_line(),
             *self._bucket_lines(len(self.buckets)),
             f"kernel launches per step: {self.kernel_launches_per_step}",
             f"fallback: {self.fallback_reason or 'none'}",
@@ -157,6 +159,9 @@ class Explanation:
             f"state ({self.state_format}): {_mb(stored)} stored, {_mb(full)} at full "
             f"precision{ratio}"
         ]
+
+    def _backend_line(self) -> list[str]:
+        return [f"backend {self.backend}: {self.backend_reason}"] if self.backend_reason else []
 
     def _headline(self) -> str:
         if self.eager:

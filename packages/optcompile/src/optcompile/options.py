@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,15 +75,17 @@ class Options:
 
     def backend_for(self, obj: Any) -> Backend:
         """The backend these options pick for ``obj`` (CUDA graphs wrapped around it)."""
-        name = self.backend
+        name, why = self.backend, "asked for"
         if name == "auto":
-            name = "triton" if _wants_triton(obj) else "torch"
+            name, why = auto_backend(obj)
+            why = f"auto: {why}"
         try:
             chosen: Backend = get_backend(name)
         except BackendError as exc:
             raise CompileError(str(exc)) from exc
         if self.cudagraphs is not False:
             chosen = GraphedBackend(chosen, self.cudagraphs)
+        _WHY[chosen] = why
         return chosen
 
     def differences(self, other: Options) -> list[str]:
@@ -93,6 +96,35 @@ class Options:
             if getattr(self, name) != getattr(other, name)
             or type(getattr(self, name)) is not type(getattr(other, name))
         ]
+
+
+# Why each backend ``backend_for`` made was chosen (explain() prints it).
+_WHY: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def backend_reason(backend: Backend) -> str:
+    """Why ``backend`` (made by ``Options.backend_for``) was chosen: "asked for", or what
+    ``"auto"`` saw."""
+    return _WHY.get(backend, "")
+
+
+def auto_backend(obj: Any) -> tuple[str, str]:
+    """The backend ``"auto"`` picks for ``obj``, and why: the Triton kernels for CUDA params
+    (functions: when CUDA is available); else the generated C loop nests when a C compiler
+    builds them here; else the torch backend."""
+    if _wants_triton(obj):
+        return "triton", "the params are on a CUDA device and Triton runs there"
+    on_cuda = isinstance(obj, torch.optim.Optimizer) and any(
+        p.is_cuda for group in obj.param_groups for p in group["params"]
+    )
+    if on_cuda:
+        return "torch", "the params are on a CUDA device, where Triton cannot run"
+    from optkernels.cpu_backend import cpu_usable
+
+    reason = cpu_usable()
+    if reason is None:
+        return "cpu", "the params are on the CPU and a C compiler builds the generated loops"
+    return "torch", f"the params are on the CPU and the generated C cannot be built ({reason})"
 
 
 def _wants_triton(obj: Any) -> bool:

@@ -1,0 +1,210 @@
+"""backend="cpu" (what "auto" picks for CPU params when a C compiler is found): each lane
+program runs as one generated C loop nest per dtype group; compared with eager torch.optim.
+
+Every optimizer the lanes cover, foreach and for-loop in float32, the default (for-loop)
+path in float64, bfloat16 and float16, over three steps: params and every state tensor.
+Sizes are odd on purpose (1, 7, a 2-D one, one over the backend's block of 32,768 elements,
+so that a lane spans several work items, and in float32 and float64 a 0-dim parameter). Default options (capturable=False): the trace takes
+the capturable path and the host computes what depends on step counts in float64, as
+eager's Python floats do.
+"""
+
+from __future__ import annotations
+
+import optcompile
+import pytest
+import torch
+from optcompile.api import _OPTIMIZERS
+from optkernels.c_kernel import find_compiler
+from optkernels.cpu_backend import BLOCK, CpuPlan
+
+optim = torch.optim
+pytestmark = pytest.mark.skipif(
+    isinstance(find_compiler(), str), reason="no C compiler builds the generated loops here"
+)
+SHAPES = [(1,), (7,), (3, 5), (BLOCK + 33,)]
+# A 0-dim float16/bfloat16 parameter's ops promote where the others' do not: its casts
+# (``_to_copy``) are not lane ops, so they run on the torch backend first (partly fused).
+WIDE_SHAPES = [(), *SHAPES]
+MAKE = {
+    "Adam": lambda ps, f: optim.Adam(ps, lr=1e-2, foreach=f),
+    "AdamW weight decay": lambda ps, f: optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=f),
+    "AdamW amsgrad maximize": lambda ps, f: optim.AdamW(
+        ps, lr=1e-2, amsgrad=True, maximize=True, foreach=f
+    ),
+    "NAdam": lambda ps, f: optim.NAdam(ps, lr=1e-2, foreach=f),
+    "RAdam": lambda ps, f: optim.RAdam(ps, lr=1e-2, foreach=f),
+    "Adamax": lambda ps, f: optim.Adamax(ps, lr=1e-2, foreach=f),
+    "Adadelta": lambda ps, f: optim.Adadelta(ps, foreach=f),
+    "Adagrad lr decay": lambda ps, f: optim.Adagrad(
+        ps, lr=1e-2, lr_decay=0.01, weight_decay=0.1, foreach=f
+    ),
+    "RMSprop centered momentum": lambda ps, f: optim.RMSprop(
+        ps, lr=1e-2, centered=True, momentum=0.5, foreach=f
+    ),
+    "Rprop": lambda ps, f: optim.Rprop(ps, lr=1e-2, foreach=f),
+    "SGD nesterov": lambda ps, f: optim.SGD(
+        ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=f
+    ),
+    "ASGD": lambda ps, f: optim.ASGD(ps, lr=1e-2, foreach=f),
+}
+# float16 steps whose capturable path rounds otherwise than eager's (optcompile.optimizer):
+# eager's own path is traced, whose .item() arithmetic the kernels do not take.
+EAGER_PATH_FLOAT16 = {"Adam", "AdamW weight decay", "AdamW amsgrad maximize", "Adamax", "NAdam"}
+# NAdam's mu_product is a float32 state tensor whatever the params' dtype: eager reads it
+# back rounded, the host keeps the float64 product (as on Triton): float32's precision.
+FLOAT32_STATE = {"NAdam"}
+# Tolerance in ulps of each tensor's dtype, at the scale of its largest value: per-op
+# rounding as ATen's, but fused multiply-adds where ATen's CPU kernels round the product
+# (and the other way round), an ulp now and then that a later op can grow.
+ULPS = {torch.float32: 64, torch.float64: 64, torch.bfloat16: 4, torch.float16: 8}
+
+
+def _run(make, foreach, dtype, steps=3, backend="cpu", shapes=None):
+    gen = torch.Generator().manual_seed(0)
+    if shapes is None:
+        shapes = WIDE_SHAPES if dtype in (torch.float32, torch.float64) else SHAPES
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = optcompile.compile(make(params, foreach), backend=backend)
+    eager = make(reference, foreach)
+    for _ in range(steps):
+        for p, q in zip(params, reference, strict=True):
+            grad = torch.randn(p.shape, generator=gen).to(dtype)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+    return params, opt, reference, eager
+
+
+def _assert_same(a, b, ulps):
+    """Infinities and NaNs where eager has them; finite values within ``ulps`` of the dtype
+    at the scale of the tensor's largest value."""
+    a, b = a.detach(), b.detach()
+    torch.testing.assert_close(a.isnan(), b.isnan())
+    torch.testing.assert_close(a.isinf() & (a > 0), b.isinf() & (b > 0))
+    torch.testing.assert_close(a.isinf() & (a < 0), b.isinf() & (b < 0))
+    finite = a.isfinite() & b.isfinite()
+    if finite.any():
+        scale = float(b[finite].abs().max().double())
+        tiny = torch.finfo(a.dtype).tiny
+        atol = ulps * torch.finfo(a.dtype).eps * max(scale, tiny)
+        torch.testing.assert_close(a[finite], b[finite], rtol=0, atol=atol)
+
+
+def _assert_matches_eager(params, opt, reference, eager, dtype, ulps=None):
+    for p, q in zip(params, reference, strict=True):
+        _assert_same(p, q, ulps or ULPS[dtype])
+        assert opt.state[p].keys() == eager.state[q].keys()
+        for key, value in eager.state[q].items():
+            if torch.is_tensor(value):
+                assert opt.state[p][key].dtype == value.dtype, key
+                _assert_same(opt.state[p][key], value, ulps or ULPS.get(value.dtype, 0))
+            else:
+                assert opt.state[p][key] == value, key
+
+
+def _plan(opt):
+    plan = _OPTIMIZERS[opt].cache.entries[0].value.plan
+    return getattr(plan, "plan", plan)
+
+
+CASES = [
+    *((torch.float32, foreach) for foreach in (False, True)),
+    *((dtype, None) for dtype in (torch.float64, torch.bfloat16, torch.float16)),
+]
+
+
+@pytest.mark.parametrize(("dtype", "foreach"), CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("name", sorted(MAKE))
+def test_step_runs_as_generated_c_and_matches_eager(name, dtype, foreach):
+    params, opt, reference, eager = _run(MAKE[name], foreach, dtype)
+    wide = name in FLOAT32_STATE and dtype is torch.float64
+    _assert_matches_eager(params, opt, reference, eager, dtype, 2**29 if wide else None)
+    report = optcompile.explain(opt)
+    # (SGD's momentum buffers are created by its first step: the second traces again.)
+    assert report.backend == "cpu" and report.fallback_reason is None and report.traces <= 2
+    plan = _plan(opt)
+    assert isinstance(plan, CpuPlan)
+    if dtype is torch.float16 and name in EAGER_PATH_FLOAT16:
+        assert report.graph_code.startswith("# not fused ("), report.graph_code[:300]
+        return
+    assert plan.fallback is None, report.graph_code[:300]
+    lanes = len(params)
+    assert report.graph_code.startswith(f"# 1 C loop nest(s) per step over {lanes} lanes")
+    assert report.kernel_launches_per_step == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_0dim_low_precision_parameter_runs_its_casts_on_the_torch_backend_first(dtype):
+    params, opt, reference, eager = _run(MAKE["RAdam"], None, dtype, shapes=WIDE_SHAPES)
+    _assert_matches_eager(params, opt, reference, eager, dtype)
+    code = optcompile.explain(opt).graph_code
+    assert "# partly fused: aten._to_copy.default not an op the kernel generator knows" in code
+
+
+def test_auto_picks_the_generated_c_for_cpu_params_and_says_why():
+    params, opt, reference, eager = _run(MAKE["AdamW weight decay"], None, torch.float32, 2, "auto")
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    report = optcompile.explain(opt)
+    assert report.backend == "cpu"
+    assert "auto: the params are on the CPU and a C compiler builds" in report.backend_reason
+    assert f"backend cpu: {report.backend_reason}" in str(report).splitlines()[1]
+
+
+def test_without_a_compiler_auto_picks_the_torch_backend_and_says_why(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    find_compiler.cache_clear()
+    try:
+        params, opt, reference, eager = _run(MAKE["Adam"], None, torch.float32, 2, "auto")
+        report = optcompile.explain(opt)
+    finally:
+        find_compiler.cache_clear()
+    assert report.backend == "torch"
+    assert "the generated C cannot be built (no C compiler found" in report.backend_reason
+    torch.testing.assert_close(params, reference, rtol=0, atol=0)  # eager's ops, bitwise
+    with pytest.raises(optcompile.CompileError, match="backend='cpu' cannot run here"):
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        find_compiler.cache_clear()
+        try:
+            optcompile.compile(optim.SGD(params, lr=0.1), backend="cpu")
+        finally:
+            find_compiler.cache_clear()
+
+
+def test_a_graph_the_lanes_do_not_cover_runs_on_the_batched_torch_backend():
+    """Adafactor's per-tensor step sizes are values read from tensors (.item()): not a lane
+    program; the plan runs it on the torch backend and explain() says why."""
+    params, opt, reference, eager = _run(
+        lambda ps, f: optim.Adafactor(ps, lr=0.1, foreach=f), False, torch.float32, 3
+    )
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    code = optcompile.explain(opt).graph_code
+    assert code.startswith("# not fused (") and "the torch backend runs this graph" in code
+
+
+def test_new_grads_every_step_and_a_step_count_re_pointed_are_read_again():
+    """Grads given new storage every step are re-read from their addresses; a step count
+    replaced by a new tensor (a state dict loaded) is aliased into the host buffer again."""
+    params, opt, reference, eager = _run(MAKE["Adam"], False, torch.float32, 2)
+    state = opt.state_dict()
+    opt.load_state_dict(state)  # new step tensors (and new exp_avg storage: a retrace)
+    eager.load_state_dict(eager.state_dict())
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        for p, q in zip(params, reference, strict=True):
+            grad = torch.randn(p.shape, generator=gen)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+
+
+def test_partly_fused_step_runs_its_norms_on_the_torch_backend_first():
+    from step_optimizers import TrustRatioSGD
+
+    params, opt, reference, eager = _run(lambda ps, f: TrustRatioSGD(ps), None, torch.float32)
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    code = optcompile.explain(opt).graph_code
+    assert "# partly fused: aten.linalg_vector_norm.default" in code
+    assert _plan(opt).split is not None
