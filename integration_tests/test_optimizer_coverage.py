@@ -220,7 +220,8 @@ def test_tensor_subclasses_with_their_own_ops_run_eagerly_naming_them(kind):
         twins = [torch.nn.Parameter(make(t)) for t in values]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            opt = optcompile.compile(optim.AdamW(params, lr=1e-2, foreach=False))
+            # (the torch backend: eager's own ops, compared bitwise)
+            opt = optcompile.compile(optim.AdamW(params, lr=1e-2, foreach=False), backend="torch")
             eager = optim.AdamW(twins, lr=1e-2, foreach=False)
             for step in range(3):
                 for p, q in zip(params, twins, strict=True):

@@ -54,7 +54,7 @@ def test_state_clear_then_steps_match_a_fresh_eager_optimizer():
 
 
 def test_explain_reports_traces_guards_and_graph():
-    _, opt, *_ = run_pair(OPTIMIZERS["adamw_foreach"], steps=1)
+    _, opt, *_ = run_pair(OPTIMIZERS["adamw_foreach"], steps=1, backend="torch")
     report = optcompile.explain(opt)
     assert isinstance(report.traces, int) and report.traces == 1
     assert isinstance(report.retrace_reasons, list)
