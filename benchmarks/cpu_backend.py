@@ -1,8 +1,8 @@
 """CPU step time against the memory-bandwidth floor: the generated C backend vs the anchors.
 
 Usage: OPTCOMPILE_NATIVE=sync python benchmarks/cpu_backend.py [--sets gpt2,mlp,tiny]
-       [--optimizers AdamW,SGD momentum,Adagrad,Adafactor] [--rounds 7] [--no-torch-compile]
-       [--out FILE]
+       [--optimizers AdamW,SGD momentum,Adagrad,Adafactor] [--tiny-optimizers AdamW,RAdam,
+       Rprop,ASGD] [--torch-compile AdamW] [--rounds 7] [--out FILE]
 Writes benchmarks/results/cpu_backend.md (or FILE).
 
 For each parameter set ("gpt2": GPT-2 124M's 148 tensors in float32; "mlp": a 2.1M-value MLP,
@@ -11,14 +11,20 @@ eager takes its for-loop path on the CPU), these step the same parameters and gr
 with its own state:
 
 - ``eager for-loop`` and ``eager foreach`` (``foreach=True``): torch.optim;
-- ``torch.compile``: ``torch.compile(opt.step)`` of the for-loop optimizer (Inductor's C++);
+- ``torch.compile``: ``torch.compile(opt.step)`` of the for-loop optimizer (Inductor's C++;
+  for the optimizers named by ``--torch-compile`` only: its compile takes minutes here);
 - ``optcompile torch``: ``backend="torch"`` (the batched, in-place torch plan);
 - ``optcompile cpu``: ``backend="cpu"``, what ``"auto"`` picks where a C compiler is found.
 
 The floor is the bytes the step must move (AdamW: read p, g, m, v, write p, m, v: 28 bytes
 per float32 value; SGD momentum and Adagrad: 20; Adafactor: p, g read, p written, its
-factored state negligible: 12) over the copy bandwidth measured in the same run, with all
-cores (a 256 Mi-value float32 copy, read + write counted, median of 15). Times are medians
+factored state negligible: 12; RAdam, Rprop 28; ASGD 20) over the copy bandwidth measured in
+the same run, with all cores (a 256 Mi-value float32 ``copy_``, read + write counted, median
+of 15). A copy's destination is also read into the cache before it is written (write
+allocate), so a copy moves 3 bytes for every 2 counted, which an in-place step (its written
+tensors were read anyway) does not: the step can beat this floor. The in-place bandwidth
+(``x.add_(y)`` over the same size: 12 bytes per value counted, none uncounted) is reported
+too, and the ratio to the floor it gives. Times are medians
 of ``rounds`` rounds of one step each, the variants interleaved within a round (load from
 other processes hits them alike), all with ``torch.get_num_threads()`` = every core; the
 first steps (trace, state init, compile) are not timed but the first call of each compiled
@@ -52,6 +58,9 @@ OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]
     "SGD momentum": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}, 20),
     "Adagrad": (torch.optim.Adagrad, {}, 20),
     "Adafactor": (torch.optim.Adafactor, {}, 12),
+    "RAdam": (torch.optim.RAdam, {}, 28),
+    "Rprop": (torch.optim.Rprop, {}, 28),
+    "ASGD": (torch.optim.ASGD, {}, 20),
 }
 SETS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
     "gpt2": gpt2_shapes,
@@ -77,6 +86,19 @@ def copy_bandwidth() -> float:
         times.append(time.perf_counter() - start)
     del src, dst
     return 2 * 256 * 1024 * 1024 * 4 / statistics.median(times[2:])
+
+
+def inplace_bandwidth() -> float:
+    """Bytes per second of ``x.add_(y)`` over 256 Mi float32 values (read x, y; write x)."""
+    x = torch.randn(256 * 1024 * 1024)
+    y = torch.randn(256 * 1024 * 1024)
+    times = []
+    for _ in range(17):
+        start = time.perf_counter()
+        x.add_(y)
+        times.append(time.perf_counter() - start)
+    del x, y
+    return 3 * 256 * 1024 * 1024 * 4 / statistics.median(times[2:])
 
 
 def _params(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
@@ -145,8 +167,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sets", default="gpt2,mlp,tiny")
     parser.add_argument("--optimizers", default="AdamW,SGD momentum,Adagrad,Adafactor")
+    parser.add_argument("--tiny-optimizers", default="AdamW,RAdam,Rprop,ASGD")
+    parser.add_argument("--torch-compile", default="AdamW", help="optimizers to torch.compile")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--out", default=str(RESULTS / "cpu_backend.md"))
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -154,14 +177,22 @@ def main() -> None:
     torch.set_num_threads(cores)
     load_before = _load()
     bandwidth = copy_bandwidth()
-    variants = [v for v in VARIANTS if not (args.no_torch_compile and v == "torch.compile")]
+    inplace = inplace_bandwidth()
+    compiled = set(args.torch_compile.split(",")) if args.torch_compile else set()
+    variants = [v for v in VARIANTS if v != "torch.compile" or compiled]
     rows = []
     for set_name in args.sets.split(","):
         values = sum(torch.Size(s).numel() for s in SETS[set_name]())
-        for opt_name in args.optimizers.split(","):
+        names = args.tiny_optimizers if set_name == "tiny" else args.optimizers
+        for opt_name in names.split(","):
             floor_s = values * OPTIMIZERS[opt_name][2] / bandwidth
-            case_variants = [v for v in variants if not (set_name == "tiny" and v == "torch.compile")]
+            case_variants = [
+                v
+                for v in variants
+                if v != "torch.compile" or (set_name != "tiny" and opt_name in compiled)
+            ]
             row = run_case(set_name, opt_name, args.rounds, case_variants, floor_s)
+            row["inplace_floor_s"] = values * OPTIMIZERS[opt_name][2] / inplace
             rows.append(row)
             print(
                 set_name,
@@ -171,17 +202,18 @@ def main() -> None:
                 flush=True,
             )
             torch._dynamo.reset()
-    write(args, rows, bandwidth, cores, load_before, variants)
+    write(args, rows, (bandwidth, inplace), cores, load_before, variants)
 
 
 def write(
     args: argparse.Namespace,
     rows: list[dict[str, Any]],
-    bandwidth: float,
+    bandwidths: tuple[float, float],
     cores: int,
     load_before: float,
     variants: list[str],
 ) -> None:
+    bandwidth, inplace = bandwidths
     try:
         cc = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout
         compiler = cc.splitlines()[0]
@@ -191,20 +223,23 @@ def write(
         "# CPU step time against the memory-bandwidth floor: generated C vs the anchors",
         "",
         f"Command: `OPTCOMPILE_NATIVE=sync python benchmarks/cpu_backend.py --sets {args.sets} "
-        f"--optimizers {args.optimizers!r} --rounds {args.rounds}"
-        f"{' --no-torch-compile' if args.no_torch_compile else ''}` (repo root)  ",
+        f"--optimizers {args.optimizers!r} --tiny-optimizers {args.tiny_optimizers} "
+        f"--torch-compile {args.torch_compile!r} --rounds {args.rounds}` (repo root)  ",
         f"Device: {platform.machine()}, {platform.processor() or 'cpu'}; **{cores} cores** "
         f"(torch threads: {torch.get_num_threads()}), shared with other processes (load "
         f"{load_before:.2f} at start, {_load():.2f} at end)  ",
         f"Versions: Python {platform.python_version()}, torch {torch.__version__}; C compiler: "
         f"{compiler}  ",
-        f"Copy bandwidth measured in this run (all cores): {bandwidth / 1e9:.2f} GB/s  ",
+        f"Bandwidth measured in this run (all cores): copy {bandwidth / 1e9:.2f} GB/s (the "
+        f"floor's), in place (`x.add_(y)`) {inplace / 1e9:.2f} GB/s  ",
         "",
         "Milliseconds per `opt.step()` (median of interleaved rounds); in brackets: step time "
         "/ floor. Default options (eager's for-loop path; `torch.compile` compiles that step).",
         "",
-        "| set | optimizer | floor | " + " | ".join(variants) + " | cpu / foreach |",
-        "| --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " | ---: |",
+        "| set | optimizer | floor | "
+        + " | ".join(variants)
+        + " | cpu / foreach | cpu / in-place floor |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " | ---: | ---: |",
     ]
     for row in rows:
         floor = row["floor_s"]
@@ -212,11 +247,12 @@ def write(
         for v in variants:
             t = row["median_s"].get(v)
             cells.append("n/a" if t is None else f"{t * 1e3:.2f} ({t / floor:.2f}x)")
-        ratio = row["median_s"]["optcompile cpu"] / row["median_s"]["eager foreach"]
+        cpu = row["median_s"]["optcompile cpu"]
+        ratio = cpu / row["median_s"]["eager foreach"]
         lines.append(
             f"| {LABELS[row['set']]} | {row['optimizer']} | {floor * 1e3:.2f} | "
             + " | ".join(cells)
-            + f" | {ratio:.2f} |"
+            + f" | {ratio:.2f} | {cpu / row['inplace_floor_s']:.2f} |"
         )
     lines += [
         "",

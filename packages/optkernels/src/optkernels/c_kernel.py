@@ -228,7 +228,7 @@ def kernel_source(
     lines = [
         *head,
         *env.lines,
-        "    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)",
+        "    #pragma omp parallel for if(threads > 1) num_threads(threads) schedule(dynamic, 1)",
         "    for (int64_t it = 0; it < n_items; ++it) {",
         "        const int64_t lane = items[3 * it], start = items[3 * it + 1];",
         "        const int64_t end = items[3 * it + 2];",

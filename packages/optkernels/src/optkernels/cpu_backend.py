@@ -45,7 +45,9 @@ from optkernels.split import Split, split_unfused
 log = logging.getLogger("optcompile.kernels")
 
 # Elements per work item: large enough that an item's setup is noise, small enough that a
-# few large tensors still spread over every thread.
+# few large tensors still spread over every thread. A call uses one thread per BLOCK
+# elements at most (as ATen's grain size does): waking a thread costs microseconds on an
+# idle machine and a scheduler time slice (milliseconds) on a loaded one.
 BLOCK = 1 << 15
 
 
@@ -124,9 +126,11 @@ class _Part:
         big = next(k for k, small in enumerate(program.input_small) if not small)
         for g, (_, lanes) in enumerate(self.groups):
             rows = []
+            total = 0
             for lane in lanes:
                 numel = inputs[self.index[program.inputs[big][lane]]].numel()
                 rows += [(lane, s, min(s + BLOCK, numel)) for s in range(0, numel, BLOCK)]
+                total += numel
             items = np.array(rows or [(0, 0, 0)], dtype=np.int64).reshape(-1, 3)
             self.items.append(items)
             self._calls.append(
@@ -138,6 +142,7 @@ class _Part:
                     len(rows),
                     _address(self.scalars),
                     _address(self.host_vals),
+                    -(-total // BLOCK),  # the most threads worth waking
                 )
             )
 
@@ -154,8 +159,8 @@ class _Part:
         if not self.dynamic_check.equal(inputs):
             self.dptrs[: len(self.dynamic_check.indices)] = self.dynamic_check.record(inputs)
         threads = torch.get_num_threads()
-        for fn, *args in self._calls:
-            fn(*args, threads)
+        for fn, *args, most in self._calls:
+            fn(*args, min(threads, most))
 
     def _host_values(self, inputs: Sequence[Any]) -> None:
         """The host vars of every lane, from the 0-dim inputs (step counts), which are made
