@@ -65,9 +65,8 @@ _PRELUDE = """#include <stdint.h>
 static inline float bf2f(uint16_t x) { uint32_t b = (uint32_t)x << 16; float f; memcpy(&f, &b, 4); return f; }
 static inline uint16_t f2bf(float f) {
     uint32_t b; memcpy(&b, &f, 4);
-    if (f != f) return (uint16_t)((b >> 16) | 0x40);
     b += 0x7FFFu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
+    return f != f ? (uint16_t)0x7FC0 : (uint16_t)(b >> 16);  /* torch's NaN */
 }
 static inline float rbf(float f) { return bf2f(f2bf(f)); }
 static inline float rhf(float f) { return (float)(_Float16)f; }
