@@ -49,7 +49,7 @@ import optcompile
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from guard_check import gpt2_shapes  # noqa: E402
+from guard_check import gpt2_shapes
 
 RESULTS = Path(__file__).parent / "results"
 OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any], int]] = {
@@ -72,7 +72,13 @@ LABELS = {
     "mlp": "MLP 2x1024x1024 (6 tensors, 2.1M values)",
     "tiny": "2000 x (4,)",
 }
-VARIANTS = ["eager for-loop", "eager foreach", "torch.compile", "optcompile torch", "optcompile cpu"]
+VARIANTS = [
+    "eager for-loop",
+    "eager foreach",
+    "torch.compile",
+    "optcompile torch",
+    "optcompile cpu",
+]
 
 
 def copy_bandwidth() -> float:
@@ -263,8 +269,7 @@ def write(
     ]
     for row in rows:
         cells = [
-            f"{row['first_call_s'][v]:.2f}" if v in row["first_call_s"] else "n/a"
-            for v in variants
+            f"{row['first_call_s'][v]:.2f}" if v in row["first_call_s"] else "n/a" for v in variants
         ]
         lines.append(
             f"| {LABELS[row['set']]} | {row['optimizer']} | "

@@ -4,9 +4,9 @@ program runs as one generated C loop nest per dtype group; compared with eager t
 Every optimizer the lanes cover, foreach and for-loop in float32, the default (for-loop)
 path in float64, bfloat16 and float16, over three steps: params and every state tensor.
 Sizes are odd on purpose (1, 7, a 2-D one, one over the backend's block of 32,768 elements,
-so that a lane spans several work items, and in float32 and float64 a 0-dim parameter). Default options (capturable=False): the trace takes
-the capturable path and the host computes what depends on step counts in float64, as
-eager's Python floats do.
+so that a lane spans several work items, and in float32 and float64 a 0-dim parameter).
+Default options (capturable=False): the trace takes the capturable path and the host
+computes what depends on step counts in float64, as eager's Python floats do.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_without_a_compiler_auto_picks_the_torch_backend_and_says_why(monkeypatc
     monkeypatch.setenv("CC", "/nonexistent/cc")
     find_compiler.cache_clear()
     try:
-        params, opt, reference, eager = _run(MAKE["Adam"], None, torch.float32, 2, "auto")
+        params, opt, reference, _ = _run(MAKE["Adam"], None, torch.float32, 2, "auto")
         report = optcompile.explain(opt)
     finally:
         find_compiler.cache_clear()

@@ -173,7 +173,7 @@ def test_builds_of_one_source_at_once_never_wait_and_leave_one_library(cache):
 
 
 def test_a_compile_error_names_the_compiler_and_its_message(cache):
-    with pytest.raises(KernelError, match="failed on .*error"):
+    with pytest.raises(KernelError, match=r"failed on .*error"):
         build(_compiler(), library_source(["void broken( { }"]))
     assert not list(cache.glob("k_*"))
 

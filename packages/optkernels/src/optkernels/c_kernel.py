@@ -62,7 +62,9 @@ _PRELUDE = """#include <stdint.h>
 #include <string.h>
 #include <math.h>
 
-static inline float bf2f(uint16_t x) { uint32_t b = (uint32_t)x << 16; float f; memcpy(&f, &b, 4); return f; }
+static inline float bf2f(uint16_t x) {
+    uint32_t b = (uint32_t)x << 16; float f; memcpy(&f, &b, 4); return f;
+}
 static inline uint16_t f2bf(float f) {
     uint32_t b; memcpy(&b, &f, 4);
     b += 0x7FFFu + ((b >> 16) & 1u);
@@ -188,9 +190,8 @@ def kernel_source(
         if program.input_small[k]:
             continue  # read on the host
         ctype = _C_TYPES[dtype]
-        pointers.append(
-            f"        {ctype} *restrict p{k} = ({ctype} *)(intptr_t){table}[lane * {width} + {column}];"
-        )
+        address = f"{table}[lane * {width} + {column}]"
+        pointers.append(f"        {ctype} *restrict p{k} = ({ctype} *)(intptr_t){address};")
     per_item: list[str] = []  # host values, read once per work item
     body: list[str] = []  # the elementwise loop
     resolved = op_dtypes(program, lane)
@@ -198,13 +199,13 @@ def kernel_source(
     numbers: set[int] = set()
     for op in program.ops:
         if op.out in host:
-            column = host[op.out]
-            if column is not None:
+            read_at = host[op.out]
+            if read_at is not None:
                 truth = op.op in COMPARE
                 value_dtype[op.out] = torch.bool if truth else torch.float64
                 if not truth:
                     numbers.add(op.out)
-                read = f"hv[{column}]"
+                read = f"hv[{read_at}]"
                 per_item.append(
                     f"        const int v{op.out} = {read} != 0;"
                     if truth
@@ -411,7 +412,10 @@ def find_compiler() -> Compiler | str:
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
         version = (out.stdout.splitlines() or ["unknown"])[0].strip()
-        probe = "void probe(int n, float *x) {\n#pragma omp parallel for\nfor (int i = 0; i < n; ++i) x[i] += 1.0f;\n}\n"
+        probe = (
+            "void probe(int n, float *x) {\n#pragma omp parallel for\n"
+            "for (int i = 0; i < n; ++i) x[i] += 1.0f;\n}\n"
+        )
         _compile(Compiler(path, version), probe, os.path.join(cache_dir(), "probe"))
     except (OSError, subprocess.SubprocessError, KernelError) as exc:
         return f"{path} cannot build OpenMP shared libraries here: {exc}"

@@ -344,4 +344,3 @@ class CpuBackend:
             notes = [ln[2:] for ln in plan.describe().splitlines() if ln.startswith("# ")]
             log.info("cpu backend: %s", "; ".join(notes[:2]))
         return plan
-
