@@ -416,7 +416,9 @@ def find_compiler() -> Compiler | str:
             "void probe(int n, float *x) {\n#pragma omp parallel for\n"
             "for (int i = 0; i < n; ++i) x[i] += 1.0f;\n}\n"
         )
-        _compile(Compiler(path, version), probe, os.path.join(cache_dir(), "probe"))
+        # (named by the compiler and flags: a probe another compiler built proves nothing)
+        key = hashlib.sha256("\n".join([path, version, *FLAGS]).encode()).hexdigest()[:12]
+        _compile(Compiler(path, version), probe, os.path.join(cache_dir(), f"probe_{key}"))
     except (OSError, subprocess.SubprocessError, KernelError) as exc:
         return f"{path} cannot build OpenMP shared libraries here: {exc}"
     return Compiler(path, version)
