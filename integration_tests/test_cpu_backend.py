@@ -208,3 +208,19 @@ def test_partly_fused_step_runs_its_norms_on_the_torch_backend_first():
     code = optcompile.explain(opt).graph_code
     assert "# partly fused: aten.linalg_vector_norm.default" in code
     assert _plan(opt).split is not None
+
+
+def test_a_param_given_new_storage_retraces_and_the_loops_write_its_new_storage():
+    """The static address table is not compared on each call (the entry's data-pointer
+    guards are): a param moved by ``p.data = ...`` fails its guard and retraces."""
+    params, opt, reference, eager = _run(MAKE["Adam"], False, torch.float32, 2)
+    params[1].data = params[1].data.clone()
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        for p, q in zip(params, reference, strict=True):
+            grad = torch.randn(p.shape, generator=gen)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    assert optcompile.explain(opt).traces == 2

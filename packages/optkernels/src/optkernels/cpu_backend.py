@@ -104,6 +104,7 @@ class _Part:
             ]
 
         self.static = AddressCheck(slots([k for k, d in enumerate(self.dynamic) if not d]))
+        self._static_written = False
         self.dynamic_check = AddressCheck(slots([k for k, d in enumerate(self.dynamic) if d]))
         self.ptrs = np.zeros(max(len(self.static.indices), 1), dtype=np.int64)
         self.dptrs = np.zeros(max(len(self.dynamic_check.indices), 1), dtype=np.int64)
@@ -119,6 +120,13 @@ class _Part:
         self.scalars = np.zeros(max(len(program.scalar_inputs) + len(program.scalar_nodes), 1))
         self.items: list[np.ndarray] = []  # per group: (lane, start, end) rows, from shapes
         self._calls: list[tuple[Any, ...]] = []
+
+    def guard(self, guarded: frozenset[int]) -> None:
+        """Stop comparing the static addresses of the inputs at ``guarded`` (the caller
+        checks them before every call: ``CpuPlan.guarded_addresses``)."""
+        slots = self.static.indices
+        self.static = AddressCheck(slots, {i for i in slots if i >= 0 and i not in guarded})
+        self._static_written = False
 
     def _work(self, inputs: Sequence[Any]) -> None:
         """The work items of each group, built once (the entry's guards fix the shapes)."""
@@ -154,8 +162,10 @@ class _Part:
             self._host_values(inputs)
         elif self.host_read:
             self._uniform_or_rows({}, list(self.scalars))
-        if not self.static.equal(inputs):
-            self.ptrs[: len(self.static.indices)] = self.static.record(inputs)
+        static = self.static
+        if not self._static_written or (static.compared and not static.equal(inputs)):
+            self.ptrs[: len(static.indices)] = static.record(inputs)
+            self._static_written = True
         if not self.dynamic_check.equal(inputs):
             self.dptrs[: len(self.dynamic_check.indices)] = self.dynamic_check.record(inputs)
         threads = torch.get_num_threads()
@@ -276,7 +286,12 @@ class CpuPlan:
         return launches
 
     def guarded_addresses(self, indices: Collection[int]) -> None:
-        """Nothing to skip: comparing a table's addresses costs a few ns per tensor here."""
+        """The caller checks, before every call, that the inputs at ``indices`` keep the
+        addresses they had on the first (optcompile: the entry's data-pointer guards): the
+        static address tables stop comparing them (grads and the rest still are)."""
+        guarded = frozenset(indices)
+        for part in self.parts:
+            part.guard(guarded)
 
     def __call__(self, inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
         if self.fallback is not None:
