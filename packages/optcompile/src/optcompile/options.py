@@ -119,20 +119,6 @@ def auto_backend(obj: Any) -> tuple[str, str]:
     )
     if on_cuda:
         return "torch", "the params are on a CUDA device, where Triton cannot run"
-    if isinstance(obj, torch.optim.Optimizer):
-        subclass = next(
-            (
-                type(p).__name__
-                for group in obj.param_groups
-                for p in group["params"]
-                if type(p) not in (torch.Tensor, torch.nn.Parameter)
-            ),
-            None,
-        )
-        if subclass is not None:
-            # (The generated C reads tensors by address; a subclass's own ops, a DTensor's
-            # local shards, are for the torch backend until the C backend is tested on them.)
-            return "torch", f"the params are {subclass}s, which the generated C does not take"
     from optkernels.cpu_backend import cpu_usable
 
     reason = cpu_usable()
