@@ -75,7 +75,9 @@ def test_int8_steps_equal_eager_with_its_state_quantized_after_each_step(name: s
     }[name]
     model = _model()
     reference = copy.deepcopy(model)
-    opt = optcompile.compile(make(list(model.parameters())), state_dtype="int8")
+    # (the torch backend: eager's own ops, so that eager's quantized state is reproduced; the
+    # CPU backend's ulp differences can move a value across an int8 rounding boundary)
+    opt = optcompile.compile(make(list(model.parameters())), state_dtype="int8", backend="torch")
     eager = make(list(reference.parameters()))
     for step in range(4):
         set_grads(model, step)
