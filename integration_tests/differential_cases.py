@@ -237,12 +237,9 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
 # without capturable on float64, an in-place op on a 0-dim half tensor with a tensor
 # hyperparameter (found here), a scheduler attached before compile() warning (found here),
 # copy.deepcopy of a compiled optimizer, the Triton plan's store of 0-dim bfloat16 results
-# under the interpreter (found here), a frozen param given a grad later (found here).
+# under the interpreter (found here), a frozen param given a grad later (found here),
+# backend='triton' on float64 with capturable=False (bias corrections in double).
 KNOWN_BUGS: dict[str, str] = {
-    "triton-fp64": "backend='triton' on float64 with capturable=False: the capturable trace "
-    "computes bias corrections from the float32 step counts (Adam/AdamW/NAdam 5e-8 relative "
-    "off eager's Python floats after 3 steps, Adagrad 6e-10; at lr=0.1, Adam 3.4e-6 after "
-    "one step)",
     # (was "kernel computes in fp32"; after the float16 rework on main, this test found:)
     "triton-fp16": "backend='triton' on float16: NAdam/Adamax on a 0-dim param raise "
     "KeyError '_local_scalar_dense_default' in the plan's lowering; AdamW with a Tensor lr "
@@ -264,8 +261,6 @@ KNOWN_BUGS: dict[str, str] = {
 
 def known_bug(optimizer: str, backend: str, dtype: str) -> str | None:
     """The KNOWN_BUGS entry a param of ``dtype`` would hit, if any."""
-    if backend == "triton" and dtype == "float64":
-        return "triton-fp64"
     if backend == "triton" and dtype == "float16":
         return "triton-fp16"
     if backend == "triton" and optimizer == "Rprop" and dtype != "float32":

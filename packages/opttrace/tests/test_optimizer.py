@@ -87,3 +87,44 @@ def test_tracing_leaves_the_real_optimizer_untouched(params):
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     assert opt.param_groups[0]["capturable"] is False
     assert all(opt.state[p]["step"].item() == 0.0 for p in params)
+
+
+def _python_float_sources(traced) -> set[str]:
+    nodes = traced.graph_module.graph.nodes
+    return {n.meta["source"].name() for n in nodes if n.meta.get("python_float")}
+
+
+def test_capturable_trace_marks_what_eager_reads_as_python_floats(params):
+    """A capturable trace standing for capturable=False marks the step counts (and NAdam's
+    mu_product) that eager's path reads with .item(): a backend computes with them as
+    Python floats. The trace itself still computes in their dtype (no cast in the graph)."""
+    traced = trace_step(torch.optim.NAdam(params, lr=0.1), capturable=True)
+    marked = _python_float_sources(traced)
+    assert marked == {
+        f"L['opt'].state[L['opt'].param_groups[0]['params'][{i}]][{key!r}]"
+        for i in range(len(params))
+        for key in ("step", "mu_product")
+    }
+    targets = {n.target for n in traced.graph_module.graph.nodes}
+    assert torch.ops.aten._to_copy.default not in targets
+
+
+def test_custom_steps_and_eager_paths_mark_nothing(params):
+    class Counting(torch.optim.Optimizer):
+        def __init__(self, ps):
+            super().__init__(ps, {"lr": 0.1, "capturable": False})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                    state["step"] += 1
+                    p.sub_(p.grad * group["lr"] / state["step"])
+
+    opt = Counting(params)
+    opt.step()
+    assert not _python_float_sources(trace_step(opt, capturable=True))
+    assert not _python_float_sources(trace_step(torch.optim.Adam(params)))

@@ -221,7 +221,9 @@ class _Part:
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return f"its tensors live on {device} (the kernels run on CUDA devices)"
         self.device = device
-        on_host = small == {torch.device("cpu")} and device.type != "cpu"
+        on_host = small == {torch.device("cpu")} and (
+            device.type != "cpu" or _python_floats(program, tensors)
+        )
         if self.host_small if self.host_small is not None else on_host:
             # Step counts of capturable=False optimizers stay on the CPU: what depends
             # only on them is computed there, for all lanes at once, each call.
@@ -417,6 +419,21 @@ class _Part:
                 blk_start.to(device),
             )
         return tables
+
+
+def _python_floats(program: LaneProgram, tensors: list[list[torch.Tensor]]) -> bool:
+    """Whether every 0-dim input of ``program`` is a value eager reads as a Python float (a
+    step count of a capturable=False optimizer, marked by the tracer: placeholder meta
+    ``python_float``). On a device those are the CPU inputs; with the kernels on the CPU
+    (under the interpreter) only the mark tells them from 0-dim tensors eager computes
+    with in their dtype (a custom step's, a capturable group's)."""
+    marks = [
+        node.meta.get("python_float") is True
+        for k, nodes in enumerate(program.inputs)
+        if program.input_small[k]
+        for node in nodes
+    ]
+    return bool(marks) and all(marks)
 
 
 class TritonPlan:
