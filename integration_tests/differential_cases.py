@@ -238,7 +238,8 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
 # hyperparameter (found here), a scheduler attached before compile() warning (found here),
 # copy.deepcopy of a compiled optimizer, the Triton plan's store of 0-dim bfloat16 results
 # under the interpreter (found here), a frozen param given a grad later (found here),
-# backend='triton' on float64 with capturable=False (bias corrections in double).
+# backend='triton' on float64 with capturable=False (bias corrections in double),
+# Adafactor's foreach=None on CUDA (its for-loop, as eager).
 KNOWN_BUGS: dict[str, str] = {
     # (was "kernel computes in fp32"; after the float16 rework on main, this test found:)
     "triton-fp16": "backend='triton' on float16: NAdam/Adamax on a 0-dim param raise "
@@ -251,8 +252,6 @@ KNOWN_BUGS: dict[str, str] = {
     "cuda-nadam-triton-cpu-scalar": "NAdam, capturable=False, backend='triton', CUDA, a "
     "param the kernels do not take (0-dim, non-dense): the torch backend's addcmul gets a "
     "CPU scalar tensor as tensor1 and raises",
-    "cuda-adafactor-foreach-none": "Adafactor with foreach=None on CUDA: eager takes its "
-    "for-loop, the trace the foreach path (1e-3 apart in float16)",
     # Found by this test on main cc41e8c (the batched torch plan):
     "cpu-adafactor-strided-half": "Adafactor with weight decay, backend='torch' on the CPU, a "
     "non-dense float16 param: one element one ulp off eager after one step",
@@ -356,11 +355,9 @@ def _group(
     draw: Any, name: str, backend: str, defaults: dict[str, Any], shapes: list[Any]
 ) -> Group:
     options = draw(_options(name, group=True)) if draw(st.booleans()) else {}
-    if DEVICE == "cuda" and not WITH_KNOWN_BUGS:  # (see cases: known CUDA bugs)
-        if name == "NAdam" and backend == "triton":
-            options.pop("capturable", None)
-        if name == "Adafactor" and "foreach" in options and options["foreach"] is None:
-            options["foreach"] = True
+    cuda_bug = DEVICE == "cuda" and not WITH_KNOWN_BUGS  # (see cases: known CUDA bugs)
+    if cuda_bug and name == "NAdam" and backend == "triton":
+        options.pop("capturable", None)
     merged = {**defaults, **options}
     if not valid(name, merged):
         options, merged = {}, defaults
@@ -391,9 +388,7 @@ def _set_event(draw: Any, name: str, groups: list[Group], after: int) -> Event:
     table = dict(OPTIONS[name])
     table["lr"] = LRS.get(name, LR)
     if name in TORCH_OPTIMIZERS:
-        cuda_bug = DEVICE == "cuda" and name == "Adafactor" and not WITH_KNOWN_BUGS
-        none = [] if cuda_bug else [None]  # (cuda-adafactor-...)
-        table["foreach"] = [True, False, *none]
+        table["foreach"] = [True, False, None]
     index = draw(st.integers(0, len(groups) - 1))
     key = draw(st.sampled_from(sorted(table)))
     return Event(after, "set", (index, key, draw(st.sampled_from(table[key]))))
@@ -409,11 +404,9 @@ def cases(draw: Any) -> Case:
         defaults.pop("foreach", None)
     if not valid(name, defaults):
         reject()
-    if DEVICE == "cuda" and not WITH_KNOWN_BUGS:
-        if name == "NAdam" and backend == "triton":  # (cuda-nadam-triton-cpu-scalar)
-            defaults["capturable"] = True
-        if name == "Adafactor" and defaults.get("foreach") is None:  # (cuda-adafactor-...)
-            defaults["foreach"] = draw(st.booleans())
+    cuda_bug = DEVICE == "cuda" and not WITH_KNOWN_BUGS
+    if cuda_bug and name == "NAdam" and backend == "triton":  # (cuda-nadam-triton-cpu-scalar)
+        defaults["capturable"] = True
     shapes = SHAPES + (LONG_SHAPES if LONG else [])
     if backend == "triton" and DEVICE == "cpu":
         shapes = TINY  # the interpreter is slow

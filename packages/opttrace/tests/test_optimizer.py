@@ -128,3 +128,24 @@ def test_custom_steps_and_eager_paths_mark_nothing(params):
     opt.step()
     assert not _python_float_sources(trace_step(opt, capturable=True))
     assert not _python_float_sources(trace_step(torch.optim.Adam(params)))
+
+
+def test_foreach_none_is_the_for_loop_where_torchs_step_never_defaults_to_foreach():
+    """Adafactor tests ``if foreach:``: None is its for-loop on every device (a CUDA param
+    made the view show foreach=True: the trace took the foreach path, eager the for-loop).
+    The others choose by device, as does a step outside torch.optim."""
+    from opttrace._torch_compat import none_means_for_loop
+
+    class Custom(torch.optim.Optimizer):
+        def step(self, closure=None):
+            return None
+
+    assert none_means_for_loop(torch.optim.Adafactor)
+    others = [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.ASGD, Custom]
+    assert not any(none_means_for_loop(cls) for cls in others)
+
+
+def test_adafactor_with_foreach_none_traces_its_for_loop(params):
+    traced = trace_step(torch.optim.Adafactor(params, lr=1e-2, foreach=None))
+    targets = {str(n.target) for n in traced.graph_module.graph.nodes}
+    assert not any("_foreach_" in t for t in targets)

@@ -138,7 +138,7 @@ def _python_float_state(opt: torch.optim.Optimizer, decided_on: bool = False) ->
             if isinstance(opt, torch.optim.ASGD):
                 foreach = group.get("foreach")
                 if foreach is None:
-                    foreach = default_foreach(group["params"])
+                    foreach = default_foreach(group["params"], type(opt))
                 keys = () if foreach else ("step", "eta", "mu")
         for p in group["params"]:
             for key, value in opt.state.get(p, {}).items():
