@@ -232,14 +232,15 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
 }
 
 # Open bugs, excluded from the draw until they are fixed (OPTCOMPILE_FUZZ_KNOWN_BUGS=1 draws
-# them): see known_bug (params) and the CUDA exclusions in cases() and _group(). Fixed since
+# them): see known_bug (params) and _group() (layouts). Fixed since
 # this test was written, and drawn again: CPU foreach on float16/bfloat16, RAdam/ASGD
 # without capturable on float64, an in-place op on a 0-dim half tensor with a tensor
 # hyperparameter (found here), a scheduler attached before compile() warning (found here),
 # copy.deepcopy of a compiled optimizer, the Triton plan's store of 0-dim bfloat16 results
 # under the interpreter (found here), a frozen param given a grad later (found here),
 # backend='triton' on float64 with capturable=False (bias corrections in double),
-# Adafactor's foreach=None on CUDA (its for-loop, as eager).
+# Adafactor's foreach=None on CUDA (its for-loop, as eager), NAdam with capturable=False
+# on backend='triton' with a param the kernels do not take (CPU step counts on CUDA).
 KNOWN_BUGS: dict[str, str] = {
     # (was "kernel computes in fp32"; after the float16 rework on main, this test found:)
     "triton-fp16": "backend='triton' on float16: NAdam/Adamax on a 0-dim param raise "
@@ -248,10 +249,6 @@ KNOWN_BUGS: dict[str, str] = {
     # Found by this test:
     "triton-rprop-mixed-dtypes": "backend='triton', Rprop foreach over small params of two "
     "dtypes (0-dim float32 + bfloat16): the second lane takes the wrong side of the sign test",
-    # Found by this test's long mode on an H100 (torch 2.11):
-    "cuda-nadam-triton-cpu-scalar": "NAdam, capturable=False, backend='triton', CUDA, a "
-    "param the kernels do not take (0-dim, non-dense): the torch backend's addcmul gets a "
-    "CPU scalar tensor as tensor1 and raises",
     # Found by this test on main cc41e8c (the batched torch plan):
     "cpu-adafactor-strided-half": "Adafactor with weight decay, backend='torch' on the CPU, a "
     "non-dense float16 param: one element one ulp off eager after one step",
@@ -355,9 +352,6 @@ def _group(
     draw: Any, name: str, backend: str, defaults: dict[str, Any], shapes: list[Any]
 ) -> Group:
     options = draw(_options(name, group=True)) if draw(st.booleans()) else {}
-    cuda_bug = DEVICE == "cuda" and not WITH_KNOWN_BUGS  # (see cases: known CUDA bugs)
-    if cuda_bug and name == "NAdam" and backend == "triton":
-        options.pop("capturable", None)
     merged = {**defaults, **options}
     if not valid(name, merged):
         options, merged = {}, defaults
@@ -404,9 +398,6 @@ def cases(draw: Any) -> Case:
         defaults.pop("foreach", None)
     if not valid(name, defaults):
         reject()
-    cuda_bug = DEVICE == "cuda" and not WITH_KNOWN_BUGS
-    if cuda_bug and name == "NAdam" and backend == "triton":  # (cuda-nadam-triton-cpu-scalar)
-        defaults["capturable"] = True
     shapes = SHAPES + (LONG_SHAPES if LONG else [])
     if backend == "triton" and DEVICE == "cpu":
         shapes = TINY  # the interpreter is slow
