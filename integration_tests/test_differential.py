@@ -684,6 +684,17 @@ FOUND = [
     # The Triton plan's store of 0-dim results truncated bfloat16 under the interpreter
     # (fixed on main alongside the float64 lanes).
     Case("Adam", (Group((Param(shape=(), dtype="bfloat16"),)),), steps=4, backend="triton"),
+    # float64 with a Tensor lr on backend "triton" (CPU): the kernels computed the bias
+    # corrections from float32 step counts where eager reads them as Python floats (4e-7
+    # relative after two steps; fixed with the tracer's python_float marks).
+    Case(
+        "Adam",
+        (Group((Param(shape=(3,), dtype="float64"),)),),
+        defaults={"lr": T(0.01), "foreach": False},
+        steps=2,
+        backend="triton",
+        seed=2,
+    ),
 ]
 
 

@@ -222,7 +222,7 @@ class _Part:
             return f"its tensors live on {device} (the kernels run on CUDA devices)"
         self.device = device
         on_host = small == {torch.device("cpu")} and (
-            device.type != "cpu" or _python_floats(program, tensors)
+            device.type != "cpu" or _python_floats(program)
         )
         if self.host_small if self.host_small is not None else on_host:
             # Step counts of capturable=False optimizers stay on the CPU: what depends
@@ -421,19 +421,19 @@ class _Part:
         return tables
 
 
-def _python_floats(program: LaneProgram, tensors: list[list[torch.Tensor]]) -> bool:
-    """Whether every 0-dim input of ``program`` is a value eager reads as a Python float (a
-    step count of a capturable=False optimizer, marked by the tracer: placeholder meta
-    ``python_float``). On a device those are the CPU inputs; with the kernels on the CPU
-    (under the interpreter) only the mark tells them from 0-dim tensors eager computes
-    with in their dtype (a custom step's, a capturable group's)."""
-    marks = [
+def _python_floats(program: LaneProgram) -> bool:
+    """Whether ``program`` reads 0-dim inputs that eager reads as Python floats (the step
+    counts of a capturable=False optimizer, marked by the tracer: placeholder meta
+    ``python_float``). On a device, such a step's 0-dim inputs are the ones on the CPU
+    (the step counts, a Tensor lr the user made there) and computed on the host; with
+    the kernels on the CPU too (under the interpreter) only the mark tells them from the
+    0-dim tensors of a step that computes with them in their dtype (a custom step's)."""
+    return any(
         node.meta.get("python_float") is True
         for k, nodes in enumerate(program.inputs)
         if program.input_small[k]
         for node in nodes
-    ]
-    return bool(marks) and all(marks)
+    )
 
 
 class TritonPlan:
