@@ -508,7 +508,7 @@ DOCUMENTED_FALLBACKS: dict[str, tuple[str, Callable[[Case], bool]]] = {
     "recompile_limit": (r"recompile limit \(\d+\) reached; the guard", lambda c: True),
     # "a foreach op writing one tensor twice ... runs eagerly with a reason" (here: SGD's
     # nesterov foreach path adds into the grads, one shared by two params; the reason names
-    # a duplicate parameter)
+    # the shared grad)
     "a foreach op writing one tensor twice": (
         r"writes one tensor twice \(items \d+ and \d+",
         lambda c: c.share_grads,
