@@ -513,12 +513,21 @@ DOCUMENTED_FALLBACKS: dict[str, tuple[str, Callable[[Case], bool]]] = {
         r"writes one tensor twice \(items \d+ and \d+",
         lambda c: c.share_grads,
     ),
-    # "weight_decay as a Tensor in SGD, lr as a Tensor in Adafactor: eager ... torch.optim's
-    # own step decides on the tensor's value in Python" (on torch 2.11 with CUDA params,
-    # Adafactor's trace fails earlier: "dtype is needed to compute eps1 when eps1 is unset")
-    "SGD's Tensor weight_decay, Adafactor's Tensor lr": (
+    # "weight_decay as a Tensor (every torch.optim optimizer), momentum as a Tensor in SGD
+    # and RMSprop, lr and d as Tensors in Adafactor: eager ... torch.optim's own step
+    # decides on the tensor's value in Python" (on torch 2.11 with CUDA params, Adafactor's
+    # trace fails earlier: "dtype is needed to compute eps1 when eps1 is unset")
+    "a Tensor weight_decay, momentum (SGD, RMSprop), Adafactor's Tensor lr": (
         r"makes a Python decision on a tensor's value|dtype is needed to compute eps1",
-        lambda c: _tensor_option(c, "SGD", "weight_decay") or _tensor_option(c, "Adafactor", "lr"),
+        lambda c: any(
+            _tensor_option(c, name, key)
+            for name, key in [
+                (c.optimizer, "weight_decay"),
+                ("SGD", "momentum"),
+                ("RMSprop", "momentum"),
+                ("Adafactor", "lr"),
+            ]
+        ),
     ),
 }
 
@@ -694,6 +703,15 @@ FOUND = [
         steps=2,
         backend="triton",
         seed=2,
+    ),
+    # Tensor betas beside a bfloat16 group on backend "triton" (CPU): a prelude's 0-dim
+    # bfloat16 cast of a beta went to the host, whose numpy has no bfloat16 (TypeError).
+    Case(
+        "Adam",
+        (Group((Param(shape=(3,)),)), Group((Param(shape=(3,), dtype="bfloat16"),))),
+        defaults={"betas": (T(0.9), T(0.999)), "lr": T(0.01), "foreach": False},
+        steps=2,
+        backend="triton",
     ),
 ]
 

@@ -221,8 +221,18 @@ class _Part:
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return f"its tensors live on {device} (the kernels run on CUDA devices)"
         self.device = device
-        on_host = small == {torch.device("cpu")} and (
-            device.type != "cpu" or _python_floats(program)
+        # (numpy, which computes them, has no bfloat16: a Tensor beta cast to a bfloat16
+        # param's dtype by a prelude stays on the device side)
+        numpy_dtypes = all(
+            t.dtype is not torch.bfloat16
+            for k, lane in enumerate(tensors)
+            if program.input_small[k]
+            for t in lane
+        )
+        on_host = (
+            small == {torch.device("cpu")}
+            and numpy_dtypes
+            and (device.type != "cpu" or _python_floats(program))
         )
         if self.host_small if self.host_small is not None else on_host:
             # Step counts of capturable=False optimizers stay on the CPU: what depends
