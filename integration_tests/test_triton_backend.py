@@ -516,3 +516,26 @@ def test_a_coefficient_all_lanes_share_is_computed_by_the_prelude_and_the_rest_f
     assert "partly fused" in report.graph_code
     # the norms, the stack, the global norm and four scalar ops, then one kernel
     assert report.kernel_launches_per_step <= 8
+
+
+@pytest.mark.parametrize("name", ["NAdam", "Adamax"])
+def test_one_zero_dim_float16_param_on_the_eager_path_runs_on_the_torch_backend(name):
+    """float16 with capturable=False traces eager's own path (Python arithmetic on .item()
+    values). With one 0-dim param its single lane took a step count's .item() for a scalar
+    input: KeyError '_local_scalar_dense_default' (the differential test found it). It is
+    not a lane program, as with several params: the torch backend runs it, as eager."""
+    gen = torch.Generator().manual_seed(0)
+    value = torch.randn((), generator=gen).to(DEVICE, torch.float16)
+    p, q = torch.nn.Parameter(value.clone()), torch.nn.Parameter(value.clone())
+    make = getattr(optim, name)
+    opt = optcompile.compile(make([p], lr=1e-2, foreach=False), backend="triton", fullgraph=True)
+    eager = make([q], lr=1e-2, foreach=False)
+    for _ in range(3):
+        grad = torch.randn((), generator=gen).to(DEVICE, torch.float16)
+        p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+    assert optcompile.explain(opt).graph_code.startswith("# not fused (")
+    assert "mixes Python arithmetic with tensors" in optcompile.explain(opt).graph_code
+    exact = {"rtol": 0, "atol": 0} if DEVICE == "cpu" else {"rtol": 1e-3, "atol": 1e-5}
+    _assert_close([p], opt, [q], eager, **exact)

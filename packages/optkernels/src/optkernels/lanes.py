@@ -245,6 +245,15 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
         raise NotLanes("the graph has no tensor ops")
     lanes = _lanes_from_components(components)
     scalars = [n for n in nodes if _is_scalar(n)]
+    for node in scalars:
+        if not all(_is_scalar(a) for a in node.all_input_nodes):
+            # (a value read with .item() from a lane's tensor: per lane, not one scalar for
+            # all; with several lanes their op sequences differ, with one it would be taken
+            # for a scalar input the host cannot compute)
+            raise NotLanes(
+                f"{node.name} mixes Python arithmetic with tensors (a value read with "
+                ".item(), as a capturable=False path does)"
+            )
     program = LaneProgram(lanes=len(lanes))
     program.scalar_inputs = [n for n in scalars if n.op == "placeholder"]
     program.scalar_nodes = [n for n in scalars if n.op == "call_function"]
