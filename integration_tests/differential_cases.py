@@ -240,15 +240,13 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
 # under the interpreter (found here), a frozen param given a grad later (found here),
 # backend='triton' on float64 with capturable=False (bias corrections in double),
 # Adafactor's foreach=None on CUDA (its for-loop, as eager), NAdam with capturable=False
-# on backend='triton' with a param the kernels do not take (CPU step counts on CUDA).
+# on backend='triton' with a param the kernels do not take (CPU step counts on CUDA),
+# Rprop on backend='triton' over lanes of several dtypes (found here).
 KNOWN_BUGS: dict[str, str] = {
     # (was "kernel computes in fp32"; after the float16 rework on main, this test found:)
     "triton-fp16": "backend='triton' on float16: NAdam/Adamax on a 0-dim param raise "
     "KeyError '_local_scalar_dense_default' in the plan's lowering; AdamW with a Tensor lr "
     "under OneCycleLR drifts 2 ulps",
-    # Found by this test:
-    "triton-rprop-mixed-dtypes": "backend='triton', Rprop foreach over small params of two "
-    "dtypes (0-dim float32 + bfloat16): the second lane takes the wrong side of the sign test",
     # Found by this test (the host computes step-count arithmetic in double, as eager does
     # with Python floats; with a Tensor hyperparameter in it, eager's is float32 tensor
     # arithmetic: Adam's Tensor betas give 2e-7 relative in the params at lr=0.1):
@@ -276,8 +274,6 @@ def known_bug(
                 return "triton-fp64-tensor-step-arithmetic"
     if backend == "triton" and dtype == "float16":
         return "triton-fp16"
-    if backend == "triton" and optimizer == "Rprop" and dtype != "float32":
-        return "triton-rprop-mixed-dtypes"  # (float32 only: one dtype per group)
     return None
 
 
