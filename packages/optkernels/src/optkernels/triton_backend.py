@@ -471,6 +471,7 @@ def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
             wide = graph.call_function(
                 torch.ops.aten._to_copy.default, (node,), {"dtype": torch.float64}
             )
+        wide.meta["val"] = node.meta["val"]  # (its device and dim: see reference._on_device)
         for user in list(node.users):
             if user is not wide and user.target is not copy_:
                 user.replace_input_with(node, wide)
