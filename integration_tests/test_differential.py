@@ -713,6 +713,16 @@ FOUND = [
         steps=2,
         backend="triton",
     ),
+    # Rprop's for-loop over a 0-dim float16 param beside others, on the torch backend inside
+    # a Triton plan: its 0-dim state was read in float64 as if it were a step count (the
+    # sign test then took the wrong side).
+    Case(
+        "Rprop",
+        (Group((Param(shape=(3,)), Param(shape=(), dtype="float16"))),),
+        defaults={"lr": T(0.01), "etas": (0.4, 1.5), "foreach": False},
+        steps=3,
+        backend="triton",
+    ),
 ]
 
 

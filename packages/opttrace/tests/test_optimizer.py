@@ -149,3 +149,14 @@ def test_adafactor_with_foreach_none_traces_its_for_loop(params):
     traced = trace_step(torch.optim.Adafactor(params, lr=1e-2, foreach=None))
     targets = {str(n.target) for n in traced.graph_module.graph.nodes}
     assert not any("_foreach_" in t for t in targets)
+
+
+def test_a_zero_dim_params_state_is_not_marked_as_python_floats():
+    """Only the values eager's path reads as numbers (step counts): a 0-dim param's state
+    (Adam's exp_avg) is a tensor eager computes with in its dtype, as any param's."""
+    scalar = torch.nn.Parameter(torch.randn(()))
+    scalar.grad = torch.randn(())
+    traced = trace_step(torch.optim.Adam([scalar], lr=0.1), capturable=True)
+    assert _python_float_sources(traced) == {
+        "L['opt'].state[L['opt'].param_groups[0]['params'][0]]['step']"
+    }

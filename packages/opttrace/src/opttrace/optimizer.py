@@ -114,6 +114,10 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
             raise exc from None
 
 
+# The 0-dim state torch.optim's capturable=False paths keep on the CPU and read as numbers.
+_PYTHON_FLOAT_KEYS = ("step", "mu_product", "eta", "mu")
+
+
 def _python_float_state(opt: torch.optim.Optimizer, decided_on: bool = False) -> list[torch.Tensor]:
     """The 0-dim float state tensors that torch.optim's own non-capturable paths read as
     Python floats (in groups with ``capturable=False``, or without the option: Adagrad):
@@ -132,7 +136,7 @@ def _python_float_state(opt: torch.optim.Optimizer, decided_on: bool = False) ->
         capturable = group.get("capturable", False if own else None)
         if capturable is not False or not (own or decided_on):
             continue
-        keys: tuple[str, ...] | None = None  # (None: every 0-dim float entry)
+        keys = _PYTHON_FLOAT_KEYS  # (not every 0-dim entry: a 0-dim param's exp_avg is one)
         if decided_on:
             keys = ("step",)
             if isinstance(opt, torch.optim.ASGD):
@@ -143,7 +147,7 @@ def _python_float_state(opt: torch.optim.Optimizer, decided_on: bool = False) ->
         for p in group["params"]:
             for key, value in opt.state.get(p, {}).items():
                 small = isinstance(value, torch.Tensor) and value.dim() == 0
-                if small and value.is_floating_point() and (keys is None or key in keys):
+                if small and value.is_floating_point() and key in keys:
                     tensors.append(value)
     return tensors
 
