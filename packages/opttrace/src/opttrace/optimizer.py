@@ -136,7 +136,7 @@ def _python_float_state(opt: torch.optim.Optimizer, decided_on: bool = False) ->
         capturable = group.get("capturable", False if own else None)
         if capturable is not False or not (own or decided_on):
             continue
-        keys = _PYTHON_FLOAT_KEYS  # (not every 0-dim entry: a 0-dim param's exp_avg is one)
+        keys: tuple[str, ...] = _PYTHON_FLOAT_KEYS  # (not a 0-dim param's exp_avg)
         if decided_on:
             keys = ("step",)
             if isinstance(opt, torch.optim.ASGD):
