@@ -253,6 +253,11 @@ KNOWN_BUGS: dict[str, str] = {
     "triton-fp64-tensor-step-arithmetic": "backend='triton', float64 params, capturable=False, "
     "a Tensor hyperparameter that enters the bias corrections (betas, NAdam's momentum_decay, "
     "Adagrad's lr_decay, ASGD's lambd/alpha/t0): the host computes them in double",
+    # Found by this test's long mode (seed 1; not reduced to a smaller case yet: ASGD, Tensor
+    # lambd and alpha, lr T(0.1), a bfloat16 param added by add_param_group after step 3
+    # and a state_dict round trip through torch.save, steps=6):
+    "triton-asgd-half-ax": "backend='triton', ASGD on a bfloat16/float16 param: its 'ax' "
+    "a few ulps off eager's (which copies the param while mu == 1) two steps after joining",
     # Found by this test on main cc41e8c (the batched torch plan):
     "cpu-adafactor-strided-half": "Adafactor with weight decay, backend='torch' on the CPU, a "
     "non-dense float16 param: one element one ulp off eager after one step",
@@ -272,6 +277,8 @@ def known_bug(
             value = (options or {}).get(key)
             if isinstance(value, T) or (isinstance(value, tuple) and isinstance(value[0], T)):
                 return "triton-fp64-tensor-step-arithmetic"
+    if backend == "triton" and optimizer == "ASGD" and dtype in ("bfloat16", "float16"):
+        return "triton-asgd-half-ax"
     if backend == "triton" and dtype == "float16":
         return "triton-fp16"
     return None
