@@ -241,15 +241,12 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
 # backend='triton' on float64 with capturable=False (bias corrections in double),
 # Adafactor's foreach=None on CUDA (its for-loop, as eager), NAdam with capturable=False
 # on backend='triton' with a param the kernels do not take (CPU step counts on CUDA),
-# Rprop on backend='triton' over lanes of several dtypes (found here). Drawn again without
+# Rprop on backend='triton' over lanes of several dtypes (found here), backend='triton' on
+# float16 (NAdam/Adamax over one 0-dim param: a KeyError in the plan). Drawn again without
 # a fix: Adafactor with weight decay on a non-dense float16 param, backend='torch' (an ulp
 # off once on main cc41e8c; 1,152 such cases, float16 and bfloat16, every grad layout,
 # foreach on and off, match eager bitwise since the batched plan's copies keep strides).
 KNOWN_BUGS: dict[str, str] = {
-    # (was "kernel computes in fp32"; after the float16 rework on main, this test found:)
-    "triton-fp16": "backend='triton' on float16: NAdam/Adamax on a 0-dim param raise "
-    "KeyError '_local_scalar_dense_default' in the plan's lowering; AdamW with a Tensor lr "
-    "under OneCycleLR drifts 2 ulps",
     # Found by this test (the host computes step-count arithmetic in double, as eager does
     # with Python floats; with a Tensor hyperparameter in it, eager's is float32 tensor
     # arithmetic: Adam's Tensor betas give 2e-7 relative in the params at lr=0.1):
@@ -279,8 +276,6 @@ def known_bug(
                 return "triton-fp64-tensor-step-arithmetic"
     if backend == "triton" and optimizer == "ASGD" and dtype in ("bfloat16", "float16"):
         return "triton-asgd-half-ax"
-    if backend == "triton" and dtype == "float16":
-        return "triton-fp16"
     return None
 
 
