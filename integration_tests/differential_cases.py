@@ -242,7 +242,7 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
 # Adafactor's foreach=None on CUDA (its for-loop, as eager), NAdam with capturable=False
 # on backend='triton' with a param the kernels do not take (CPU step counts on CUDA),
 # Rprop on backend='triton' over lanes of several dtypes (found here), backend='triton' on
-# float16 (NAdam/Adamax over one 0-dim param: a KeyError in the plan)..
+# float16 (NAdam/Adamax over one 0-dim param: a KeyError in the plan).
 KNOWN_BUGS: dict[str, str] = {
     # Found by this test (the host computes step-count arithmetic in double, as eager does
     # with Python floats; with a Tensor hyperparameter in it, eager's is float32 tensor
