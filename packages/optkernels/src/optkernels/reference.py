@@ -73,17 +73,17 @@ def _as_eager_ran(node: fx.Node) -> Callable[..., Any]:
         return node.target  # type: ignore[return-value]
 
     def on_copies(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        out = [_copy(t) for t in tensors]
+        out = [same_layout_copy(t) for t in tensors]
         inplace(out, *args, **kwargs)
         return out
 
     return on_copies
 
 
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with its strides (``clone`` makes a non-dense tensor contiguous, and
-    a CPU kernel may round an in-place op otherwise on another layout)."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (``clone`` makes a non-dense view contiguous, and a
+    CPU kernel may round otherwise on another layout)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 # Ops whose ATen kernels take a 0-dim CPU tensor with tensors on a device, as a scalar
