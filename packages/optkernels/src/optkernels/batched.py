@@ -30,6 +30,7 @@ from optkernels.foreach_forms import (
     eager_op,
     foreach_form,
     is_tensor,
+    self_inplace_op,
     strided_eager_op,
 )
 
@@ -207,7 +208,7 @@ class BatchedPlan:
         strided = [strided_eager_op(n) for n in op.nodes]
         if any(strided):
             if inplace:  # (on the tensors themselves: each lane runs the op eager ran)
-                strided = [_on_self(n.meta.get("inplace") or _inplace_op(n)) for n in op.nodes]
+                strided = [_on_self(self_inplace_op(n) or _inplace_op(n)) for n in op.nodes]
             where = "the tensors" if inplace else "copies of strided lanes"
             self._lines.append(f"{head} (loop; in place on {where}, as eager)")
             return self._loop(op, strided)

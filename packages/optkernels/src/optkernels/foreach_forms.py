@@ -181,12 +181,12 @@ def strided_eager_op(node: fx.Node) -> Any:
     (``param.add_(u, alpha=a)`` on a strided view): that op on a copy laid out alike, or
     None. Its functional form writes a dense result, which ATen's CPU kernels compute on
     their vectorized path, rounding otherwise (an ulp in ~3% of the elements)."""
-    inplace = node.meta.get("inplace")
+    inplace = self_inplace_op(node)
     first = node.args[0] if node.args else None
     val = first.meta.get("val") if isinstance(first, fx.Node) else None
     if inplace is None or not isinstance(val, torch.Tensor) or val.dtype not in _LOW_PRECISION:
         return None
-    if _dense(tuple(val.shape), tuple(val.stride())):
+    if val.numel() == 0 or _dense(tuple(val.shape), tuple(val.stride())):
         return None
 
     def on_copy(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -195,6 +195,14 @@ def strided_eager_op(node: fx.Node) -> Any:
         return out
 
     return on_copy
+
+
+def self_inplace_op(node: fx.Node) -> Any:
+    """The in-place op eager ran for ``node`` when it writes its first argument
+    (``add_``), or None (none recorded, or an ``out=`` form: ``maximum(.., out=exp_inf)``)."""
+    inplace = node.meta.get("inplace")
+    name = getattr(inplace, "__name__", "").partition(".")[0]
+    return inplace if name.endswith("_") else None
 
 
 def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
