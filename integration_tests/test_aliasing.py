@@ -89,6 +89,29 @@ def test_a_parameter_listed_twice_steps_as_eager_does(foreach):
         assert fallbacks == [] and report.fallback_reason is None
 
 
+def test_a_grad_shared_by_two_params_in_a_foreach_write_is_named_in_the_reason():
+    """SGD's nesterov foreach path adds into the grads: one grad tensor given to two params
+    is written twice. Eager's result, and a reason that names the shared grad (it blamed a
+    duplicate parameter)."""
+    p, q = _params(2)
+    twin_p, twin_q = copy.deepcopy([p, q])
+    make = lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=True)  # noqa: E731
+    opt, eager = optcompile.compile(make([p, q])), make([twin_p, twin_q])
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for step in range(2):
+            grad, twin_grad = torch.full_like(p, step + 1.0), torch.full_like(p, step + 1.0)
+            p.grad = q.grad = grad
+            twin_p.grad = twin_q.grad = twin_grad
+            opt.step()
+            eager.step()
+    torch.testing.assert_close(p, twin_p)
+    torch.testing.assert_close(q, twin_q)
+    reason = optcompile.explain(opt).fallback_reason
+    assert "one grad tensor given to several parameters" in reason
+    assert "L['opt'].param_groups[0]['params'][0].grad" in reason
+
+
 def _write_both(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a.add_(1.0)
     b.mul_(2.0)

@@ -207,3 +207,49 @@ def test_adafactor_and_muon_on_cuda_match_eager_under_a_scheduler(name, backend)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert set(opt.state[p]) == set(eager.state[q])
     assert _max_diff(_values(model, opt), _values(reference, eager)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_adafactor_foreach_none_traces_the_for_loop_eager_takes_on_cuda(backend):
+    """Adafactor's foreach=None is its for-loop on every device (``if foreach:``): the trace
+    took the foreach path on CUDA (1e-3 apart from eager in float16; the differential test's
+    long mode found it)."""
+    make = lambda ps: optim.Adafactor(ps, lr=1e-2, foreach=None)  # noqa: E731
+    model, opt = _run(make, True, True, backend)
+    reference, eager = _run(make, False, True)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None, report.fallback_reason
+    assert "_foreach_" not in report.graph_code
+    assert _max_diff(_values(model, opt), _values(reference, eager)) <= 1e-5
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_triton_plan_on_the_torch_backend_takes_cpu_step_counts(foreach):
+    """NAdam with capturable=False on backend "triton", a param the kernels do not take (a
+    non-dense one): the torch backend runs the capturable-path graph with the CPU step
+    counts, moving them to the device for ops that refuse CPU scalars (addcmul raised; the
+    differential test's long mode found it)."""
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(4, 6, generator=gen), torch.randn((), generator=gen), torch.randn(5)]
+    runs = []
+    for compiled in (True, False):
+        params = [
+            torch.nn.Parameter(values[0].cuda()[:, ::2]),
+            torch.nn.Parameter(values[1].cuda()),
+            torch.nn.Parameter(values[2].cuda()),
+        ]
+        opt = optim.NAdam(params, lr=1e-2, foreach=foreach)
+        if compiled:
+            opt = optcompile.compile(opt, backend="triton")
+        for step in range(3):
+            grads = torch.Generator().manual_seed(10 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads).cuda()
+            opt.step()
+        runs.append((params, opt))
+    (params, opt), (reference, eager) = runs
+    assert optcompile.explain(opt).fallback_reason is None
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for key, value in eager.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-5, atol=1e-6)

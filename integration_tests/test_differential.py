@@ -508,17 +508,26 @@ DOCUMENTED_FALLBACKS: dict[str, tuple[str, Callable[[Case], bool]]] = {
     "recompile_limit": (r"recompile limit \(\d+\) reached; the guard", lambda c: True),
     # "a foreach op writing one tensor twice ... runs eagerly with a reason" (here: SGD's
     # nesterov foreach path adds into the grads, one shared by two params; the reason names
-    # a duplicate parameter)
+    # the shared grad)
     "a foreach op writing one tensor twice": (
         r"writes one tensor twice \(items \d+ and \d+",
         lambda c: c.share_grads,
     ),
-    # "weight_decay as a Tensor in SGD, lr as a Tensor in Adafactor: eager ... torch.optim's
-    # own step decides on the tensor's value in Python" (on torch 2.11 with CUDA params,
-    # Adafactor's trace fails earlier: "dtype is needed to compute eps1 when eps1 is unset")
-    "SGD's Tensor weight_decay, Adafactor's Tensor lr": (
+    # "weight_decay as a Tensor (every torch.optim optimizer), momentum as a Tensor in SGD
+    # and RMSprop, lr and d as Tensors in Adafactor: eager ... torch.optim's own step
+    # decides on the tensor's value in Python" (on torch 2.11 with CUDA params, Adafactor's
+    # trace fails earlier: "dtype is needed to compute eps1 when eps1 is unset")
+    "a Tensor weight_decay, momentum (SGD, RMSprop), Adafactor's Tensor lr": (
         r"makes a Python decision on a tensor's value|dtype is needed to compute eps1",
-        lambda c: _tensor_option(c, "SGD", "weight_decay") or _tensor_option(c, "Adafactor", "lr"),
+        lambda c: any(
+            _tensor_option(c, name, key)
+            for name, key in [
+                (c.optimizer, "weight_decay"),
+                ("SGD", "momentum"),
+                ("RMSprop", "momentum"),
+                ("Adafactor", "lr"),
+            ]
+        ),
     ),
 }
 
@@ -684,6 +693,39 @@ FOUND = [
     # The Triton plan's store of 0-dim results truncated bfloat16 under the interpreter
     # (fixed on main alongside the float64 lanes).
     Case("Adam", (Group((Param(shape=(), dtype="bfloat16"),)),), steps=4, backend="triton"),
+    # float64 with a Tensor lr on backend "triton" (CPU): the kernels computed the bias
+    # corrections from float32 step counts where eager reads them as Python floats (4e-7
+    # relative after two steps; fixed with the tracer's python_float marks).
+    Case(
+        "Adam",
+        (Group((Param(shape=(3,), dtype="float64"),)),),
+        defaults={"lr": T(0.01), "foreach": False},
+        steps=2,
+        backend="triton",
+        seed=2,
+    ),
+    # Tensor betas beside a bfloat16 group on backend "triton" (CPU): a prelude's 0-dim
+    # bfloat16 cast of a beta went to the host, whose numpy has no bfloat16 (TypeError).
+    Case(
+        "Adam",
+        (Group((Param(shape=(3,)),)), Group((Param(shape=(3,), dtype="bfloat16"),))),
+        defaults={"betas": (T(0.9), T(0.999)), "lr": T(0.01), "foreach": False},
+        steps=2,
+        backend="triton",
+    ),
+    # Rprop's for-loop over a 0-dim float16 param beside others, on the torch backend inside
+    # a Triton plan: its 0-dim state was read in float64 as if it were a step count (the
+    # sign test then took the wrong side).
+    Case(
+        "Rprop",
+        (Group((Param(shape=(3,)), Param(shape=(), dtype="float16"))),),
+        defaults={"lr": T(0.01), "etas": (0.4, 1.5), "foreach": False},
+        steps=3,
+        backend="triton",
+    ),
+    # Adamax's for-loop over an empty strided bfloat16 param beside another: the batched
+    # plan's run of eager's in-place op on strided half lanes took maximum(.., out=) for one.
+    Case("Adamax", (Group((Param((0,), "bfloat16", "strided"), Param((3,)))),), steps=2),
 ]
 
 

@@ -516,3 +516,58 @@ def test_a_coefficient_all_lanes_share_is_computed_by_the_prelude_and_the_rest_f
     assert "partly fused" in report.graph_code
     # the norms, the stack, the global norm and four scalar ops, then one kernel
     assert report.kernel_launches_per_step <= 8
+
+
+@pytest.mark.parametrize("name", ["NAdam", "Adamax"])
+def test_one_zero_dim_float16_param_on_the_eager_path_runs_on_the_torch_backend(name):
+    """float16 with capturable=False traces eager's own path (Python arithmetic on .item()
+    values). With one 0-dim param its single lane took a step count's .item() for a scalar
+    input: KeyError '_local_scalar_dense_default' (the differential test found it). It is
+    not a lane program, as with several params: the torch backend runs it, as eager."""
+    gen = torch.Generator().manual_seed(0)
+    value = torch.randn((), generator=gen).to(DEVICE, torch.float16)
+    p, q = torch.nn.Parameter(value.clone()), torch.nn.Parameter(value.clone())
+    make = getattr(optim, name)
+    opt = optcompile.compile(make([p], lr=1e-2, foreach=False), backend="triton", fullgraph=True)
+    eager = make([q], lr=1e-2, foreach=False)
+    for _ in range(3):
+        grad = torch.randn((), generator=gen).to(DEVICE, torch.float16)
+        p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+    assert optcompile.explain(opt).graph_code.startswith("# not fused (")
+    assert "mixes Python arithmetic with tensors" in optcompile.explain(opt).graph_code
+    exact = {"rtol": 0, "atol": 0} if DEVICE == "cpu" else {"rtol": 1e-3, "atol": 1e-5}
+    _assert_close([p], opt, [q], eager, **exact)
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [("bfloat16", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16")],
+    ids="-".join,
+)
+@pytest.mark.parametrize("shapes", [((), ()), ((3,), ())], ids=["0-dim", "mixed"])
+def test_rprop_sign_test_per_lane_dtype_matches_eager(dtypes, shapes):
+    """Rprop's foreach path sets each sign tensor to etaminus and then tests sign ==
+    etaminus. ATen casts the scalar to the comparison's dtype (0.4 is 0.400390625 in
+    bfloat16), and each lane's scalar_tensor(eta) has its lane's dtype: a bfloat16 lane
+    compared in float32, and a float32 lane given the bfloat16 lane's eta, took the wrong
+    side (the differential test found it: 0-dim float32 + bfloat16)."""
+    gen = torch.Generator().manual_seed(0)
+    values = [
+        torch.randn(s, generator=gen).to(DEVICE, getattr(torch, d))
+        for s, d in zip(shapes, dtypes, strict=True)
+    ]
+    params = [torch.nn.Parameter(v.clone()) for v in values]
+    reference = [torch.nn.Parameter(v.clone()) for v in values]
+    make = lambda ps: optim.Rprop(ps, lr=1e-2, etas=(0.4, 1.5), foreach=True)  # noqa: E731
+    opt, eager = optcompile.compile(make(params), backend="triton"), make(reference)
+    for _ in range(4):
+        for p, q in zip(params, reference, strict=True):
+            grad = torch.randn(p.shape, generator=gen).to(DEVICE, p.dtype)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+    assert "@triton.jit" in optcompile.explain(opt).graph_code
+    exact = {"rtol": 0, "atol": 0} if DEVICE == "cpu" else {"rtol": 1.6e-2, "atol": 1e-5}
+    _assert_close(params, opt, reference, eager, **exact)

@@ -171,6 +171,41 @@ def test_float64_steps_with_host_step_counts_match_eager_to_float64_precision(na
         torch.testing.assert_close(a, b, rtol=rtol, atol=1e-15)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch backend"])
+@pytest.mark.parametrize("name", sorted(n for n in CASES if not n.startswith("SGD")))
+def test_float64_steps_with_capturable_false_match_eager_end_to_end(name, fused):
+    """Compiled with the default plan (on the CPU too, where the step counts live with the
+    params): the values eager's capturable=False path reads as Python floats are computed
+    on the host in double, as eager does and as on a GPU. (Under the interpreter the
+    kernels computed them from the float32 step counts: 5e-8 relative off after three
+    steps, 3.4e-6 after one at lr=0.1.) Where the kernels do not take the step (a
+    transposed grad), the torch backend reads those values in double too (it computed
+    them from the float32 step counts)."""
+    make = CASES[name]
+    params = _params(torch.float64, seed=5, shapes=[*SHAPES, ()])
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = optcompile.compile(_capturable(make(params), False), backend="triton")
+    eager = _capturable(make(copies), False)
+    for group in (*opt.param_groups, *eager.param_groups):
+        group["lr"] = 0.1
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        for p, q, g in zip(params, copies, _grads(params, 1.0, gen), strict=True):
+            if not fused and g.dim() == 2:
+                g = g.t().contiguous().t()  # (the kernels take one dense layout)
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        eager.step()
+    assert optcompile.explain(opt).graph_code.startswith("# not fused") is not fused
+    rtol = 2e-6 if name.split(" ")[0] in _FLOAT32_STATE else 1e-13
+    atol = 1e-15
+    if name == "RAdam" and not fused:  # (README: its foreach path's float32 step size)
+        rtol, atol = 1e-7, 1e-8
+    mine, theirs = _state_tensors(opt, params), _state_tensors(eager, copies)
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("scale", [1e-8, 1e-6, 1e4], ids=["1e-8", "1e-6", "1e4"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_float16_steps_give_eagers_infinities_and_nans(name, scale):

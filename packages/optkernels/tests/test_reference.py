@@ -89,3 +89,39 @@ def test_plan_matches_the_same_aten_ops_run_eagerly(shape, seed, dtype):
     new_p = aten.add.Tensor(p, g, alpha=-0.5)
     (doubled,) = TorchBackend().compile(_sgd_graph())([p, g])
     assert torch.equal(p, new_p) and torch.equal(doubled, aten.mul.Tensor(new_p, 2.0))
+
+
+def _mixed_device_graph() -> fx.GraphModule:
+    """p + s * g (addcmul) and p * s, s a 0-dim CPU tensor, p and g on another device."""
+    graph = fx.Graph()
+    p, s, g = graph.placeholder("p"), graph.placeholder("s"), graph.placeholder("g")
+    p.meta["val"] = g.meta["val"] = torch.empty(3, device="meta")
+    s.meta["val"] = torch.tensor(2.0)
+    both = graph.call_function(aten.addcmul.default, (p, s, g))
+    scaled = graph.call_function(aten.mul.Tensor, (p, s))
+    graph.output([both, scaled])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_cpu_scalars_move_to_the_device_of_an_op_that_refuses_them():
+    """A capturable-path graph with capturable=False's CPU step counts: on CUDA, addcmul
+    refuses a 0-dim CPU operand (the differential test's NAdam case, backend "triton" with
+    a param the kernels do not take); binary ops take it as a scalar, as it is."""
+    from optkernels.reference import TorchPlan
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[str, list[str]] = {}
+
+    class Devices(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            seen[func.__name__] = [t.device.type for t in tensors]
+            return func(*args, **(kwargs or {}))
+
+    plan = TorchPlan(_mixed_device_graph())
+    meta = torch.empty(3, device="meta")
+    with Devices():
+        plan([meta, torch.tensor(2.0), meta])
+    assert seen["addcmul.default"] == ["meta", "meta", "meta"]
+    assert seen["mul.Tensor"] == ["meta", "cpu"]
+    assert plan.kernel_launches_per_step == 2

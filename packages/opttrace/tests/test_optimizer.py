@@ -87,3 +87,76 @@ def test_tracing_leaves_the_real_optimizer_untouched(params):
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     assert opt.param_groups[0]["capturable"] is False
     assert all(opt.state[p]["step"].item() == 0.0 for p in params)
+
+
+def _python_float_sources(traced) -> set[str]:
+    nodes = traced.graph_module.graph.nodes
+    return {n.meta["source"].name() for n in nodes if n.meta.get("python_float")}
+
+
+def test_capturable_trace_marks_what_eager_reads_as_python_floats(params):
+    """A capturable trace standing for capturable=False marks the step counts (and NAdam's
+    mu_product) that eager's path reads with .item(): a backend computes with them as
+    Python floats. The trace itself still computes in their dtype (no cast in the graph)."""
+    traced = trace_step(torch.optim.NAdam(params, lr=0.1), capturable=True)
+    marked = _python_float_sources(traced)
+    assert marked == {
+        f"L['opt'].state[L['opt'].param_groups[0]['params'][{i}]][{key!r}]"
+        for i in range(len(params))
+        for key in ("step", "mu_product")
+    }
+    targets = {n.target for n in traced.graph_module.graph.nodes}
+    assert torch.ops.aten._to_copy.default not in targets
+
+
+def test_custom_steps_and_eager_paths_mark_nothing(params):
+    class Counting(torch.optim.Optimizer):
+        def __init__(self, ps):
+            super().__init__(ps, {"lr": 0.1, "capturable": False})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                    state["step"] += 1
+                    p.sub_(p.grad * group["lr"] / state["step"])
+
+    opt = Counting(params)
+    opt.step()
+    assert not _python_float_sources(trace_step(opt, capturable=True))
+    assert not _python_float_sources(trace_step(torch.optim.Adam(params)))
+
+
+def test_foreach_none_is_the_for_loop_where_torchs_step_never_defaults_to_foreach():
+    """Adafactor tests ``if foreach:``: None is its for-loop on every device (a CUDA param
+    made the view show foreach=True: the trace took the foreach path, eager the for-loop).
+    The others choose by device, as does a step outside torch.optim."""
+    from opttrace._torch_compat import none_means_for_loop
+
+    class Custom(torch.optim.Optimizer):
+        def step(self, closure=None):
+            return None
+
+    assert none_means_for_loop(torch.optim.Adafactor)
+    others = [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.ASGD, Custom]
+    assert not any(none_means_for_loop(cls) for cls in others)
+
+
+def test_adafactor_with_foreach_none_traces_its_for_loop(params):
+    traced = trace_step(torch.optim.Adafactor(params, lr=1e-2, foreach=None))
+    targets = {str(n.target) for n in traced.graph_module.graph.nodes}
+    assert not any("_foreach_" in t for t in targets)
+
+
+def test_a_zero_dim_params_state_is_not_marked_as_python_floats():
+    """Only the values eager's path reads as numbers (step counts): a 0-dim param's state
+    (Adam's exp_avg) is a tensor eager computes with in its dtype, as any param's."""
+    scalar = torch.nn.Parameter(torch.randn(()))
+    scalar.grad = torch.randn(())
+    traced = trace_step(torch.optim.Adam([scalar], lr=0.1), capturable=True)
+    assert _python_float_sources(traced) == {
+        "L['opt'].state[L['opt'].param_groups[0]['params'][0]]['step']"
+    }

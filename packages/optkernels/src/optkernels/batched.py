@@ -24,7 +24,15 @@ from torch import fx
 from optkernels._torch_compat import direct_call
 from optkernels.batched_inplace import in_place_ops
 from optkernels.families import Arg, BatchedOp, Families
-from optkernels.foreach_forms import Form, can_run_in_place, eager_op, foreach_form, is_tensor
+from optkernels.foreach_forms import (
+    Form,
+    can_run_in_place,
+    eager_op,
+    foreach_form,
+    is_tensor,
+    self_inplace_op,
+    strided_eager_op,
+)
 
 aten = torch.ops.aten
 Env = list[Any]
@@ -197,6 +205,13 @@ class BatchedPlan:
         if not is_tensor(node):
             self._lines.append(f"{head} (per lane, once if all lanes agree)")
             return self._scalar(op, loop)
+        strided = [strided_eager_op(n) for n in op.nodes]
+        if any(strided):
+            if inplace:  # (on the tensors themselves: each lane runs the op eager ran)
+                strided = [_on_self(self_inplace_op(n) or _inplace_op(n)) for n in op.nodes]
+            where = "the tensors" if inplace else "copies of strided lanes"
+            self._lines.append(f"{head} (loop; in place on {where}, as eager)")
+            return self._loop(op, strided)
         if form is not None:
             suffix = "_" if inplace else ""
             how = f"_foreach_{form.name}{suffix}.{form.overload}"
@@ -256,10 +271,26 @@ class BatchedPlan:
             return run
         return lambda env: call(env, [f(env) for f in loads])
 
-    def _loop(self, op: BatchedOp) -> Callable[[Env], Any]:
+    def _loop(self, op: BatchedOp, strided: Sequence[Any] = ()) -> Callable[[Env], Any]:
         """``[target(lane's args) for each lane]`` (one call when no argument differs between
-        lanes: every lane reads the same tensor, which nothing writes in place)."""
+        lanes: every lane reads the same tensor, which nothing writes in place). ``strided``:
+        per lane, the callable to run instead (strided_eager_op), or None."""
         target, lanes = direct_call(op.target), op.lanes
+        if any(strided):
+            targets = [t or target for t in strided]
+            args = [self._per_lane(a, lanes) for a in op.args]
+            kwargs = [(k, self._per_lane(a, lanes)) for k, a in op.kwargs]
+
+            def run_strided(env: Env) -> list[Any]:
+                rows = zip(*(f(env) for f in args), strict=True)
+                kws = zip(*(f(env) for _, f in kwargs), strict=True) if kwargs else repeat(())
+                names = [k for k, _ in kwargs]
+                return [
+                    t(*a, **dict(zip(names, kw, strict=True)))
+                    for t, a, kw in zip(targets, rows, kws, strict=False)
+                ]
+
+            return run_strided
         args = [self._per_lane(a, lanes) for a in op.args]
         same = tuple((k, a) for k, a in op.kwargs if not _has_column(a))
         varying = [(k, a) for k, a in op.kwargs if _has_column(a)]
@@ -399,6 +430,14 @@ def _in_place(fn: Any, args: Load, kwargs: Callable[[Env], dict[str, Any]]) -> L
         values = args(env)
         fn(*values, **kwargs(env))
         return values[0]
+
+    return run
+
+
+def _on_self(fn: Any) -> Callable[..., Any]:
+    def run(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        fn(t, *args, **kwargs)
+        return t
 
     return run
 

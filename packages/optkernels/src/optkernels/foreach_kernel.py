@@ -266,7 +266,7 @@ def _lower(
     rounded to the result dtype (a Python number, ``.item()``, is held in float64)."""
     refs = {v: _operand(v, value_dtype[v], dtypes.common, v in numbers) for v in op.lane_vars}
     compute = compute_dtype(dtypes.common)
-    expr = _expr(op, program, refs, compute, scalars)
+    expr = _expr(op, program, refs, compute, scalars, dtypes.common)
     if dtypes.result is torch.bool:
         return torch.bool, expr
     result = dtypes.result or torch.float64
@@ -360,9 +360,10 @@ def _expr(
     refs: dict[int, str],
     compute: torch.dtype,
     scalars: _Scalars,
+    common: torch.dtype | None = None,
 ) -> str:
     """``op`` as a Triton expression over its operands (``refs``: lane values already in
-    ``compute``, the op's compute dtype)."""
+    ``compute``, the op's compute dtype; ``common``: the dtype its operands are cast to)."""
     a = [_ref(x, refs, compute, scalars) for x in op.args]
     kw = {k: _ref(v, refs, compute, scalars) for k, v in op.kwargs}
     name = op.op
@@ -430,6 +431,8 @@ def _expr(
     if name == "where":
         return f"tl.where({a[0]}, {_full(a[1], a[2])}, {_full(a[2], a[1])})"
     if name in COMPARE:
+        if common in _NARROW:  # ATen casts a scalar too (Rprop's sign == etaminus in bfloat16)
+            a = [_narrowed(x, common) for x in a]
         return f"({a[0]} {_COMPARE[name]} {a[1]})"
     if name in ("identity", "item"):
         return a[0]
@@ -472,6 +475,14 @@ def _full(value: str, like: str) -> str:
     if _is_literal(like):
         return value
     return f"({value} - tl.zeros_like({like}))"
+
+
+def _narrowed(expr: str, dtype: torch.dtype) -> str:
+    """An operand (a float32 value or literal) rounded to ``dtype``, as ATen casts every
+    operand of a comparison, Python numbers included, to its common dtype."""
+    if _is_literal(expr):
+        return repr(float(torch.tensor(float(expr), dtype=dtype)))
+    return _round(expr, dtype)
 
 
 def _is_literal(expr: str) -> bool:

@@ -245,6 +245,15 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
         raise NotLanes("the graph has no tensor ops")
     lanes = _lanes_from_components(components)
     scalars = [n for n in nodes if _is_scalar(n)]
+    for node in scalars:
+        if not all(_is_scalar(a) for a in node.all_input_nodes):
+            # (a value read with .item() from a lane's tensor: per lane, not one scalar for
+            # all; with several lanes their op sequences differ, with one it would be taken
+            # for a scalar input the host cannot compute)
+            raise NotLanes(
+                f"{node.name} mixes Python arithmetic with tensors (a value read with "
+                ".item(), as a capturable=False path does)"
+            )
     program = LaneProgram(lanes=len(lanes))
     program.scalar_inputs = [n for n in scalars if n.op == "placeholder"]
     program.scalar_nodes = [n for n in scalars if n.op == "call_function"]
@@ -404,6 +413,8 @@ class _Builder:
         # quantize node, and the payload it is written to -> (format, counter, salt)
         self.rounded: dict[fx.Node, tuple[str, int, int]] = {}
         self.rounded_writes: dict[fx.Node, tuple[str, int, int]] = {}
+        # a free var's recorded result dtypes, one entry per use (lane by lane)
+        self.free_dtypes: dict[int, list[tuple[torch.dtype, ...]]] = {}
 
     def visit(self, node: fx.Node) -> None:
         if node.op == "placeholder":
@@ -548,6 +559,7 @@ class _Builder:
     def _free_var(self, key: Any, dtypes: tuple[torch.dtype, ...]) -> int:
         if key not in self.free:
             self.free[key] = self._emit(key, dtypes)
+        self.free_dtypes.setdefault(self.free[key], []).append(dtypes)
         return self.free[key]
 
     def _kind(self, a: Any) -> str:
@@ -621,6 +633,15 @@ class _Builder:
             if all(len(d) == 1 for d in recorded):
                 j = position[var]
                 program.ops[j] = replace(program.ops[j], dtypes=tuple(d[0] for d in recorded))
+        # A value each lane makes alike (``scalar_tensor(eta)``) but in its own dtype (a
+        # bfloat16 and a float32 param's): one var, the lanes' dtypes, used lane by lane.
+        for var, uses in self.free_dtypes.items():
+            if len(set(uses)) <= 1:
+                continue
+            if len(uses) != self.lanes or not all(len(d) == 1 for d in uses):
+                raise NotLanes("a value the lanes share has a different dtype in each lane")
+            j = position[var]
+            program.ops[j] = replace(program.ops[j], dtypes=tuple(d[0] for d in uses))
         # Each written lane value must go to one input list, lane by lane.
         by_var: dict[int, dict[int, fx.Node]] = {}
         for dst, (var, lane) in self.copies.items():

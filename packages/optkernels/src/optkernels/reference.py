@@ -73,11 +73,60 @@ def _as_eager_ran(node: fx.Node) -> Callable[..., Any]:
         return node.target  # type: ignore[return-value]
 
     def on_copies(tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        out = [t.clone() for t in tensors]
+        out = [same_layout_copy(t) for t in tensors]
         inplace(out, *args, **kwargs)
         return out
 
     return on_copies
+
+
+def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (``clone`` makes a non-dense view contiguous, and a
+    CPU kernel may round otherwise on another layout)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+# Ops whose ATen kernels take a 0-dim CPU tensor with tensors on a device, as a scalar
+# (TensorIterator's binary and comparison ops; a foreach form falls back to them).
+_TAKE_CPU_SCALARS = frozenset(
+    {"add", "sub", "rsub", "mul", "div", "pow", "maximum", "minimum"}
+    | {"eq", "ne", "lt", "le", "gt", "ge", "copy", "_to_copy"}
+)
+
+
+def _on_device(node: fx.Node, target: Callable[..., Any]) -> Callable[..., Any]:
+    """``target``, or for an op that mixes 0-dim CPU tensors (step counts of a capturable=False
+    optimizer, in a graph traced on the capturable path) with tensors on a device and
+    whose kernel refuses that (``addcmul``, ``lerp``, ``where``: "expected all tensors on
+    the same device"), a call that moves those operands to the device first."""
+    name = getattr(node.target, "__name__", "").partition(".")[0].removeprefix("_foreach_")
+    if name.rstrip("_") in _TAKE_CPU_SCALARS:
+        return target
+    vals: list[Any] = []
+
+    def collect(n: fx.Node) -> fx.Node:
+        val = n.meta.get("val")
+        vals.extend(val if isinstance(val, list | tuple) else (val,))
+        return n
+
+    fx.map_arg((node.args, node.kwargs), collect)
+    tensors = [v for v in vals if hasattr(v, "device") and hasattr(v, "dim")]
+    devices = {str(v.device) for v in tensors} - {"cpu"}
+    if len(devices) != 1 or not any(str(v.device) == "cpu" and v.dim() == 0 for v in tensors):
+        return target
+    device = torch.device(devices.pop())
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0:
+            return value.to(device, non_blocking=True)
+        if isinstance(value, list | tuple):
+            return type(value)(move(v) for v in value)
+        return value
+
+    def moved(*args: Any, **kwargs: Any) -> Any:
+        return target(*move(args), **{k: move(v) for k, v in kwargs.items()})
+
+    return moved
 
 
 class TorchPlan:
@@ -93,6 +142,7 @@ class TorchPlan:
         self._constants: list[tuple[int, Any]] = []
         self._steps: list[tuple[int, Callable[..., Any], Load, Load]] = []
         self._output: Load = lambda env: ()
+        launches = 0
         for node in gm.graph.nodes:
             slot = slots[node] = len(slots)
             if node.op == "placeholder":
@@ -102,7 +152,9 @@ class TorchPlan:
             elif node.op == "call_function":
                 args = _loader(tuple(node.args), slots)
                 kwargs = _loader(dict(node.kwargs), slots)
-                self._steps.append((slot, _as_eager_ran(node), args, kwargs))
+                target = _as_eager_ran(node)
+                launches += isinstance(target, torch._ops.OpOverload)
+                self._steps.append((slot, _on_device(node, target), args, kwargs))
             elif node.op == "output":
                 self._output = _loader(node.args[0], slots)
             else:
@@ -110,9 +162,7 @@ class TorchPlan:
         self._size = len(slots)
         self.num_inputs = len(self._inputs)
         # Each ATen op is at least one kernel launch on a device (Python scalar math is none).
-        self.kernel_launches_per_step = sum(
-            1 for _, target, _, _ in self._steps if isinstance(target, torch._ops.OpOverload)
-        )
+        self.kernel_launches_per_step = launches
 
     def guarded_addresses(self, indices: Collection[int]) -> None:
         """Nothing to skip: torch ops take the tensors themselves, not their addresses."""

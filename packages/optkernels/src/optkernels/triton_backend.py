@@ -8,6 +8,7 @@ inside the same plan. ``describe()`` says which.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Collection, Sequence
@@ -221,7 +222,19 @@ class _Part:
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return f"its tensors live on {device} (the kernels run on CUDA devices)"
         self.device = device
-        on_host = small == {torch.device("cpu")} and device.type != "cpu"
+        # (numpy, which computes them, has no bfloat16: a Tensor beta cast to a bfloat16
+        # param's dtype by a prelude stays on the device side)
+        numpy_dtypes = all(
+            t.dtype is not torch.bfloat16
+            for k, lane in enumerate(tensors)
+            if program.input_small[k]
+            for t in lane
+        )
+        on_host = (
+            small == {torch.device("cpu")}
+            and numpy_dtypes
+            and (device.type != "cpu" or _python_floats(program))
+        )
         if self.host_small if self.host_small is not None else on_host:
             # Step counts of capturable=False optimizers stay on the CPU: what depends
             # only on them is computed there, for all lanes at once, each call.
@@ -419,6 +432,76 @@ class _Part:
         return tables
 
 
+def _python_floats(program: LaneProgram) -> bool:
+    """Whether ``program`` reads 0-dim inputs that eager reads as Python floats (the step
+    counts of a capturable=False optimizer, marked by the tracer: placeholder meta
+    ``python_float``). On a device, such a step's 0-dim inputs are the ones on the CPU
+    (the step counts, a Tensor lr the user made there) and computed on the host; with
+    the kernels on the CPU too (under the interpreter) only the mark tells them from the
+    0-dim tensors of a step that computes with them in their dtype (a custom step's)."""
+    return any(
+        node.meta.get("python_float") is True
+        for k, nodes in enumerate(program.inputs)
+        if program.input_small[k]
+        for node in nodes
+    )
+
+
+def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` for the torch backend when the kernels do not take it: the 0-dim inputs eager
+    reads as Python floats (placeholder meta ``python_float``: step counts) read in float64,
+    as the host computes them for the kernels (a copy of the graph; ``gm`` where there are
+    none). Written back in their dtype by the graph's copy_, as before. Run once on meta
+    tensors first: ``gm`` where an op refuses the wider dtype (a ``lerp`` whose weight is
+    computed from a step count)."""
+    marked = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and n.meta.get("python_float") is True
+        and getattr(n.meta.get("val"), "dtype", torch.float64) is not torch.float64
+    ]
+    if not marked:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    names = {n.name for n in marked}
+    copy_ = torch.ops.aten.copy_.default
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in names]:
+        with graph.inserting_after(node):
+            wide = graph.call_function(
+                torch.ops.aten._to_copy.default, (node,), {"dtype": torch.float64}
+            )
+        wide.meta["val"] = node.meta["val"]  # (its device and dim: see reference._on_device)
+        for user in list(node.users):
+            if user is not wide and user.target is not copy_:
+                user.replace_input_with(node, wide)
+    widened = fx.GraphModule(gm, graph)
+    try:
+        metas = [_meta_like(n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
+        with torch.no_grad():
+            _MetaRun(widened).run(*metas)
+    except Exception:  # (any op refusing it: the graph as traced)
+        return gm
+    return widened
+
+
+class _MetaRun(fx.Interpreter):
+    """Runs a graph on meta tensors to see that every op takes its dtypes (an ``.item()``
+    gives 1.0: its value does not matter here)."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is torch.ops.aten._local_scalar_dense.default:
+            return 1.0
+        return super().call_function(target, args, kwargs)
+
+
+def _meta_like(val: Any) -> Any:
+    """A meta tensor like the traced value ``val`` (a Python scalar stays as it is)."""
+    if isinstance(val, torch.Tensor):
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    return val
+
+
 class TritonPlan:
     """A graph lowered to generated Triton kernels (or run by the torch backend)."""
 
@@ -428,7 +511,7 @@ class TritonPlan:
         """``host_small``: compute what depends only on 0-dim inputs on the host (None:
         exactly when those inputs live on the CPU and the rest on a device)."""
         self.gm = gm
-        self.reference = TorchPlan(gm)
+        self.reference = TorchPlan(_python_floats_in_double(gm))
         self.num_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         self.parts: list[_Part] = []
         self.reason: str | None = None

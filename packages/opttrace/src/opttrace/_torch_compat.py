@@ -151,12 +151,27 @@ def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
     return _LazyGraphModule(root, graph)
 
 
-def default_foreach(params: list[torch.Tensor]) -> bool:
-    """Whether torch.optim takes its foreach path for these parameters when foreach=None."""
+def default_foreach(params: list[torch.Tensor], cls: type | None = None) -> bool:
+    """Whether torch.optim takes its foreach path for these parameters when foreach=None
+    (in ``cls``'s step, if given: see none_means_for_loop)."""
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
+    if cls is not None and none_means_for_loop(cls):
+        return False
     _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
     return bool(foreach)
+
+
+def none_means_for_loop(cls: type) -> bool:
+    """Whether ``cls.step`` is one of torch.optim's that never defaults to foreach: its
+    module does not call torch's device-based choice (Adafactor tests ``if foreach:``, so
+    foreach=None is its for-loop on every device). A step of another library decides
+    itself, or through torch.optim's functional API (which makes the device-based choice)."""
+    step = raw_step(cls)
+    module = sys.modules.get(getattr(step, "__module__", "") or "")
+    if module is None or not module.__name__.startswith("torch.optim."):
+        return False
+    return "_default_to_fused_or_foreach" not in vars(module)
 
 
 # ``Tensor.data``'s getter and setter (a C descriptor): TracedTensor wraps the setter.

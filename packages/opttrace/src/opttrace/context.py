@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -95,16 +96,9 @@ def _plain_tensor_type(cls: type[torch.Tensor]) -> bool:
     )
 
 
-def _read_in_float64(real: torch.Tensor, source: Source, keys: tuple[str, ...]) -> bool:
-    """A 0-dim float in an optimizer's state under one of ``keys`` (see trace())."""
-    return (
-        real.dim() == 0
-        and real.is_floating_point()
-        and real.dtype != torch.float64
-        and isinstance(source, ItemSource)
-        and source.key in keys
-        and _in_optimizer_state(source)
-    )
+def _chosen(real: torch.Tensor, chosen: dict[int, torch.Tensor]) -> bool:
+    """A 0-dim float tensor among ``chosen`` (see trace())."""
+    return id(real) in chosen and real.dim() == 0 and real.is_floating_point()
 
 
 def _in_params_list(source: Source) -> bool:
@@ -130,11 +124,16 @@ class TraceContext:
     """Inputs, guards, ledger and outputs of one trace."""
 
     def __init__(
-        self, recorder: Recorder, capturable: bool = False, float64_state: tuple[str, ...] = ()
+        self,
+        recorder: Recorder,
+        capturable: bool = False,
+        python_floats: Sequence[torch.Tensor] = (),
+        float64_inputs: Sequence[torch.Tensor] = (),
     ) -> None:
         self.recorder = recorder
         self.capturable = capturable  # show optimizers capturable=True (see view.py)
-        self.float64_state = float64_state  # (see trace())
+        self.python_floats = {id(t): t for t in python_floats}  # (see trace())
+        self.float64_inputs = {id(t): t for t in float64_inputs}
         self._converted: dict[int, fx.Node] = {}  # input index -> its float64 conversion
         self.guards = GuardSetBuilder()
         self.ledger = Ledger()
@@ -344,7 +343,9 @@ class TraceContext:
         if fake is None:
             name = variable_name(source)
             fake = self.recorder.placeholder(name, real, source, static)
-            if _read_in_float64(real, source, self.float64_state):
+            if _chosen(real, self.python_floats):
+                self.recorder.node_of(fake).meta["python_float"] = True
+            if _chosen(real, self.float64_inputs) and real.dtype != torch.float64:
                 fake = torch.ops.aten._to_copy.default(fake, dtype=torch.float64)
                 self._converted[i] = self.recorder.node_of(fake)
             self._fakes[i] = fake

@@ -80,7 +80,12 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
     step = raw_step(type(opt))
     if capturable:
         try:
-            return trace(lambda opt: step(opt), {"opt": opt}, capturable=True)
+            return trace(
+                lambda opt: step(opt),
+                {"opt": opt},
+                capturable=True,
+                python_floats=_python_float_state(opt),
+            )
         except TraceError as exc:
             # A step without a capturable path (Adafactor reads values with .item(); torch
             # 2.11's asserts on the ungrouped lists its compile path gets): the path eager
@@ -102,24 +107,49 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
                 lambda opt: step(opt),
                 {"opt": opt},
                 capturable=True,
-                float64_state=_python_float_state(opt),
+                python_floats=_python_float_state(opt),
+                float64_inputs=_python_float_state(opt, decided_on=True),
             )
         except TraceError:
             raise exc from None
 
 
-def _python_float_state(opt: torch.optim.Optimizer) -> tuple[str, ...]:
-    """0-dim state entries the non-capturable path of ``opt`` reads as Python floats (with
-    ``.item()``): the step counts, except on ASGD's foreach path (which computes eta from
-    them as float32 tensors); on ASGD's for-loop path eta and mu too."""
-    if isinstance(opt, torch.optim.ASGD):
-        foreach = [
-            group.get("foreach")
-            or (group.get("foreach") is None and default_foreach(group["params"]))
-            for group in opt.param_groups
-        ]
-        return () if any(foreach) else ("step", "eta", "mu")
-    return ("step",)
+# The 0-dim state torch.optim's capturable=False paths keep on the CPU and read as numbers.
+_PYTHON_FLOAT_KEYS = ("step", "mu_product", "eta", "mu")
+
+
+def _python_float_state(opt: torch.optim.Optimizer, decided_on: bool = False) -> list[torch.Tensor]:
+    """The 0-dim float state tensors that torch.optim's own non-capturable paths read as
+    Python floats (in groups with ``capturable=False``, or without the option: Adagrad):
+    the step counts with ``.item()``, NAdam's mu_product, ASGD's eta and mu; they stay on
+    the CPU. A group with ``capturable=True`` computes with them as tensors, in their
+    dtype, as its trace does; so may a custom step (not marked).
+
+    ``decided_on``: only those that a step branching on them in Python (RAdam's
+    rectification, ASGD's averaging) reads as Python floats where its capturable path
+    computes with tensors, a custom step's with ``capturable=False`` too: the step counts,
+    except on ASGD's foreach path (which computes eta from them as float32 tensors); on
+    ASGD's for-loop path eta and mu too."""
+    own = getattr(raw_step(type(opt)), "__module__", "").startswith("torch.optim.")
+    tensors = []
+    for group in opt.param_groups:
+        capturable = group.get("capturable", False if own else None)
+        if capturable is not False or not (own or decided_on):
+            continue
+        keys: tuple[str, ...] = _PYTHON_FLOAT_KEYS  # (not a 0-dim param's exp_avg)
+        if decided_on:
+            keys = ("step",)
+            if isinstance(opt, torch.optim.ASGD):
+                foreach = group.get("foreach")
+                if foreach is None:
+                    foreach = default_foreach(group["params"], type(opt))
+                keys = () if foreach else ("step", "eta", "mu")
+        for p in group["params"]:
+            for key, value in opt.state.get(p, {}).items():
+                small = isinstance(value, torch.Tensor) and value.dim() == 0
+                if small and value.is_floating_point() and key in keys:
+                    tensors.append(value)
+    return tensors
 
 
 def eager_step(opt: torch.optim.Optimizer) -> Any:

@@ -584,10 +584,24 @@ def _refuse_repeats(func: Any, targets: list[TracedTensor]) -> None:
     for i, t in enumerate(targets):
         j = first.setdefault(id(t._aliases) if t._aliases else id(t), i)
         if j != i:
+            where = f"{func} writes one tensor twice (items {j} and {i} of its list)"
+            name = _input_name(t)
+            if name is not None and name.endswith(".grad"):
+                raise TraceError(
+                    f"{where}: one grad tensor given to several parameters ({name} is "
+                    "another's grad too); give each parameter its own grad (p.grad = g.clone())"
+                )
             raise TraceError(
-                f"{func} writes one tensor twice (items {j} and {i} of its list): an "
-                "optimizer given the same parameter twice; remove the duplicate"
+                f"{where}: an optimizer given the same parameter twice"
+                f"{f' ({name})' if name else ''}; remove the duplicate"
             )
+
+
+def _input_name(t: TracedTensor) -> str | None:
+    """The Source name of the input ``t`` stands for (None: a value the step computed)."""
+    node = t._node
+    source = node.meta.get("source") if node is not None and node.op == "placeholder" else None
+    return source.name() if source is not None else None
 
 
 def _single(s: Any) -> Spec:

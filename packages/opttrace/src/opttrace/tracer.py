@@ -73,7 +73,8 @@ def trace(
     inputs: Mapping[str, Any],
     *,
     capturable: bool = False,
-    float64_state: tuple[str, ...] = (),
+    python_floats: Sequence[torch.Tensor] = (),
+    float64_inputs: Sequence[torch.Tensor] = (),
 ) -> TracedStep:
     """Trace ``fn(**inputs)``; every value it reads from ``inputs`` is named ``L['<arg>']...``.
 
@@ -81,9 +82,12 @@ def trace(
     computes, operation for operation. ``capturable=True`` shows optimizers with
     ``capturable=True`` and ``torch.compiler.is_compiling()`` reporting True: the paths
     torch.optim keeps on the device, for steps whose eager path decides on tensor values.
-    ``float64_state`` (with it, for such a step when the optimizer is not capturable) names
-    0-dim float state entries (``'step'``) the step sees in float64: eager's path reads them
-    as Python floats, so what it computes from them (bias corrections) is double.
+    ``python_floats`` (with it, for such a step when the optimizer is not capturable) are
+    0-dim float tensors (step counts in the state) that eager's path reads as Python
+    floats: their placeholders say so (``meta["python_float"]``), so that a backend may
+    compute what depends only on them and on scalars as eager does, in double (optkernels'
+    host arithmetic). The step itself sees those of them in ``float64_inputs`` in float64
+    (a step that decides on them in Python, traced on its capturable path: RAdam, ASGD).
     """
     # A trace allocates tens of thousands of small objects that all live until it ends; the
     # cyclic collector would rescan them again and again (a third of the time at 1,000 params).
@@ -91,7 +95,7 @@ def trace(
     gc.disable()
     try:
         with patches.tracing():  # one trace at a time; its patches seen by this thread only
-            return _trace(fn, inputs, capturable, float64_state)
+            return _trace(fn, inputs, capturable, python_floats, float64_inputs)
     finally:
         if collecting:
             gc.enable()
@@ -101,11 +105,12 @@ def _trace(
     fn: Callable[..., Any],
     inputs: Mapping[str, Any],
     capturable: bool,
-    float64_state: tuple[str, ...],
+    python_floats: Sequence[torch.Tensor],
+    float64_inputs: Sequence[torch.Tensor],
 ) -> TracedStep:
     recorder = Recorder()
     try:
-        traced = _record(fn, inputs, capturable, float64_state, recorder)
+        traced = _record(fn, inputs, capturable, python_floats, float64_inputs, recorder)
     finally:
         recorder.detach_hooks()
         clear_dtensor_caches()
@@ -129,11 +134,12 @@ def _record(
     fn: Callable[..., Any],
     inputs: Mapping[str, Any],
     capturable: bool,
-    float64_state: tuple[str, ...],
+    python_floats: Sequence[torch.Tensor],
+    float64_inputs: Sequence[torch.Tensor],
     recorder: Recorder,
 ) -> TracedStep:
     start = time.perf_counter()
-    ctx = TraceContext(recorder, capturable, float64_state)
+    ctx = TraceContext(recorder, capturable, python_floats, float64_inputs)
     ctx.guard(autocast_guard())  # its casts are recorded as graph ops
     for name, value in inputs.items():
         ctx.collect(value, LocalSource(name))

@@ -35,6 +35,7 @@ class ViewInfo:
 
     ctx: TraceContext
     source: Source
+    owner: type = object  # the class of the object viewed (its step decides foreach=None)
     cache: dict[str, Any] = field(default_factory=dict)
     written: set[str] = field(default_factory=set)
 
@@ -56,12 +57,12 @@ class ViewInfo:
         for i, group in enumerate(groups):
             group_source = ItemSource(source, i)
             self.ctx.read(group, group_source)  # installs the group's type and key guards
-            overrides = _overrides(group, self.ctx.capturable)
+            overrides = _overrides(group, self.ctx.capturable, self.owner)
             items.append(TrackedDict(self.ctx, group_source, group, overrides))
         return TrackedList(self.ctx, source, items)
 
 
-def _overrides(group: dict[str, Any], capturable: bool) -> dict[str, Any]:
+def _overrides(group: dict[str, Any], capturable: bool, owner: type) -> dict[str, Any]:
     """What the step should see instead of the user's values for some options."""
     overrides = {}
     if capturable and "capturable" in group:
@@ -70,7 +71,7 @@ def _overrides(group: dict[str, Any], capturable: bool) -> dict[str, Any]:
         # Eager decides from the parameters' types and devices; traced tensors would
         # mislead that decision, so show the step the one eager takes.
         params = [p for p in group["params"] if isinstance(p, torch.Tensor)]
-        overrides["foreach"] = default_foreach(params)
+        overrides["foreach"] = default_foreach(params, owner)
     return overrides
 
 
@@ -126,7 +127,7 @@ def object_view(ctx: TraceContext, obj: Any, source: Source) -> Any:
     )
     d = object.__getattribute__(view, "__dict__")
     d.update(vars(obj))
-    d[_INFO] = ViewInfo(ctx, source)
+    d[_INFO] = ViewInfo(ctx, source, cls)
     return view
 
 
