@@ -155,9 +155,10 @@ def test_a_step_drawing_from_random_is_refused_before_it_draws() -> None:
     torch.testing.assert_close(xs[0], torch.full((2,), first))  # what eager drew, once
 
 
-# Run in a fresh interpreter: a signal's delivery is process-wide state that earlier tests of
-# this process (threads, handlers of libraries they loaded) can change; in a process of its own
-# the test says only what optcompile does.
+# Run in a fresh interpreter with Python's own SIGINT handler: how a signal is delivered is
+# process-wide state (a test runner started as a background job inherits SIGINT ignored; an
+# earlier test may change the handler); in a process of its own the test says only what
+# optcompile does.
 _CTRL_C_SCRIPT = """
 import copy, signal, warnings
 import optcompile, torch
@@ -180,6 +181,9 @@ class InterruptedAdam(torch.optim.Adam):
         return super()._init_group(group, params, grads, avgs, sqs, maxs, steps)
 
 
+# Ctrl-C raises KeyboardInterrupt here (a shell's background job starts with SIGINT ignored,
+# and then optcompile, like eager, lets the ignored signal go)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 model = small_model()
 reference = copy.deepcopy(model)
 opt = optcompile.compile(InterruptedAdam(model.parameters(), lr=0.01))
