@@ -15,6 +15,7 @@ import optcompile
 import pytest
 import torch
 from optcompile.api import _OPTIMIZERS
+from optcompile.testing import assert_within_ulps
 from optkernels.c_kernel import find_compiler
 from optkernels.cpu_backend import BLOCK, CpuPlan
 
@@ -77,29 +78,14 @@ def _run(make, foreach, dtype, steps=3, backend="cpu", shapes=None):
     return params, opt, reference, eager
 
 
-def _assert_same(a, b, ulps):
-    """Infinities and NaNs where eager has them; finite values within ``ulps`` of the dtype
-    at the scale of the tensor's largest value."""
-    a, b = a.detach(), b.detach()
-    torch.testing.assert_close(a.isnan(), b.isnan())
-    torch.testing.assert_close(a.isinf() & (a > 0), b.isinf() & (b > 0))
-    torch.testing.assert_close(a.isinf() & (a < 0), b.isinf() & (b < 0))
-    finite = a.isfinite() & b.isfinite()
-    if finite.any():
-        scale = float(b[finite].abs().max().double())
-        tiny = torch.finfo(a.dtype).tiny
-        atol = ulps * torch.finfo(a.dtype).eps * max(scale, tiny)
-        torch.testing.assert_close(a[finite], b[finite], rtol=0, atol=atol)
-
-
 def _assert_matches_eager(params, opt, reference, eager, dtype, ulps=None):
     for p, q in zip(params, reference, strict=True):
-        _assert_same(p, q, ulps or ULPS[dtype])
+        assert_within_ulps(p, q, ulps or ULPS[dtype])
         assert opt.state[p].keys() == eager.state[q].keys()
         for key, value in eager.state[q].items():
             if torch.is_tensor(value):
                 assert opt.state[p][key].dtype == value.dtype, key
-                _assert_same(opt.state[p][key], value, ulps or ULPS.get(value.dtype, 0))
+                assert_within_ulps(opt.state[p][key], value, ulps or ULPS.get(value.dtype, 0))
             else:
                 assert opt.state[p][key] == value, key
 

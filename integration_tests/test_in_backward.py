@@ -21,6 +21,7 @@ import pytest
 import torch
 from optcompile import CompileError, _torch_compat
 from optcompile.backward import buckets
+from optcompile.testing import assert_same
 
 VOCAB, WIDTH, SEQ = 37, 16, 6
 HAS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -91,19 +92,6 @@ def eager_iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, step: in
     model(batch(step)).backward()
     opt.step()
     opt.zero_grad()
-
-
-def assert_same(
-    model: torch.nn.Module,
-    opt: torch.optim.Optimizer,
-    reference: torch.nn.Module,
-    eager: torch.optim.Optimizer,
-) -> None:
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q)
-        assert set(opt.state[p]) == set(eager.state[q])
-        for key, value in eager.state[q].items():
-            torch.testing.assert_close(opt.state[p][key], value)
 
 
 def train_side_by_side(name: str, steps: int = 10, **options: Any) -> torch.optim.Optimizer:

@@ -17,6 +17,7 @@ import opttrace
 import pytest
 import torch
 from optcompile.api import _OPTIMIZERS
+from optcompile.testing import assert_within_ulps
 from optkernels import TorchPlan, reference
 from optkernels.triton_backend import TritonPlan
 from test_triton_backend import DEVICE, FUSED, LOOP_FUSED
@@ -46,18 +47,9 @@ def _capturable(opt, value):
 
 
 def _assert_same(mine, theirs, ulps):
-    """Infinities (with their signs) and NaNs where the other has them; finite values within
-    ``ulps`` of the dtype at the scale of the tensor's largest value."""
+    """Each pair within ``ulps`` (optcompile.testing.assert_within_ulps)."""
     for a, b in zip(mine, theirs, strict=True):
-        a, b = a.detach(), b.detach()
-        torch.testing.assert_close(a.isnan(), b.isnan())
-        torch.testing.assert_close(a.isinf() & (a > 0), b.isinf() & (b > 0))
-        torch.testing.assert_close(a.isinf() & (a < 0), b.isinf() & (b < 0))
-        finite = a.isfinite() & b.isfinite()
-        if finite.any():
-            scale = float(b[finite].abs().max().double())
-            atol = ulps * torch.finfo(a.dtype).eps * max(scale, torch.finfo(a.dtype).tiny)
-            torch.testing.assert_close(a[finite], b[finite], rtol=0, atol=atol)
+        assert_within_ulps(a, b, ulps)
 
 
 def _state_tensors(opt, params):

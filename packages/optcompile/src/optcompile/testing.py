@@ -72,3 +72,17 @@ def assert_same(
         assert set(opt.state[p]) == set(eager.state[q]), (set(opt.state[p]), set(eager.state[q]))
         for key, value in eager.state[q].items():
             torch.testing.assert_close(opt.state[p][key], value, **tolerances)
+
+
+def assert_within_ulps(a: torch.Tensor, b: torch.Tensor, ulps: float) -> None:
+    """Infinities (with their signs) and NaNs where ``b`` has them; finite values within
+    ``ulps`` of the dtype at the scale of ``b``'s largest finite value."""
+    a, b = a.detach(), b.detach()
+    torch.testing.assert_close(a.isnan(), b.isnan())
+    torch.testing.assert_close(a.isinf() & (a > 0), b.isinf() & (b > 0))
+    torch.testing.assert_close(a.isinf() & (a < 0), b.isinf() & (b < 0))
+    finite = a.isfinite() & b.isfinite()
+    if finite.any():
+        scale = float(b[finite].abs().max().double())
+        atol = ulps * torch.finfo(a.dtype).eps * max(scale, torch.finfo(a.dtype).tiny)
+        torch.testing.assert_close(a[finite], b[finite], rtol=0, atol=atol)
