@@ -38,7 +38,7 @@ from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError
 from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
-from optkernels.layouts import layouts
+from optkernels.layouts import layouts, with_prelude, write_back
 from optkernels.reference import TorchBackend, TorchPlan
 from optkernels.split import Split, split_unfused
 
@@ -298,24 +298,11 @@ class CpuPlan:
             return self.fallback(inputs)
         if len(inputs) != self.num_inputs:
             raise ValueError(f"graph takes {self.num_inputs} inputs, got {len(inputs)}")
-        results: tuple[torch.Tensor, ...] = ()
-        if self.prelude is not None:
-            results = self.prelude(inputs)
-            inputs = [*inputs, *results]
-            for i, (shape, stride) in self.layouts.items():
-                value = inputs[i]
-                if value.stride() != stride:
-                    inputs[i] = torch.empty_strided(shape, stride, dtype=value.dtype).copy_(value)
-        elif type(inputs) is not list:
-            inputs = list(inputs)
+        inputs, results = with_prelude(self.prelude, self.layouts, inputs)
         for part in self.parts:
             part.run(inputs)
-        if self.split is not None and self.split.writes:
-            with torch.no_grad():
-                torch._foreach_copy_(
-                    [inputs[i] for i, _ in self.split.writes],
-                    [results[j] for _, j in self.split.writes],
-                )
+        if self.split is not None:
+            write_back(self.split.writes, inputs, results)
         return ()
 
     def describe(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import fx
 
 from optkernels.lanes import LaneProgram, NotLanes
@@ -69,3 +70,37 @@ def layouts(
                             f"{list(like.shape)} tensor of strides {list(like.stride())}"
                         )
     return out
+
+
+Layouts = dict[int, tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def with_prelude(
+    prelude: Any, layouts: Layouts, inputs: Sequence[Any]
+) -> tuple[list[Any], tuple[torch.Tensor, ...]]:
+    """The kernels' inputs after a prelude (the ops a plan runs on the torch backend first):
+    ``inputs`` followed by the prelude's results, each of those ``layouts`` names copied into
+    its (shape, stride) where the result came out in another (e.g. a transposed matmul
+    result); and the results themselves (for ``write_back``). No prelude: the inputs as a
+    list."""
+    if prelude is None:
+        return (inputs if type(inputs) is list else list(inputs)), ()
+    results: tuple[torch.Tensor, ...] = prelude(inputs)
+    out = [*inputs, *results]
+    for i, (shape, stride) in layouts.items():
+        value = out[i]
+        if value.stride() != stride:
+            out[i] = torch.empty_strided(
+                shape, stride, dtype=value.dtype, device=value.device
+            ).copy_(value)
+    return out, results
+
+
+def write_back(
+    writes: Sequence[tuple[int, int]], inputs: Sequence[Any], results: Sequence[Any]
+) -> None:
+    """Prelude values written back into inputs (a LAMB moment), as ``(input, result)``
+    positions: after the kernels, which read the inputs' old values."""
+    if writes:
+        with torch.no_grad():
+            torch._foreach_copy_([inputs[i] for i, _ in writes], [results[j] for _, j in writes])

@@ -25,7 +25,7 @@ from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError, kernel_source, launch_config, load_kernel
 from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
-from optkernels.layouts import layouts
+from optkernels.layouts import layouts, with_prelude, write_back
 from optkernels.reference import TorchPlan
 from optkernels.split import Split, split_unfused
 from optkernels.staging import Staging
@@ -579,16 +579,7 @@ class TritonPlan:
             return self.reference(inputs)
         if len(inputs) != self.num_inputs:
             raise ValueError(f"graph takes {self.num_inputs} inputs, got {len(inputs)}")
-        results: tuple[torch.Tensor, ...] = ()
-        if self.prelude is not None:
-            results = self.prelude(inputs)
-            inputs = [*inputs, *results]
-            for i, (shape, stride) in self.layouts.items():
-                value = inputs[i]
-                if value.stride() != stride:  # e.g. a transposed matmul result
-                    inputs[i] = torch.empty_strided(
-                        shape, stride, dtype=value.dtype, device=value.device
-                    ).copy_(value)
+        inputs, results = with_prelude(self.prelude, self.layouts, inputs)
         if not self._checked_devices:
             self._checked_devices = True
             for part in self.parts:
@@ -599,14 +590,8 @@ class TritonPlan:
                     return self.reference(inputs[: self.num_inputs])
         for part in self.parts:
             part.run(inputs)
-        if self.split is not None and self.split.writes:
-            # Prelude values written back (a LAMB moment): after the kernels, which read
-            # the inputs' old values.
-            with torch.no_grad():
-                torch._foreach_copy_(
-                    [inputs[i] for i, _ in self.split.writes],
-                    [results[j] for _, j in self.split.writes],
-                )
+        if self.split is not None:
+            write_back(self.split.writes, inputs, results)
         return ()
 
     def capture_reason(self) -> str | None:
