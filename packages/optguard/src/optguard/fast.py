@@ -109,8 +109,7 @@ class FastCheck:
     def inputs(self, L: Locals, full: Callable[[Locals], list[Any]]) -> list[Any] | None:
         """The inputs when this tier's checks pass on ``L`` (through its gather; else
         ``full(L)``), or None. The list its gather returns is reused: ``release()`` it."""
-        if not (self.tree.check(L) and self.residual(L)):
-            self.forget()  # a grad check may have passed before another failed
+        if not self(L):
             return None
         if self.gather is None:
             self.forget()  # the full gather reads the grads itself
