@@ -127,6 +127,21 @@ def run_pair(
     model, ref = sharded_model(), sharded_model()
     opt = optcompile.compile(make(params(model)))
     eager = make(params(ref))
+    step_pair(model, opt, ref, eager, steps, schedule, before_step)
+    assert_same(model, opt, ref, eager)
+    return model, opt, ref, eager
+
+
+def step_pair(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ref: nn.Module,
+    eager: torch.optim.Optimizer,
+    steps: int,
+    schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+    before_step: Callable[[nn.Module], None] | None = None,
+) -> None:
+    """``steps`` steps of both: the model's backward, its grads copied to the twin."""
     scheds = [schedule(o) for o in (opt, eager)] if schedule else []
     for step in range(steps):
         backward(model, step)
@@ -138,8 +153,6 @@ def run_pair(
             o.zero_grad()
         for s in scheds:
             s.step()
-    assert_same(model, opt, ref, eager)
-    return model, opt, ref, eager
 
 
 class Lion(torch.optim.Optimizer):
@@ -388,12 +401,7 @@ def ddp_unchanged() -> None:
     model, ref = make_model(), make_model()
     opt = optcompile.compile(torch.optim.AdamW(model.parameters(), lr=1e-2))
     eager = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(5):
-        backward(model, step)
-        copy_grads(model, ref)
-        for o in (opt, eager):
-            o.step()
-            o.zero_grad()
+    step_pair(model, opt, ref, eager, 5)
     assert_same(model, opt, ref, eager)
     assert traces(opt) == 1
 
@@ -515,12 +523,7 @@ def triton_backend_fuses_like_plain() -> None:
     model, ref = sharded_model(), sharded_model()
     opt = optcompile.compile(ClippedSGD(model.parameters()), backend="triton")
     eager = ClippedSGD(ref.parameters())
-    for step in range(2):
-        backward(model, step)
-        copy_grads(model, ref)
-        for o in (opt, eager):
-            o.step()
-            o.zero_grad()
+    step_pair(model, opt, ref, eager, 2)
     assert_same(model, opt, ref, eager)
     explanation = optcompile.explain(opt)
     code = explanation.graph_code
