@@ -62,6 +62,8 @@ SETS: dict[str, tuple[Callable[[], Shapes], torch.dtype]] = {
     "gpt2-bf16": (gpt2_shapes, torch.bfloat16),
     "1.3b": (gpt_1_3b_shapes, torch.float32),
     "1.3b-bf16": (gpt_1_3b_shapes, torch.bfloat16),
+    "gpt2-fp16": (gpt2_shapes, torch.float16),
+    "1.3b-fp16": (gpt_1_3b_shapes, torch.float16),
     "tiny": (lambda: [(33,), (7, 5), ()] * 3, torch.float32),  # smoke test on the CPU
     # Host-time slope (host_time.py --slope): many tensors of 16 elements.
     "200x4x4": (lambda: [(4, 4)] * 200, torch.float32),

@@ -30,12 +30,11 @@ from optkernels.dtypes import COMPARE, OpDtypes, compute_dtype, op_dtypes
 from optkernels.host import HOST_ROWS, scalar_slot
 from optkernels.lanes import LaneOp, LaneProgram
 
-BLOCK = 1024  # elements per program instance (float32 and float64 lanes)
-NUM_WARPS = 4  # warps per program instance (Triton's default)
-# Lanes of 16-bit tensors only: 512 elements by 4 warps, 4 per thread. Measured on an H100
-# (benchmarks/results/kernel_tuning_h100.md): bfloat16 AdamW over GPT-2's tensors 1.19x the
-# floor against 1.32x at 1024 by 4 warps, float32 unchanged (1.02x either way).
-NARROW_BLOCK = 512
+BLOCK = 1024  # elements per program instance
+NUM_WARPS = 4  # warps per program instance (Triton's default): 8 elements per thread, 16
+# bytes per access of a 16-bit lane in the aligned branch (see _branches). Measured on an H100
+# (benchmarks/results/kernel_tuning_h100.md): with that branch, 1024 by 4 is the fastest for
+# bfloat16 and float32 lanes alike (512 by 4 was, for 16-bit lanes, before it).
 # Experiments (benchmarks/tune_kernels.py) override both, for every lane, at import.
 _OVERRIDE = os.environ.get("OPTKERNELS_BLOCK"), os.environ.get("OPTKERNELS_NUM_WARPS")
 
@@ -43,10 +42,10 @@ _OVERRIDE = os.environ.get("OPTKERNELS_BLOCK"), os.environ.get("OPTKERNELS_NUM_W
 def launch_config(dtypes: Sequence[torch.dtype]) -> tuple[int, int]:
     """``(BLOCK, num_warps)`` for a kernel over lanes of tensors of ``dtypes``: the launch
     shape only (each element computes the same, whichever is chosen)."""
-    block = NARROW_BLOCK if all(d.itemsize <= 2 for d in dtypes) else BLOCK
+    del dtypes  # one shape serves every dtype measured so far (see BLOCK)
     block_override, warps_override = _OVERRIDE
     return (
-        int(block_override) if block_override else block,
+        int(block_override) if block_override else BLOCK,
         int(warps_override) if warps_override else NUM_WARPS,
     )
 
@@ -161,8 +160,7 @@ def kernel_source(
         "    lane = tl.load(blk_lane + pid).to(tl.int64)",
         "    start = tl.load(blk_start + pid)",
         "    numel = tl.load(numels + lane)",
-        "    offs = start + tl.arange(0, BLOCK)",
-        "    mask = offs < numel",
+        "    offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)",
         "    first = start == 0",
     ]
     if any(column is not None for column in host.values()):
@@ -172,8 +170,7 @@ def kernel_source(
     for k, dtype in enumerate(dtypes):
         if dtype not in _TL_DTYPES:
             raise KernelError(f"dtype {dtype} of a lane input")
-        tl_type = _TL_DTYPES[dtype]
-        lines.append(f"    p{k} = tl.load({columns[k]}).to(tl.pointer_type({tl_type}))")
+        lines.append(f"    a{k} = tl.load({columns[k]})")
     scalars = _Scalars(program)
     body: list[str] = []
     resolved = op_dtypes(program, lane)
@@ -214,37 +211,69 @@ def kernel_source(
     counters = {
         k: scalars.ref(c, torch.float64) for k, (f, c, _) in rounding.items() if f == "bf16"
     }
-    lines += scalars.lines + body
+    core = body
     for var, k in program.writes:
         if program.input_small[k] and host:
             continue  # written on the host
         if program.input_small[k]:
             j = small_writes.index((var, k))
             value = _convert(f"v{var}", value_dtype[var], torch.float64)
-            lines.append(
+            core.append(
                 f"    tl.store(small_out + lane * {len(small_writes)} + {j}, {value}, mask=first)"
             )
         elif dtypes[k] is torch.uint8:  # int8 state: codes and block scales
             if rounding.get(k, ("",))[0] != "int8":
                 raise KernelError(f"input column {k} (uint8) is written without its scales")
             value = _convert(f"v{var}", value_dtype[var], torch.float32)
-            lines.append(f"    q{k}, scale{k} = _quantize_int8({value}, mask, BLOCK)")
-            lines.append(f"    tl.store(p{k} + offs, q{k}, mask=mask)")
+            core.append(f"    q{k}, scale{k} = _quantize_int8({value}, mask, BLOCK)")
+            core.append(f"    tl.store(p{k} + offs, q{k}, mask=mask)")
             first = f"mask & (offs % {INT8_BLOCK} == 0)"
             target = f"{_scales(k)} + offs // {INT8_BLOCK}"
-            lines.append(f"    tl.store({target}, scale{k}, mask={first})")
+            core.append(f"    tl.store({target}, scale{k}, mask={first})")
         elif k in counters:  # bfloat16 state, stochastically rounded (optkernels.compressed)
             value = _convert(f"v{var}", value_dtype[var], torch.float32)
             mix = rounding[k][2] * 0xC2B2AE3D
             stored = f"_round_bf16_stochastic({value}, offs, {counters[k]}, {mix})"
-            lines.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
+            core.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
         else:
             stored = _store_cast(f"v{var}", value_dtype[var], dtypes[k])
-            lines.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
+            core.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
+    lines += _branches(program, dtypes, scalars.lines, core)
     if small_writes and not host:
         copies = _small_kernel(dtypes, name, small_writes, table_columns(dynamic, "lanes"))
         lines += ["", "", *copies]
     return "\n".join(lines) + "\n"
+
+
+def _branches(
+    program: LaneProgram, dtypes: Sequence[torch.dtype], head: list[str], core: list[str]
+) -> list[str]:
+    """The kernel's body twice: for a whole block whose tensors all start at 16-byte
+    addresses, without a mask and with the addresses' alignment told to Triton (its loads
+    and stores then move 16 bytes per instruction: a 16-bit lane's scalar accesses stay
+    short of the bandwidth floor), and for the rest (a lane's last, partial block, or a
+    tensor at an odd address: a view) with the mask. Each element computes the same either
+    way; only the width of its memory accesses differs."""
+    wide = [k for k in range(len(dtypes)) if not program.input_small[k]]
+    if not wide:
+        pointers = [
+            f"    p{k} = a{k}.to(tl.pointer_type({_TL_DTYPES[d]}))" for k, d in enumerate(dtypes)
+        ]
+        return [*head, *pointers, "    mask = offs < numel", *core]
+    addresses = " | ".join(f"a{k}" for k in wide)
+    out = [*head, f"    if ((({addresses}) & 15) == 0) & (start + BLOCK <= numel):"]
+    for aligned in (True, False):
+        if not aligned:
+            out.append("    else:")
+        for k, dtype in enumerate(dtypes):
+            pointer = f"a{k}.to(tl.pointer_type({_TL_DTYPES[dtype]}))"
+            if aligned and k in wide:
+                pointer = f"tl.multiple_of({pointer}, 16)"
+            out.append(f"        p{k} = {pointer}")
+        mask = "tl.full([BLOCK], 1, tl.int1)" if aligned else "offs < numel"
+        out.append(f"        mask = {mask}")
+        out += ["    " + line for line in core]
+    return out
 
 
 def _scales(k: int) -> str:
