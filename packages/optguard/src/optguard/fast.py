@@ -114,7 +114,12 @@ class FastCheck:
         if self.gather is None:
             self.forget()  # the full gather reads the grads itself
             return full(L)
-        return self.gather(L)
+        inputs = self.gather(L)
+        # The gather takes the grads a check read where one list's grads make up one of its
+        # families; the rest (a family over several param groups' lists) it read itself:
+        # drop those too, or they would live until the next step.
+        self.forget()
+        return inputs
 
     def release(self) -> None:
         """Drop what the last ``inputs`` fetched (see FastGather.release)."""
