@@ -146,7 +146,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     step = make_step(args.variant, model, device)
     gen = torch.Generator(device="cpu").manual_seed(1)
     data = [
-        torch.randint(0, vocab, (args.batch, context + 1), generator=gen).to(device)
+        torch.randint(0, vocab, (args.batch, (args.context or context) + 1), generator=gen).to(
+            device
+        )
         for _ in range(args.warmup + args.iters)
     ]
 
@@ -206,6 +208,8 @@ def run_all(args: argparse.Namespace) -> None:
         for variant in args.variants.split(","):
             command = [sys.executable, __file__, "--variant", variant, "--device", args.device]
             command += ["--config", args.config, "--batch", batch]
+            if args.context:
+                command += ["--context", str(args.context)]
             command += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
             done = subprocess.run(command, capture_output=True, text=True)
             lines = done.stdout.strip().splitlines()
@@ -224,6 +228,7 @@ def run_all(args: argparse.Namespace) -> None:
         "torch": torch.__version__,
         "config": args.config,
         "batches": args.batches,
+        "context": args.context or CONFIGS[args.config][4],
         "warmup": args.warmup,
         "iters": args.iters,
     }
@@ -248,8 +253,9 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
         f"Command: `{meta['command']}`  ",
         f"torch {meta['torch']}, Triton {meta['triton']}, Python {meta['python']}; "
-        f"config {meta['config']}, batches {meta['batches']}, bf16 autocast, fp32 params, "
-        f"AdamW; {meta['warmup']} warm-up iterations, median of {meta['iters']}.",
+        f"config {meta['config']}, batches {meta['batches']} of {meta['context']} tokens, "
+        f"bf16 autocast, fp32 params, AdamW; {meta['warmup']} warm-up iterations, "
+        f"median of {meta['iters']}.",
         "",
         "| batch | variant | iteration ms | first iteration s | peak MiB "
         "| peak - optcompile's MiB | losses (first, last) | notes |",
@@ -299,6 +305,12 @@ def main() -> None:
         default="1,8",
         help="sequences per iteration, one table row set each: with few, the peak is at the "
         "step (gradients and state alive); with many, activations early in backward dominate",
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        help="tokens per sequence (default: the config's context, 1024 for gpt2); shorter "
+        "sequences shrink the activations, so the peak moves to the step",
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
