@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -195,6 +196,72 @@ class ClippedSGD(torch.optim.Optimizer):
             torch._foreach_add_(params, torch._foreach_mul(grads, coef), alpha=-group["lr"])
 
 
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020), per tensor: Adam's bias-corrected update plus weight decay,
+    scaled by the trust ratio ||p|| / ||update|| (1 where either norm is 0). On a sharded
+    param both norms are partial sums that DTensor's rules all-reduce."""
+
+    def __init__(self, params: Any, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.lerp_(p.grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m_hat = m / (1 - beta1 ** state["step"])
+                v_hat = v / (1 - beta2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+                w_norm = torch.linalg.vector_norm(p)
+                u_norm = torch.linalg.vector_norm(update)
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+                p.add_(update * trust, alpha=-group["lr"])
+
+
+class Lars(torch.optim.Optimizer):
+    """LARS (You et al. 2017), foreach: SGD with momentum whose step for each tensor is
+    scaled by the trust ratio eta * ||p|| / (||g|| + weight_decay * ||p||)."""
+
+    def __init__(self, params: Any, lr=0.1, momentum=0.9, weight_decay=1e-4, eta=1e-3):
+        defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "eta": eta}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            bufs = []
+            for p in params:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                bufs.append(state["momentum_buffer"])
+            weight_decay = group["weight_decay"]
+            p_norms = torch._foreach_norm(params)
+            g_norms = torch._foreach_norm(grads)
+            denominators = torch._foreach_add(g_norms, torch._foreach_mul(p_norms, weight_decay))
+            torch._foreach_add_(denominators, 1e-8)
+            trust = torch._foreach_div(torch._foreach_mul(p_norms, group["eta"]), denominators)
+            updates = torch._foreach_add(grads, params, alpha=weight_decay)
+            torch._foreach_mul_(updates, trust)
+            torch._foreach_mul_(bufs, group["momentum"])
+            torch._foreach_add_(bufs, updates)
+            torch._foreach_add_(params, bufs, alpha=-group["lr"])
+
+
 def no_fallback(caught: list[warnings.WarningMessage]) -> None:
     fallbacks = [str(w.message) for w in caught if w.category is optcompile.FallbackWarning]
     assert not fallbacks, fallbacks
@@ -273,6 +340,43 @@ def global_norm_inside_step() -> None:
     assert "all_reduce" in explanation.graph_code, explanation.graph_code
     assert any("all_reduce" in c for c in explanation.collectives), explanation.collectives
     assert "collectives" in str(explanation)
+
+
+def assert_collectives(opt: Any, *kinds: str) -> None:
+    """explain() lists the collectives DTensor's rules put into the graph, each awaited there
+    (a backend hands its result to a kernel: nothing else would wait for it)."""
+    explanation = optcompile.explain(opt)
+    listed = " ".join(explanation.collectives)
+    for kind in kinds:
+        assert kind in listed, (kind, explanation.collectives)
+    calls = re.findall(r"torch\.ops\._c10d_functional\.(\w+)\.default\(", explanation.graph_code)
+    waits = calls.count("wait_tensor")
+    assert waits == len(calls) - waits == len(explanation.collectives), calls
+
+
+def lamb_trust_ratios() -> None:
+    # Per tensor (a for-loop): the norms of a sharded param and of its update are partial
+    # sums; DTensor all-reduces them where its rules say (here before each use of a norm, as
+    # in eager). The state is made in the first step: one retrace, as for plain tensors.
+    _, opt, _, _ = run_pair(Lamb, steps=3)
+    assert traces(opt) == 2, optcompile.explain(opt).retrace_reasons
+    assert_collectives(opt, "all_reduce(sum)")
+
+
+def lars_trust_ratios() -> None:
+    _, opt, _, _ = run_pair(Lars, steps=3)
+    assert traces(opt) == 2, optcompile.explain(opt).retrace_reasons
+    assert_collectives(opt, "all_reduce(sum)")
+
+
+def muon_newton_schulz() -> None:
+    # torch.optim.Muon over the sharded matrices (Shard(0)): its Newton-Schulz matmuls run
+    # through DTensor's matmul rules, which pick the all-gathers and all-reduces.
+    matrices = lambda m: [p for p in m.parameters() if p.dim() == 2]  # noqa: E731
+    make = functools.partial(torch.optim.Muon, lr=1e-2, weight_decay=0.1)
+    _, opt, _, _ = run_pair(make, steps=3, params=matrices)
+    assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
+    assert_collectives(opt, "all_reduce(sum)", "all_gather_into_tensor")
 
 
 def mixed_groups() -> None:
@@ -544,6 +648,9 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         adafactor,
         clip_grad_norm_before_step,
         global_norm_inside_step,
+        lamb_trust_ratios,
+        lars_trust_ratios,
+        muon_newton_schulz,
         mixed_groups,
         checkpoint_interchange,
         checkpoint_reshards_into_a_2d_mesh,

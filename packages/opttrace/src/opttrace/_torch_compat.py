@@ -64,6 +64,7 @@ class OpInfo:
     pointwise: bool
     written: tuple[str, ...]
     view: bool
+    recorded_as: Any = None  # the op the graph holds instead (see _RECORDED_AS), or None
 
 
 _OP_INFO: dict[Any, OpInfo] = {}
@@ -86,8 +87,23 @@ def op_info(func: Any) -> OpInfo:
             else "op"
         )
         pointwise = torch.Tag.pointwise in func.tags
-        info = _OP_INFO[func] = OpInfo(kind, pointwise, written_args(func), is_view(func))
+        recorded_as = _RECORDED_AS.get(name)
+        info = _OP_INFO[func] = OpInfo(
+            kind, pointwise, written_args(func), is_view(func), recorded_as and recorded_as()
+        )
     return info
+
+
+# Functional collectives (what DTensor's redistribution runs) return their result wrapped by
+# ``_wrap_tensor_autograd`` in an AsyncCollectiveTensor, which waits for the collective on its
+# first use. A graph must say where it waits: a backend hands the result to a kernel by
+# address, and no subclass dispatch runs there. Traced (``_maybe_wrap_tensor`` under
+# dynamo), torch records ``wait_tensor`` in its place; the recorder does the same.
+_RECORDED_AS: dict[str, Callable[[], Any]] = {
+    "_c10d_functional::_wrap_tensor_autograd": lambda: (
+        torch.ops._c10d_functional.wait_tensor.default
+    ),
+}
 
 
 @functools.cache

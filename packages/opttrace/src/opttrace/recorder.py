@@ -299,6 +299,8 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             node = self._constant(fresh, fresh=True)
             return self._wrap(node, meta.spec_of(fresh), fresh.device)
         info = compat.op_info(func)
+        if info.recorded_as is not None:
+            func, info = info.recorded_as, compat.op_info(info.recorded_as)
         if info.kind == "foreach":
             return self._foreach(func, args, kwargs, info.written)
         if info.kind == "read":
