@@ -97,3 +97,61 @@ def test_the_kernel_matches_the_torch_backend_on_odd_sizes(foreach):
         TorchPlan(gm)([*copies, 0.1, 0.9])
     for mine, theirs in zip(tensors, copies, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
+def _trust_graph(sizes: list[int], interleaved: bool = False) -> fx.GraphModule:
+    """p = p - 0.1 * sqrt(a_i) / sqrt(b_i) * g per lane, a_i and b_i 0-dim inputs of lane i
+    (a prelude's all-reduced sums of squares), each rooted by an op of its own."""
+    graph = fx.Graph()
+    ps = [_placeholder(graph, f"p{i}", torch.empty(n)) for i, n in enumerate(sizes)]
+    gs = [_placeholder(graph, f"g{i}", torch.empty(n)) for i, n in enumerate(sizes)]
+    a_s = [_placeholder(graph, f"a{i}", torch.empty(())) for i in range(len(sizes))]
+    b_s = [_placeholder(graph, f"b{i}", torch.empty(())) for i in range(len(sizes))]
+    roots: dict[fx.Node, fx.Node] = {}
+    order = [x for pair in zip(a_s, b_s, strict=True) for x in pair] if interleaved else a_s + b_s
+    for x in order:
+        roots[x] = graph.call_function(aten.pow.Tensor_Scalar, (x, 0.5))
+    ratios = graph.call_function(
+        aten._foreach_div.List, ([roots[a] for a in a_s], [roots[b] for b in b_s])
+    )
+    scaled = graph.call_function(aten._foreach_mul.List, (gs, ratios))
+    new_ps = graph.call_function(aten._foreach_add.List, (ps, scaled), {"alpha": -0.1})
+    for i, p in enumerate(ps):
+        graph.call_function(
+            aten.copy_.default, (p, graph.call_function(operator.getitem, (new_ps, i)))
+        )
+    graph.output([])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_per_item_ops_on_inputs_form_an_input_column_lane_by_lane():
+    gm = _trust_graph(SIZES)
+    program = analyze(gm.graph)
+    assert program.lanes == len(SIZES)
+    names = [tuple(n.name for n in column) for column in program.inputs]
+    assert ("a0", "a1", "a2", "a3") in names and ("b0", "b1", "b2", "b3") in names
+    assert [op.op for op in program.ops if op.op != "input"] == ["pow", "pow", "div", "mul", "add"]
+
+
+def test_per_item_ops_on_inputs_out_of_lane_order_are_refused():
+    # a0, b0, a1, b1, ...: the k-th root of its kind is item k, so the lists the foreach ops
+    # take hold items 0, 2, 4, ... of one lane value, which no kernel computes.
+    with pytest.raises(NotLanes, match="different lane values"):
+        analyze(_trust_graph(SIZES, interleaved=True).graph)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+def test_the_kernel_takes_per_item_ops_on_inputs_as_the_torch_backend_does():
+    from optkernels.triton_backend import TritonPlan
+
+    gm = _trust_graph(SIZES)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen) for _ in range(2) for n in SIZES]
+    sums = [torch.rand((), generator=gen) + 0.5 for _ in range(2 * len(SIZES))]
+    copies = [t.clone() for t in tensors]
+    plan = TritonPlan(gm)
+    assert plan.program is not None and plan.kernel_launches_per_step == 1
+    plan([*tensors, *sums])
+    TorchPlan(gm)([*copies, *sums])
+    for mine, theirs in zip(tensors, copies, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)

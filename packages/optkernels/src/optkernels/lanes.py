@@ -164,7 +164,7 @@ def analyze_parts(graph: fx.Graph) -> list[LaneProgram]:
         return [_analyze_per_tensor(graph)]
     programs = []
     for part in _parts(graph):
-        builder = _Builder()
+        builder = _Builder(_lane_count(part))
         for node in graph.nodes:
             if node.op in ("placeholder", "output") or _is_scalar(node) or node in part:
                 builder.visit(node)
@@ -400,15 +400,19 @@ _IGNORED_KWARGS = ("dtype", "device", "layout", "pin_memory", "memory_format", "
 
 
 class _Builder:
-    def __init__(self) -> None:
-        self.lanes: int | None = None
+    def __init__(self, lanes: int) -> None:
+        # (the part's foreach lists tell the lane count before any op is visited: a per-item
+        # op on graph inputs alone needs it to know where its lanes end)
+        self.lanes: int | None = lanes if lanes > 0 else None
         self.program = LaneProgram(lanes=0)
         self.input_index: dict[tuple[fx.Node, ...], int] = {}
         self.value: dict[fx.Node, Any] = {}  # node -> ("lanes", var) | ("scalar", i) | ...
         self.small: dict[int, bool] = {}
         self.copies: dict[fx.Node, tuple[int, int]] = {}  # target placeholder -> (var, lane)
-        # per-item op groups: [key, var, members so far, their recorded result dtypes]
+        # per-item op groups: [key, var, members so far, their recorded result dtypes, the
+        # input columns their graph-input arguments fill, lane by lane]
         self.groups: list[list[Any]] = []
+        self.columns: list[tuple[int, int, list[fx.Node]]] = []  # (input, var, nodes so far)
         self.free: dict[Any, int] = {}  # lane-independent per-item values -> their var
         # quantize node, and the payload it is written to -> (format, counter, salt)
         self.rounded: dict[fx.Node, tuple[str, int, int]] = {}
@@ -501,8 +505,12 @@ class _Builder:
 
     def _per_item(self, node: fx.Node, base: str, overload: str) -> None:
         """A single-tensor op applied to item i of lane lists (``[torch.where(r > 5, ...)
-        for r in rs]``): the K ops of one shape, for i = 0..K-1, form one lane op."""
+        for r in rs]``): the K ops of one shape, for i = 0..K-1, form one lane op. Its graph
+        inputs (a prelude's per-tensor results: ``[n.pow(0.5) for n in all_reduced]``) form
+        an input column lane by lane; an op on such inputs alone is the item after the last
+        one of its kind (the first when that group is complete)."""
         index: set[int] = set()
+        tensors: list[fx.Node] = []
 
         def template(a: Any) -> Any:
             if isinstance(a, fx.Node):
@@ -516,6 +524,9 @@ class _Builder:
                     return v
                 if v[0] == "free":
                     return ("lane", self._free_var(v[1], v[2]))
+                if v[0] == "tensor":
+                    tensors.append(v[1])
+                    return ("column", len(tensors) - 1)
                 raise NotLanes(f"{a.name} ({v[0]}) cannot be an argument of a per-item op")
             if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
                 return ("ignore", a)
@@ -528,24 +539,48 @@ class _Builder:
             (k, template(v)) for k, v in sorted(node.kwargs.items()) if k not in _IGNORED_KWARGS
         )
         key = (_SINGLE[base], overload, args, kwargs)
-        if not index:  # same for every lane (a constant such as scalar_tensor(0.0))
+        if not index and not tensors:  # same for every lane (a constant: scalar_tensor(0.0))
             self.value[node] = ("free", key, _result_dtypes(node))
             return
-        if len(index) != 1:
+        if len(index) > 1:
             raise NotLanes(f"{node.name} mixes items of different lanes")
-        (i,) = index
+        i = index.pop() if index else self._next_item(key)
         if i == 0:
-            var = self._emit(key)
-            self.groups.append([key, var, 1, [_result_dtypes(node)]])
+            columns = [self._column(t) for t in tensors]
+            var = self._emit(_with_columns(key, [c[0] for c in columns]))
+            self.groups.append([key, var, 1, [_result_dtypes(node)], [c[1] for c in columns]])
             self.value[node] = ("peritem", var, 0)
             return
         for group in reversed(self.groups):
             if group[0] == key and group[2] == i:
                 group[2] += 1
                 group[3].append(_result_dtypes(node))
+                for column, tensor in zip(group[4], tensors, strict=True):
+                    column.append(tensor)
                 self.value[node] = ("peritem", group[1], i)
                 return
         raise NotLanes(f"{node.name}: per-item ops are not the same for every lane")
+
+    def _next_item(self, key: Any) -> int:
+        for group in reversed(self.groups):
+            if group[0] == key:
+                return int(group[2]) if group[2] != self.lanes else 0
+        return 0
+
+    def _column(self, first: fx.Node) -> tuple[int, list[fx.Node]]:
+        """A new input column whose lane 0 is ``first``; the group's later items fill it
+        (``finish`` checks that they do, for every lane)."""
+        small = first.meta["val"].dim() == 0
+        var = self.program.num_vars
+        self.program.num_vars += 1
+        self.small[var] = small
+        index = len(self.program.inputs)
+        self.program.inputs.append(())
+        self.program.input_small.append(small)
+        self.program.ops.append(LaneOp(var, "input", "", (index,), (), small))
+        nodes = [first]
+        self.columns.append((index, var, nodes))
+        return var, nodes
 
     def _emit(self, key: Any, dtypes: tuple[torch.dtype, ...] = ()) -> int:
         op, overload, args, kwargs = key
@@ -625,11 +660,16 @@ class _Builder:
             raise NotLanes("the graph has no foreach ops")
         program = self.program
         program.lanes = self.lanes
-        if any(members != self.lanes for _, _, members, _ in self.groups):
+        if any(group[2] != self.lanes for group in self.groups):
             raise NotLanes("a per-item op is applied to only some lanes")
+        for index, var, filled in self.columns:
+            if program.input_small[index] and any(n.meta["val"].dim() for n in filled):
+                raise NotLanes("a per-item op takes 0-dim inputs in some lanes only")
+            program.inputs[index] = tuple(filled)
+            self.input_index.setdefault(tuple(filled), var)
         # A per-item op's lanes are separate nodes: their recorded dtypes, lane by lane.
         position = {op.out: j for j, op in enumerate(program.ops)}
-        for _, var, _, recorded in self.groups:
+        for _, var, _, recorded, _ in self.groups:
             if all(len(d) == 1 for d in recorded):
                 j = position[var]
                 program.ops[j] = replace(program.ops[j], dtypes=tuple(d[0] for d in recorded))
@@ -666,6 +706,16 @@ class _Builder:
             raise NotLanes("a write-back target is not part of a lane list")
         _check_numels(program)
         return program
+
+
+def _with_columns(key: Any, column_vars: list[int]) -> Any:
+    """A per-item op's key with its ("column", k) arguments read from the k-th column."""
+
+    def fill(a: Any) -> Any:
+        return ("lane", column_vars[a[1]]) if isinstance(a, tuple) and a[:1] == ("column",) else a
+
+    op, overload, args, kwargs = key
+    return op, overload, tuple(fill(a) for a in args), tuple((k, fill(v)) for k, v in kwargs)
 
 
 def _check_numels(program: LaneProgram) -> None:
