@@ -214,7 +214,7 @@ class Lamb(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.zeros((), device=p.device)
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
@@ -636,6 +636,22 @@ def triton_backend_fuses_like_plain() -> None:
     assert prelude.startswith("# partly fused") and "all_reduce" in prelude, code[:800]
     kernels = [line for line in code.splitlines() if line.startswith("def foreach_")]
     assert len(kernels) == 1, kernels
+    # Trust ratios, per tensor (LARS foreach, LAMB for-loop): each tensor's norms and
+    # DTensor's all-reduces of them run in the prelude, each awaited there before the kernel
+    # reads it (a kernel takes the result by address); what follows them is one kernel.
+    for make in (Lars, Lamb):
+        optcompile.reset()
+        model, ref = sharded_model(), sharded_model()
+        opt = optcompile.compile(make(model.parameters()), backend="triton")
+        eager = make(ref.parameters())
+        step_pair(model, opt, ref, eager, 2)
+        assert_same(model, opt, ref, eager)
+        assert_collectives(opt, "all_reduce(sum)")
+        code = optcompile.explain(opt).graph_code
+        prelude = code.split("\n", 3)[2]
+        assert prelude.startswith("# partly fused") and "wait_tensor" in prelude, code[:800]
+        kernels = [line for line in code.splitlines() if line.startswith("def foreach_")]
+        assert len([k for k in kernels if "_small(" not in k]) == 1, kernels
 
 
 SCENARIOS: dict[str, Callable[..., None]] = {

@@ -17,7 +17,7 @@ import optcompile
 import pytest
 import torch
 import torch.distributed as dist
-from dtensor_scenarios import Lion, Tiny, assert_same, copy_grads, local
+from dtensor_scenarios import Lamb, Lars, Lion, Tiny, assert_same, copy_grads, local
 from torch import nn
 
 DEVICE, BACKEND = "cuda", "nccl"
@@ -36,6 +36,9 @@ OPTIMIZERS: dict[str, tuple[Callable[[list[Any]], torch.optim.Optimizer], int]] 
     "AdamW capturable": (lambda ps: optim.AdamW(ps, lr=1e-2, capturable=True), 1),
     "SGD momentum": (lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), 2),
     "Lion": (lambda ps: Lion(ps, lr=1e-3), 2),
+    # Trust ratios: the norms run before the kernel (on one rank DTensor all-reduces nothing)
+    "LAMB": (lambda ps: Lamb(ps), 2),
+    "LARS": (lambda ps: Lars(ps), 2),
 }
 
 

@@ -303,9 +303,9 @@ def _explain(compiled: Compiled, verbose: bool) -> Explanation:
     )
 
 
-# Functional-collective ops that move no data between ranks: the wait for a result, and
-# the autograd wrapper a collective's output gets.
-_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
+# The functional-collective op that moves no data between ranks: the wait for a result
+# (the tracer records it where funcol wraps a result to be awaited on its first use).
+_NOT_COLLECTIVES = ("wait_tensor",)
 
 
 def _collectives(graph: Any) -> list[str]:
