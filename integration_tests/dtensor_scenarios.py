@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import re
+import subprocess
 import sys
 import traceback
 import warnings
@@ -676,6 +677,31 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         triton_backend_fuses_like_plain,
     )
 }
+
+
+def spawn_ranks(script: str, world_size: int, out: str) -> list[dict[str, str]]:
+    """Run ``script rank world_size out`` in one process per rank; each rank's results, as
+    its ``main`` wrote them to ``<out>/rank<r>.json``."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), str(world_size), out],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    found = []
+    for rank in range(world_size):
+        path = os.path.join(out, f"rank{rank}.json")
+        assert os.path.exists(path), f"rank {rank} exited with {codes[rank]} and no results"
+        with open(path) as f:
+            found.append(json.load(f))
+    return found
 
 
 def main(rank: int, world_size: int, out: str) -> None:

@@ -9,10 +9,7 @@ the trace count, and no FallbackWarning.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import dtensor_scenarios
 import pytest
@@ -29,27 +26,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     out = str(tmp_path_factory.mktemp("dtensor"))
-    script = dtensor_scenarios.__file__
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(rank), str(WORLD_SIZE), out],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for rank in range(WORLD_SIZE)
-    ]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    found = []
-    for rank in range(WORLD_SIZE):
-        path = os.path.join(out, f"rank{rank}.json")
-        assert os.path.exists(path), f"rank {rank} exited with {codes[rank]} and no results"
-        with open(path) as f:
-            found.append(json.load(f))
-    return found
+    return dtensor_scenarios.spawn_ranks(dtensor_scenarios.__file__, WORLD_SIZE, out)
 
 
 @pytest.mark.parametrize("scenario", list(dtensor_scenarios.SCENARIOS))

@@ -5,7 +5,10 @@ The compiled step with the defaults (backend "auto": Triton kernels, CUDA graphs
 fresh DTensor gradients from a real backward each step; it matches eager (every param and
 state shard, within the Triton backend's float rounding as in test_triton_backend.py), traces
 as often as the plain compiled step, and launches what the plain compiled step launches over
-the same local shards (which it also matches).
+the same local shards (which it also matches). On two GPUs, steps with reductions (LAMB,
+LARS, a global norm, Muon) over NCCL, world size 2, in spawned processes
+(dtensor_cuda_scenarios.py): DTensor's collectives in the graph, each awaited there before a
+kernel reads its result; parity with eager.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import dtensor_cuda_scenarios
+import dtensor_scenarios
 import optcompile
 import pytest
 import torch
@@ -94,3 +99,19 @@ def test_sharded_step_on_the_device_matches_eager_and_launches_like_the_plain_st
     assert "@triton.jit" in sharded.graph_code
     assert sharded.kernel_launches_per_step == flat.kernel_launches_per_step
     assert not sharded.collectives
+
+
+@pytest.fixture(scope="module")
+def two_gpu_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    out = str(tmp_path_factory.mktemp("dtensor_cuda"))
+    return dtensor_scenarios.spawn_ranks(dtensor_cuda_scenarios.__file__, 2, out)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("name", sorted(dtensor_cuda_scenarios.OPTIMIZERS))
+def test_steps_with_reductions_over_two_gpus_match_eager(
+    two_gpu_results: list[dict[str, str]], name: str
+) -> None:
+    for rank, by_name in enumerate(two_gpu_results):
+        outcome = by_name.get(name, "did not run")
+        assert outcome == "ok", f"rank {rank}:\n{outcome}"
