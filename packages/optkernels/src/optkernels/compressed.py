@@ -110,7 +110,14 @@ def round_bf16_stochastic(x: torch.Tensor, counter: int, salt: int) -> torch.Ten
 
 
 def quantize_int8(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as an int8 payload (see the module docstring)."""
+    """``x`` as an int8 payload (see the module docstring).
+
+    Each step is one float32 operation that the fused kernel (``_quantize_int8`` in
+    foreach_kernel.py) performs the same way, so both give the same bits: a block's scale
+    is its largest magnitude; an element's ratio to it is ``x * (1 / absmax)`` (one division
+    per block, not per element); its code is the ratio's root, scaled and added to
+    ``2**23 + zero_code``, where float32's ulp is 1, so the add rounds it to the nearest
+    code (ties to even) and the code is the sum's low 8 bits (no float-to-int conversion)."""
     flat = x.detach().reshape(-1).to(torch.float32)
     n = flat.numel()
     blocks = -(-n // BLOCK)
@@ -119,17 +126,20 @@ def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     rows = padded.view(blocks, BLOCK)
     absmax = rows.abs().amax(dim=1)
     unsigned = (rows >= 0).all(dim=1) | torch.isnan(absmax)
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
-    ratio = (rows / safe).clamp(-1.0, 1.0)
-    # (each step as the fused kernel computes it: _quantize_int8 in foreach_kernel.py)
-    root = _root(ratio.abs(), SIGNED_POWER)
-    signed_codes = torch.floor(torch.where(ratio < 0, -root, root) * 127.0 + 128.0 + 0.5)
-    unsigned_codes = torch.floor(_root(ratio.clamp(min=0.0), UNSIGNED_POWER) * 255.0 + 0.5)
+    inverse = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))[:, None]
+    ratio = rows * inverse
+    magnitude = torch.where(
+        unsigned[:, None], _root(ratio.abs(), UNSIGNED_POWER), _root(ratio.abs(), SIGNED_POWER)
+    )
+    root = torch.copysign(magnitude, ratio)
+    levels, zero = _map_constants(unsigned[:, None])
+    biased = root * levels + (zero + 2.0**23)
     # A positive value never reads back as 0: a second moment read as 0 would make Adam's
     # update m / eps (a step thousands of times too large); the smallest code overstates
-    # it instead, which only shrinks that element's update.
-    unsigned_codes = torch.where(ratio > 0, unsigned_codes.clamp(min=1.0), unsigned_codes)
-    codes = torch.where(unsigned[:, None], unsigned_codes, signed_codes).to(torch.uint8)
+    # it instead, which only shrinks that element's update. (In a block of the signed map
+    # a positive value's code is at least 128 already.)
+    biased = torch.maximum(biased, torch.where(rows > 0, 2.0**23 + 1, 0.0))
+    codes = (biased.view(torch.int32) & 0xFF).to(torch.uint8)
     scales = torch.where(unsigned, -absmax, absmax)  # the sign bit flags the map
     out = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
     out[: blocks * BLOCK] = codes.view(-1)
@@ -137,27 +147,38 @@ def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _map_constants(unsigned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, the codes from zero to the largest magnitude (255 unsigned, 127 signed)
+    and the code of zero (0, 128)."""
+    levels = torch.where(unsigned, 255.0, 127.0)
+    return levels, torch.where(unsigned, 0.0, 128.0)
+
+
 def _root(x: torch.Tensor, power: int) -> torch.Tensor:
     return x.sqrt() if power == 2 else x ** (1.0 / power)
 
 
+def _power(d: torch.Tensor, power: int) -> torch.Tensor:
+    """``sign(d) * |d| ** power`` (for power 2 exactly ``d * |d|``, as the kernel has it)."""
+    return d * d.abs() if power == 2 else d.sign() * d.abs() ** power
+
+
 def dequantize_int8(payload: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """The values an int8 payload stores, as a tensor of ``shape`` and ``dtype``."""
+    """The values an int8 payload stores, as a tensor of ``shape`` and ``dtype``: with
+    ``d = code - zero_code``, ``d * |d| * (absmax / levels**2)`` (``d * |d|`` is exact, so
+    the value is rounded once; the fused kernel's ``_dequantize_int8`` computes the same
+    bits)."""
     n = _numel(shape)
     blocks = -(-n // BLOCK)
     codes = payload[: blocks * BLOCK].view(blocks, BLOCK).to(torch.float32)
     scales = payload[blocks * BLOCK :].view(torch.float32)
     unsigned = torch.signbit(scales)[:, None]
-    absmax = scales.abs()[:, None]
-    centered = (codes - 128.0) * (1.0 / 127.0)
-    if SIGNED_POWER == 2:
-        signed = centered * centered.abs()
-    else:
-        signed = centered.sign() * centered.abs() ** SIGNED_POWER
-    fraction = codes * (1.0 / 255.0)
-    positive = fraction * fraction if UNSIGNED_POWER == 2 else fraction**UNSIGNED_POWER
-    level = torch.where(unsigned, positive, signed)
-    return (level * absmax).reshape(-1)[:n].reshape(shape).to(dtype)
+    levels, zero = _map_constants(unsigned)
+    centered = codes - zero
+    power = torch.where(unsigned, _power(centered, UNSIGNED_POWER), _power(centered, SIGNED_POWER))
+    largest = torch.where(unsigned, levels**UNSIGNED_POWER, levels**SIGNED_POWER)
+    step = scales.abs()[:, None] / largest
+    return (power * step).reshape(-1)[:n].reshape(shape).to(dtype)
 
 
 @torch.library.custom_op(

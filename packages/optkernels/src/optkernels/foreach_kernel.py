@@ -35,6 +35,12 @@ NUM_WARPS = 4  # warps per program instance (Triton's default): 8 elements per t
 # bytes per access of a 16-bit lane in the aligned branch (see _branches). Measured on an H100
 # (benchmarks/results/kernel_tuning_h100.md): with that branch, 1024 by 4 is the fastest for
 # bfloat16 and float32 lanes alike (512 by 4 was, for 16-bit lanes, before it).
+# Lanes of int8 state: one int8 block (256 elements) by one warp, so the block's absmax is
+# reduced by shuffles within the warp and its scale is one number. At 1024 by 4 warps the
+# four blocks of a program each spanned all four warps (reduced through shared memory with
+# barriers), every element loaded its block's scale, and the kernel needed 196 registers
+# against 147 here (sm_90): GPT-2's AdamW step took 4.35x its floor.
+INT8_BLOCK_WARPS = INT8_BLOCK, 1
 # Experiments (benchmarks/tune_kernels.py) override both, for every lane, at import.
 _OVERRIDE = os.environ.get("OPTKERNELS_BLOCK"), os.environ.get("OPTKERNELS_NUM_WARPS")
 
@@ -42,11 +48,11 @@ _OVERRIDE = os.environ.get("OPTKERNELS_BLOCK"), os.environ.get("OPTKERNELS_NUM_W
 def launch_config(dtypes: Sequence[torch.dtype]) -> tuple[int, int]:
     """``(BLOCK, num_warps)`` for a kernel over lanes of tensors of ``dtypes``: the launch
     shape only (each element computes the same, whichever is chosen)."""
-    del dtypes  # one shape serves every dtype measured so far (see BLOCK)
+    block, warps = INT8_BLOCK_WARPS if torch.uint8 in dtypes else (BLOCK, NUM_WARPS)
     block_override, warps_override = _OVERRIDE
     return (
-        int(block_override) if block_override else BLOCK,
-        int(warps_override) if warps_override else NUM_WARPS,
+        int(block_override) if block_override else block,
+        int(warps_override) if warps_override else warps,
     )
 
 
@@ -191,13 +197,9 @@ def kernel_source(
             continue
         if op.op == "input" and dtypes[op.args[0]] is torch.uint8:
             k = op.args[0]  # int8 state: the codes, and the scale of each one's block
-            dtype, expr = (
-                torch.float32,
-                (
-                    f"_dequantize_int8(tl.load(p{k} + offs, mask=mask, other=0), "
-                    f"tl.load({_scales(k)} + offs // {INT8_BLOCK}, mask=mask, other=0.0))"
-                ),
-            )
+            scale = f"_int8_scale({_scales(k)}, offs, start, mask, BLOCK)"
+            load = f"tl.load(p{k} + offs, mask=mask, other=0)"
+            dtype, expr = torch.float32, f"_dequantize_int8({load}, {scale})"
         elif op.op == "input":
             dtype = dtypes[op.args[0]]
             expr = _load(op, dtype)
@@ -225,11 +227,8 @@ def kernel_source(
             if rounding.get(k, ("",))[0] != "int8":
                 raise KernelError(f"input column {k} (uint8) is written without its scales")
             value = _convert(f"v{var}", value_dtype[var], torch.float32)
-            core.append(f"    q{k}, scale{k} = _quantize_int8({value}, mask, BLOCK)")
-            core.append(f"    tl.store(p{k} + offs, q{k}, mask=mask)")
-            first = f"mask & (offs % {INT8_BLOCK} == 0)"
-            target = f"{_scales(k)} + offs // {INT8_BLOCK}"
-            core.append(f"    tl.store({target}, scale{k}, mask={first})")
+            args = f"p{k}, {_scales(k)}, {value}, offs, start, mask, BLOCK"
+            core.append(f"    _store_int8({args})")
         elif k in counters:  # bfloat16 state, stochastically rounded (optkernels.compressed)
             value = _convert(f"v{var}", value_dtype[var], torch.float32)
             mix = rounding[k][2] * 0xC2B2AE3D
@@ -531,51 +530,80 @@ import triton.language as tl
 
 
 @triton.jit
-def _dequantize_int8(code, scale):
-    # optkernels.compressed.dequantize_int8 (maps of power 2), step by step
-    c = code.to(tl.float32)
-    centered = (c - 128.0) * (1.0 / 127.0)
-    fraction = c * (1.0 / 255.0)
-    unsigned = scale.to(tl.int32, bitcast=True) < 0
-    return tl.where(unsigned, fraction * fraction, centered * tl.abs(centered)) * tl.abs(scale)
+def _int8_scale(scales, offs, start, mask, BLOCK: tl.constexpr):
+    # The scale of each element's block: one number when the kernel block is one int8 block
+    if BLOCK == 256:
+        return tl.load(scales + start // 256)
+    else:
+        return tl.load(scales + offs // 256, mask=mask, other=0.0)
 
 
 @triton.jit
-def _quantize_int8(x, mask, BLOCK: tl.constexpr):
-    # optkernels.compressed.quantize_int8 over the 256-element blocks of this kernel block
-    a = tl.where(mask, tl.abs(x), 0.0)
-    neg = tl.where(mask & (x < 0), 1, 0)
-    absmax = tl.max(tl.reshape(a, (BLOCK // 256, 256)), axis=1)
-    any_neg = tl.max(tl.reshape(neg, (BLOCK // 256, 256)), axis=1)
-    absmax = tl.reshape(tl.broadcast_to(absmax[:, None], (BLOCK // 256, 256)), (BLOCK,))
-    any_neg = tl.reshape(tl.broadcast_to(any_neg[:, None], (BLOCK // 256, 256)), (BLOCK,))
-    unsigned = any_neg == 0
-    safe = tl.where(absmax > 0, absmax, 1.0)
-    ratio = tl.minimum(tl.maximum(tl.div_rn(tl.where(mask, x, 0.0), safe), -1.0), 1.0)
-    root = tl.sqrt_rn(tl.abs(ratio))
-    signed = tl.floor(tl.where(ratio < 0, -root, root) * 127.0 + 128.0 + 0.5)
-    positive = tl.floor(tl.sqrt_rn(tl.maximum(ratio, 0.0)) * 255.0 + 0.5)
-    positive = tl.where(ratio > 0, tl.maximum(positive, 1.0), positive)
-    code = tl.where(unsigned, positive, signed)
-    return code.to(tl.uint8), tl.where(unsigned, -absmax, absmax)
+def _dequantize_int8(code, scale):
+    # optkernels.compressed.dequantize_int8 (maps of power 2), step by step: d * |d| * step,
+    # d the code less the map's zero code: the code's bits under 2**23's exponent make
+    # 2**23 + code, an exact float32, without an int-to-float conversion
+    unsigned = scale.to(tl.int32, bitcast=True) < 0
+    step = tl.div_rn(tl.abs(scale), tl.where(unsigned, 65025.0, 16129.0))
+    biased = (code.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+    d = biased - tl.where(unsigned, 8388608.0, 8388736.0)
+    return d * tl.abs(d) * step
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _store_int8(codes, scales, x, offs, start, mask, BLOCK: tl.constexpr):
+    # optkernels.compressed.quantize_int8 (maps of power 2), step by step. One int8 block
+    # per kernel block (BLOCK == 256, one warp: launch_config) reduces within a warp and
+    # stores one scale; wider kernel blocks reduce each 256-element row.
+    xm = tl.where(mask, x, 0.0)
+    if BLOCK == 256:
+        absmax = tl.reduce(tl.abs(xm), 0, _max_nan)
+        low = tl.min(xm, 0)
+    else:
+        rows = tl.reshape(xm, (BLOCK // 256, 256))
+        absmax = tl.reduce(tl.abs(rows), 1, _max_nan)[:, None]
+        low = tl.min(rows, 1)[:, None]
+        absmax = tl.reshape(tl.broadcast_to(absmax, (BLOCK // 256, 256)), (BLOCK,))
+        low = tl.reshape(tl.broadcast_to(low, (BLOCK // 256, 256)), (BLOCK,))
+    unsigned = (low >= 0) | (absmax != absmax)
+    inverse = tl.where(absmax > 0, tl.div_rn(1.0, absmax), 0.0)
+    ratio = x * inverse
+    root = tl.sqrt(tl.abs(ratio))
+    sign = ratio.to(tl.uint32, bitcast=True) & 0x80000000
+    root = (root.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    # 2**23 + zero code + the scaled root: float32's ulp there is 1, so the add rounds to
+    # the nearest code and the code is the low 8 bits (no float-to-int conversion)
+    biased = root * tl.where(unsigned, 255.0, 127.0) + tl.where(unsigned, 8388608.0, 8388736.0)
+    biased = tl.maximum(biased, tl.where(x > 0, 8388609.0, 0.0))  # positive: a code >= 1
+    code = (biased.to(tl.int32, bitcast=True) & 0xFF).to(tl.uint8)
+    tl.store(codes + offs, code, mask=mask)
+    scale = tl.where(unsigned, -absmax, absmax)  # the sign bit flags the map
+    if BLOCK == 256:
+        tl.store(scales + start // 256, scale)
+    else:
+        tl.store(scales + offs // 256, scale, mask=mask & (offs % 256 == 0))
 
 
 @triton.jit
 def _round_bf16_stochastic(x, offs, counter, salt_mix):
-    # optkernels.compressed.round_bf16_stochastic: the same int64 arithmetic, masked to 32 bits
-    seed = (counter.to(tl.int64) * 0x85EBCA77 + salt_mix) & 0xFFFFFFFF
-    h = (offs.to(tl.int64) * 0x9E3779B1 + seed) & 0xFFFFFFFF
+    # optkernels.compressed.round_bf16_stochastic in uint32 arithmetic (which wraps as the
+    # reference's masked int64 does); the seed is one number, in int64 as the reference's
+    seed = ((counter.to(tl.int64) * 0x85EBCA77 + salt_mix) & 0xFFFFFFFF).to(tl.uint32)
+    h = offs.to(tl.uint32) * 0x9E3779B1 + seed
     h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h * 0x85EBCA6B
     h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h = h * 0xC2B2AE35
     h = h ^ (h >> 16)
-    bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    r = (bits + (h & 0xFFFF)) & 0xFFFF0000
-    r = tl.where(r >= 0x80000000, r - 0x100000000, r)
-    y = r.to(tl.int32).to(tl.float32, bitcast=True)
-    finite = (x == x) & (tl.abs(x) != float("inf"))
-    return tl.where(finite, y, x).to(tl.bfloat16)
+    bits = x.to(tl.uint32, bitcast=True)
+    y = ((bits + (h & 0xFFFF)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    # (an infinity's 16 low bits are 0: adding fewer than 2**16 leaves it as it is)
+    return tl.where(x == x, y, x).to(tl.bfloat16)
 
 
 @triton.jit
