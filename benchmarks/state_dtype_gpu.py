@@ -6,7 +6,10 @@ GPT-2 124M parameter shapes (148 tensors, float32 params), AdamW (lr 1e-3, weigh
 - ``bf16``, ``int8``: optcompile with ``state_dtype=torch.bfloat16`` / ``"int8"``;
 - ``fused``: torch's ``AdamW(fused=True)`` with fp32 state;
 - ``torchao-8bit``: ``torchao.optim.AdamW8bit`` (blockwise 8-bit, block 256) when
-  torchao is importable.
+  torchao is importable;
+- ``bf16-before``, ``int8-before``: the same with the kernels' conversions as they were
+  before the int8 rework (``state_dtype_before.py``), measured in the same run;
+- ``int8@BxW``: today's int8 kernel launched B elements by W warps (default 256x1).
 
 The floor of each: the bytes it must move over the copy bandwidth measured in the same run
 (step_time.copy_bandwidth). Per parameter element AdamW reads p, g, m, v and writes p, m, v:
@@ -18,17 +21,18 @@ are counted so. Reported per variant: median step time, its floor, the ratio, st
 kernel launches per step (explain()) and what explain() says about fusion. The issue's
 targets: int8 <= 1.10x its floor and faster than the fp32 step.
 
-Then, on fresh copies, 20 steps of fp32, bf16 and int8 (the same grads every step): the
-largest difference of a compressed run's params from the fp32 run's.
+Then, on fresh copies, 20 steps of fp32, bf16 and int8 (the same grads every step; the first
+when built): the largest difference of a compressed run's params from the fp32 run's.
 
-Usage (GPU machine, from the repository root):
+Usage (GPU machine, from the repository root; about a minute):
   PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') python benchmarks/state_dtype_gpu.py \\
-      [--json /tmp/state_dtype.json]
+      [--json /tmp/state_dtype.json] [--variants fp32,int8-before,int8]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -40,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from guard_check import gpt2_shapes
+from state_dtype_before import kernels_before, launch_shape
 from step_time import copy_bandwidth, time_per_step
 
 MIN_NUMEL = 4096
@@ -50,6 +55,12 @@ STATE_BYTES = {
     "int8": 1 + 4 / 256,
     "torchao-8bit": 1 + 4 / 256,
 }
+VARIANTS = "fp32,bf16-before,bf16,int8-before,int8,int8@512x1,fused,torchao-8bit"
+
+
+def _format(variant: str) -> str:
+    """The state format of a variant: ``int8-before`` and ``int8@512x1`` are int8."""
+    return variant.split("@")[0].removesuffix("-before")
 
 
 def make_params(device: str, tiny: bool = False) -> list[torch.nn.Parameter]:
@@ -66,7 +77,7 @@ def floor_bytes(variant: str, params: list[torch.nn.Parameter]) -> float:
     total = 0.0
     for p in params:
         n = p.numel()
-        state = STATE_BYTES[variant] if n >= MIN_NUMEL else 4.0
+        state = STATE_BYTES[_format(variant)] if n >= MIN_NUMEL else 4.0
         total += n * (3 * 4 + 2 * 2 * state)  # p read+write, g read; m, v read+write
     return total
 
@@ -104,8 +115,17 @@ def build(
 
         opt = AdamW8bit(copies, **options)
     else:
-        dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[variant]
+        dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[_format(variant)]
         opt = optcompile.compile(torch.optim.AdamW(copies, **options), state_dtype=dtype)
+        if variant.endswith("-before"):
+            context = kernels_before()
+        elif "@" in variant:
+            block, warps = variant.split("@")[1].split("x")
+            context = launch_shape(int(block), int(warps))
+        else:
+            context = contextlib.nullcontext()
+        with context:  # the step compiles its kernels when it first runs
+            opt.step()
     return opt, opt.step
 
 
@@ -121,7 +141,7 @@ def _params_after(opt: torch.optim.Optimizer, steps: int) -> list[torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here too")
-    parser.add_argument("--variants", default="fp32,bf16,int8,fused,torchao-8bit")
+    parser.add_argument("--variants", default=VARIANTS)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (--tiny shapes)")
     parser.add_argument("--tiny", action="store_true", help="six small tensors, not GPT-2")
     args = parser.parse_args()
@@ -146,7 +166,7 @@ def main() -> None:
             "ratio": seconds / floor,
             "state_MiB": state_bytes(opt) / 2**20,
         }
-        if variant in ("fp32", "bf16", "int8"):
+        if _format(variant) in ("fp32", "bf16", "int8"):
             explanation = optcompile.explain(opt)
             row["launches"] = explanation.kernel_launches_per_step
             row["cudagraphs"] = explanation.cudagraphs
@@ -169,9 +189,17 @@ def main() -> None:
             f"{r['variant']:<14}{r['step_us']:>10.1f}{r['floor_us']:>10.1f}{r['ratio']:>8.2f}"
             f"{r['state_MiB']:>11.1f}  {r.get('launches', '')} {r.get('fusion', '')}"
         )
-    reference = _params_after(build("fp32", params)[0], DRIFT_STEPS)
+    for new in ("bf16", "int8"):
+        by_variant = {r["variant"]: r for r in rows}
+        if new in by_variant and f"{new}-before" in by_variant:
+            a, b = by_variant[f"{new}-before"], by_variant[new]
+            print(
+                f"{new} state: {a['step_us']:.1f} us ({a['ratio']:.2f}x its floor) before, "
+                f"{b['step_us']:.1f} us ({b['ratio']:.2f}x) now; floor {b['floor_us']:.1f} us"
+            )
+    reference = _params_after(build("fp32", params)[0], DRIFT_STEPS - 1)
     for variant in ("bf16", "int8"):
-        got = _params_after(build(variant, params)[0], DRIFT_STEPS)
+        got = _params_after(build(variant, params)[0], DRIFT_STEPS - 1)
         diff = max((a - b).abs().max().item() for a, b in zip(got, reference, strict=True))
         print(f"{variant}: max |param - fp32 state's param| after {DRIFT_STEPS} steps: {diff:.3g}")
     if args.json:

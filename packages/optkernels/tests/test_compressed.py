@@ -204,13 +204,23 @@ def _foreach_momentum_graph(sizes: list[int]) -> fx.GraphModule:
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
 )
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize(
+    ("fmt", "config"),
+    [("bf16", None), ("int8", None), ("int8", ("512", "1")), ("int8", ("1024", "4"))],
+    ids=str,
+)
 def test_triton_kernel_converts_state_where_it_loads_and_stores_it_as_the_reference(
-    fmt: str,
+    fmt: str, config: tuple[str, str] | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """int8 lanes run one int8 block by one warp (the default); a wider launch shape (two
+    blocks by one warp, four by four warps) reduces each block's row and gives the same
+    bits."""
+    from optkernels import foreach_kernel
     from optkernels.triton_backend import TritonPlan
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if config is not None:
+        monkeypatch.setattr(foreach_kernel, "_OVERRIDE", config)
 
     sizes = [300, 1500, 7]  # the last stays float32 (a small tensor)
     compressed = {6: Compressed(fmt, torch.float32, 5), 7: Compressed(fmt, torch.float32, 5)}
@@ -225,6 +235,9 @@ def test_triton_kernel_converts_state_where_it_loads_and_stores_it_as_the_refere
     inputs = [t.to(device) for t in (*ps, *gs, *payloads, bufs[2])] + counter
     plan = TritonPlan(gm)
     assert plan.parts and plan.split is None, plan.reason  # fully fused
+    if fmt == "int8":
+        blocks = {(g.block, g.num_warps) for g in plan.parts[0].groups if torch.uint8 in g.dtypes}
+        assert blocks == {tuple(map(int, config)) if config else (BLOCK, 1)}
     fused = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
     reference = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
     plan(fused)

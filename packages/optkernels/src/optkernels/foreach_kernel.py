@@ -571,7 +571,8 @@ def _store_int8(codes, scales, x, offs, start, mask, BLOCK: tl.constexpr):
         absmax = tl.reshape(tl.broadcast_to(absmax, (BLOCK // 256, 256)), (BLOCK,))
         low = tl.reshape(tl.broadcast_to(low, (BLOCK // 256, 256)), (BLOCK,))
     unsigned = (low >= 0) | (absmax != absmax)
-    inverse = tl.where(absmax > 0, tl.div_rn(1.0, absmax), 0.0)
+    nonzero = absmax > 0
+    inverse = tl.where(nonzero, tl.div_rn(1.0, tl.where(nonzero, absmax, 1.0)), 0.0)
     ratio = x * inverse
     root = tl.sqrt(tl.abs(ratio))
     sign = ratio.to(tl.uint32, bitcast=True) & 0x80000000
