@@ -261,18 +261,28 @@ def _branches(
         return [*head, *pointers, "    mask = offs < numel", *core]
     addresses = " | ".join(f"a{k}" for k in wide)
     out = [*head, f"    if ((({addresses}) & 15) == 0) & (start + BLOCK <= numel):"]
+    # Every input is told the alignment of as many elements as 16 bytes of the widest hold,
+    # so all access the same elements per thread: told 16 bytes, a narrower input (bf16 or
+    # int8 state beside float32 params) would get wider vectors in another layout, and
+    # Triton would convert between the two through shared memory with barriers.
+    vector = 16 // max(_itemsize(dtypes[k]) for k in wide)
     for aligned in (True, False):
         if not aligned:
             out.append("    else:")
         for k, dtype in enumerate(dtypes):
             pointer = f"a{k}.to(tl.pointer_type({_TL_DTYPES[dtype]}))"
             if aligned and k in wide:
-                pointer = f"tl.multiple_of({pointer}, 16)"
+                pointer = f"tl.multiple_of({pointer}, {vector * _itemsize(dtype)})"
             out.append(f"        p{k} = {pointer}")
         mask = "tl.full([BLOCK], 1, tl.int1)" if aligned else "offs < numel"
         out.append(f"        mask = {mask}")
         out += ["    " + line for line in core]
     return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element as the kernel stores it (a bool mask: one byte)."""
+    return 1 if dtype is torch.bool else dtype.itemsize
 
 
 def _scales(k: int) -> str:
