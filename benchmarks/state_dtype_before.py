@@ -1,8 +1,9 @@
 """The compressed-state kernels as they were before the int8 rework, for side-by-side timing.
 
 ``state_dtype_gpu.py`` times its ``int8-before`` and ``bf16-before`` variants inside
-``kernels_before()``: the generated kernels are today's, with the int8 conversions and
-bf16's rounding put back as they were (commit 8897970):
+``kernels_before()``: the generated kernels are today's, with the int8 conversions, bf16's
+rounding and the aligned branch's alignment hints (16 bytes for every input) put back as
+they were (commit e3ee4fd):
 
 - int8: 1024 elements by 4 warps per program; each element loads its block's scale; the
   four 256-element blocks of a program reduce their absmax and sign across the four warps
@@ -75,6 +76,7 @@ def _round_bf16_stochastic_before(x, offs, counter, salt_mix):
 """
 
 _SCALE = re.compile(r"_int8_scale\((.+?), offs, start, mask, BLOCK\)")
+_HINT = re.compile(r"tl\.multiple_of\((a\d+\.to\(tl\.pointer_type\(tl\.\w+\)\)), \d+\)")
 _STORE = re.compile(r"^    _store_int8\((p\d+), (.+), ([^,]+), offs, start, mask, BLOCK\)$", re.M)
 
 
@@ -83,6 +85,7 @@ def _source_before(source: str) -> str:
     source = source.replace("_round_bf16_stochastic(", "_round_bf16_stochastic_before(")
     source = source.replace("_dequantize_int8(", "_dequantize_int8_before(")
     source = _SCALE.sub(r"tl.load(\1 + offs // 256, mask=mask, other=0.0)", source)
+    source = _HINT.sub(r"tl.multiple_of(\1, 16)", source)
 
     def store(match: re.Match[str]) -> str:
         p, scales, value = match.groups()
