@@ -14,7 +14,7 @@ they were (commit e3ee4fd):
 Both read and write the same payload format as today's kernels (a code's value and a
 block's scale mean the same), so the optimizer steps alike and only the time differs.
 ``launch_shape(block, warps)`` instead keeps today's int8 kernel and changes its launch
-shape (e.g. 512 by 1 warp: two int8 blocks per program, both within the warp).
+shape (e.g. 1024 by 4 warps, the shape before: four blocks a program, each across two warps).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ GPT-2 124M parameter shapes (148 tensors, float32 params), AdamW (lr 1e-3, weigh
   torchao is importable;
 - ``bf16-before``, ``int8-before``: the same with the kernels' conversions as they were
   before the int8 rework (``state_dtype_before.py``), measured in the same run;
-- ``int8@BxW``: today's int8 kernel launched B elements by W warps (default 256x1).
+- ``int8@BxW``: today's int8 kernel launched B elements by W warps (default 256x1; 1024x4
+  was the launch shape before).
 
 The floor of each: the bytes it must move over the copy bandwidth measured in the same run
 (step_time.copy_bandwidth). Per parameter element AdamW reads p, g, m, v and writes p, m, v:
@@ -55,7 +56,7 @@ STATE_BYTES = {
     "int8": 1 + 4 / 256,
     "torchao-8bit": 1 + 4 / 256,
 }
-VARIANTS = "fp32,bf16-before,bf16,int8-before,int8,int8@512x1,fused,torchao-8bit"
+VARIANTS = "fp32,bf16-before,bf16,int8-before,int8,int8@1024x4,fused,torchao-8bit"
 
 
 def _format(variant: str) -> str:
