@@ -36,10 +36,10 @@ NUM_WARPS = 4  # warps per program instance (Triton's default): 8 elements per t
 # (benchmarks/results/kernel_tuning_h100.md): with that branch, 1024 by 4 is the fastest for
 # bfloat16 and float32 lanes alike (512 by 4 was, for 16-bit lanes, before it).
 # Lanes of int8 state: one int8 block (256 elements) by one warp, so the block's absmax is
-# reduced by shuffles within the warp and its scale is one number. At 1024 by 4 warps the
-# four blocks of a program each spanned all four warps (reduced through shared memory with
-# barriers), every element loaded its block's scale, and the kernel needed 196 registers
-# against 147 here (sm_90): GPT-2's AdamW step took 4.35x its floor.
+# reduced by shuffles within the warp and its scale is one number. At 1024 by 4 warps a
+# block spans two or four warps (reduced through shared memory with barriers), every
+# element loads its block's scale, and the kernel needs 154 registers against 126 here
+# (sm_90; docs/state_dtype.md has the instruction counts).
 INT8_BLOCK_WARPS = INT8_BLOCK, 1
 # Experiments (benchmarks/tune_kernels.py) override both, for every lane, at import.
 _OVERRIDE = os.environ.get("OPTKERNELS_BLOCK"), os.environ.get("OPTKERNELS_NUM_WARPS")
