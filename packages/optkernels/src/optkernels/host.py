@@ -100,7 +100,11 @@ def python_floats(program: LaneProgram) -> bool:
     """Whether ``program`` reads 0-dim inputs that eager reads as Python floats (the step
     counts of a capturable=False optimizer traced on its capturable path, marked by the
     tracer: placeholder meta ``python_float``): the host then computes what depends on them
-    in double, as eager's Python floats, not in the dtypes the graph records."""
+    in double, as eager's Python floats, not in the dtypes the graph records. On a device,
+    such a step's 0-dim inputs are the ones on the CPU (the step counts, a Tensor lr the
+    user made there); with the kernels on the CPU too (under the interpreter) only the mark
+    tells them from the 0-dim tensors of a step that computes with them in their dtype (a
+    custom step's)."""
     return any(
         node.meta.get("python_float") is True
         for k, nodes in enumerate(program.inputs)

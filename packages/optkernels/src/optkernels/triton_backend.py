@@ -541,9 +541,7 @@ class TritonPlan:
                     self.split, self.prelude = split, TorchPlan(split.prelude)
             if not self.parts and _reads_numbers(gm):
                 self.reason = (
-                    "the step computes with tensor values read as Python numbers (.item(): "
-                    "an optimizer's capturable=False path, which optcompile traces for "
-                    "float16 Adam, AdamW, Adamax and NAdam; capturable=True fuses them)"
+                    "the step computes with tensor values read as Python numbers (.item())"
                     f": {self.reason}"
                 )
 
