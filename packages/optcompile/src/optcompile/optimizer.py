@@ -148,10 +148,10 @@ _FLOAT16_CAPTURABLE_ROUNDS_OTHERWISE = (
 def _traces_capturable(backend: Backend, opt: torch.optim.Optimizer) -> bool:
     """Whether to trace ``opt``'s capturable path: where the backend wants it (its kernels
     keep every value on the device), except for the optimizers above with float16
-    parameters in a group with ``capturable=False``: their step traces eager's path, which
-    the torch backend runs (the kernels do not take its Python arithmetic on ``.item()``
-    values; explain() shows it). ``capturable=True`` fuses them, with eager's capturable
-    results."""
+    parameters in a group with ``capturable=False``: their step traces eager's path, whose
+    Python arithmetic on the step counts' ``.item()`` values the host computes as eager
+    does (optkernels.numbers), the kernels the rest. ``capturable=True`` fuses eager's
+    capturable path, with its results."""
     if not backend.wants_capturable:
         return False
     return not (

@@ -36,7 +36,14 @@ from optkernels.c_kernel import (
 from optkernels.dtypes import op_dtypes
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError
-from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
+from optkernels.host import (
+    HOST_ROWS,
+    host_dtypes,
+    host_function,
+    host_reads,
+    host_vars,
+    scalar_function,
+)
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, with_prelude, write_back
 from optkernels.reference import TorchBackend, TorchPlan
@@ -75,8 +82,9 @@ class _Part:
         self.host_read = host_reads(program, order)
         columns = {v: j for j, v in enumerate(self.host_read)}
         host: dict[int, int | None] = {v: columns.get(v) for v in order}
-        self._host_fn = host_function(program, order)
-        self._host_fn_uniform = host_function(program, order, uniform=True)
+        rounding = host_dtypes(program, order)
+        self._host_fn = host_function(program, order, False, rounding)
+        self._host_fn_uniform = host_function(program, order, True, rounding)
         self.dynamic = [
             not all(n.meta.get("static_address", False) for n in column)
             for column in program.inputs

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from optkernels.lanes import LaneProgram
+from optkernels.numbers import HOST_ONLY
 
 COMPARE = frozenset({"gt", "lt", "ge", "le", "eq", "ne"})
 
@@ -56,7 +57,7 @@ def op_dtypes(program: LaneProgram, lane: int) -> dict[int, OpDtypes]:
         big = [out[v].result for v in tensors if not dim0[v]]
         promoted = _promote(big or [out[v].result for v in tensors])
         recorded = op.dtype(lane)
-        if op.op == "item":
+        if op.op == "item" or op.op in HOST_ONLY:  # a Python number (a double)
             out[op.out] = OpDtypes(torch.float64, None)
         elif op.op in COMPARE:
             out[op.out] = OpDtypes(promoted or torch.float32, torch.bool)

@@ -29,6 +29,7 @@ from optkernels.compressed import BLOCK as INT8_BLOCK
 from optkernels.dtypes import COMPARE, OpDtypes, compute_dtype, op_dtypes
 from optkernels.host import HOST_ROWS, scalar_slot
 from optkernels.lanes import LaneOp, LaneProgram
+from optkernels.numbers import HOST_ONLY
 
 BLOCK = 1024  # elements per program instance
 NUM_WARPS = 4  # warps per program instance (Triton's default): 8 elements per thread, 16
@@ -195,6 +196,11 @@ def kernel_source(
                 load = f"tl.load(host_vals + {HOST_ROWS} + row + {column})"
                 body.append(f"    v{op.out} = {load}{' != 0' if truth else ''}")
             continue
+        if op.op in HOST_ONLY:
+            raise KernelError(
+                f"{op.op}: Python arithmetic on a value read with .item() is computed on "
+                "the host only"
+            )
         if op.op == "input" and dtypes[op.args[0]] is torch.uint8:
             k = op.args[0]  # int8 state: the codes, and the scale of each one's block
             scale = f"_int8_scale({_scales(k)}, offs, start, mask, BLOCK)"

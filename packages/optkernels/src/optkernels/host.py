@@ -13,14 +13,18 @@ from __future__ import annotations
 import hashlib
 import linecache
 import math
+import struct
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from torch import fx
 
-from optkernels.lanes import LaneProgram
+from optkernels.dtypes import OpDtypes, compute_dtype, op_dtypes
+from optkernels.lanes import LaneProgram, NotLanes
+from optkernels.numbers import ASSERT, HOST_ONLY, PYTHON_FUNCTIONS
 
 
 def host_vars(program: LaneProgram) -> list[int]:
@@ -92,6 +96,52 @@ def scalar_function(program: LaneProgram, index: dict[Any, int]) -> ScalarFuncti
 HostFunction = Callable[[dict[int, Any], Sequence[float], int], dict[int, Any]]
 
 
+def python_floats(program: LaneProgram) -> bool:
+    """Whether ``program`` reads 0-dim inputs that eager reads as Python floats (the step
+    counts of a capturable=False optimizer traced on its capturable path, marked by the
+    tracer: placeholder meta ``python_float``): the host then computes what depends on them
+    in double, as eager's Python floats, not in the dtypes the graph records. On a device,
+    such a step's 0-dim inputs are the ones on the CPU (the step counts, a Tensor lr the
+    user made there); with the kernels on the CPU too (under the interpreter) only the mark
+    tells them from the 0-dim tensors of a step that computes with them in their dtype (a
+    custom step's)."""
+    return any(
+        node.meta.get("python_float") is True
+        for k, nodes in enumerate(program.inputs)
+        if program.input_small[k]
+        for node in nodes
+    )
+
+
+def needs_host(program: LaneProgram) -> bool:
+    """Whether ``program`` does Python arithmetic on values read with ``.item()`` (eager's
+    own capturable=False path: its bias corrections and step sizes), which only the host
+    computes (numbers.py)."""
+    return any(op.op in HOST_ONLY for op in program.ops)
+
+
+def host_dtypes(program: LaneProgram, order: Sequence[int]) -> dict[int, OpDtypes] | None:
+    """The dtypes the host rounds the tensor ops among ``order`` to, as ATen computes them
+    on eager's 0-dim CPU tensors (``step += 1``, NAdam's ``mu_product *= mu``: float32), in
+    a program that computes eager's Python floats itself (``needs_host``: eager's own
+    capturable=False path); None elsewhere, where its tensor ops stand for those Python
+    floats (the capturable path traced for a capturable=False step: all in double).
+    Raises NotLanes if the lanes' 0-dim values differ in dtype."""
+    if not needs_host(program) or python_floats(program):
+        return None
+    lanes = [op_dtypes(program, lane) for lane in range(program.lanes)]
+    out = {}
+    for var in order:
+        found = {lane[var] for lane in lanes}
+        if len(found) > 1:
+            raise NotLanes(
+                "the lanes' 0-dim values the host computes differ in dtype "
+                f"({', '.join(sorted(str(d.result) for d in found))})"
+            )
+        out[var] = found.pop()
+    return out
+
+
 def _compiled(code: str, kind: str) -> types.CodeType:
     """``code`` compiled under a file name of its own, its text put in ``linecache`` so a
     traceback through it shows the generated line."""
@@ -101,7 +151,10 @@ def _compiled(code: str, kind: str) -> types.CodeType:
 
 
 def host_function(
-    program: LaneProgram, order: Sequence[int], uniform: bool = False
+    program: LaneProgram,
+    order: Sequence[int],
+    uniform: bool = False,
+    dtypes: dict[int, OpDtypes] | None = None,
 ) -> HostFunction:
     """``f(small_inputs, scalars, lanes)``: the host vars ``order`` for every lane at once,
     as straight-line Python generated once (an interpreter loop cost ~0.7 µs an op).
@@ -120,32 +173,80 @@ def host_function(
     denormals, which made ``0.9 ** step`` cost ~7 µs per call on 200 lanes once it
     underflows). There a Python error (division by zero, overflow, sqrt of a negative)
     raises ArithmeticError or ValueError: the caller then takes the array path, which gives
-    torch's inf/nan."""
+    torch's inf/nan.
+
+    Python arithmetic on ``.item()`` values (numbers.py: eager's bias corrections) is
+    Python's own, lane by lane: the same operators on the same floats, so the same bits
+    (numpy's vectorized power differs from Python's in the last bit) and the same errors
+    (a ZeroDivisionError, an OverflowError: raised from the array path too). ``dtypes``
+    (host_dtypes): round each tensor op's operands and result as ATen does on 0-dim CPU
+    tensors of those dtypes."""
     ops = {op.out: op for op in program.ops}
     table = _HOST_SCALAR if uniform else _HOST
     constants: list[Any] = []
+    rounds = _ROUND_SCALAR if uniform else _ROUND
 
     def const(value: Any) -> str:
         constants.append(value)
         return f"c[{len(constants) - 1}]"
 
-    def ref(a: Any) -> str:
-        if a[0] == "lane":
-            return f"v{a[1]}"
+    def rounded(expr: str, dtype: torch.dtype | None) -> str:
+        if dtype is None or dtype is torch.float64 or dtype is torch.bool:
+            return expr
+        if dtype is not torch.float32:  # (through the compute dtype, as ATen rounds)
+            expr = f"{const(rounds[torch.float32])}({expr})"
+        return f"{const(rounds[dtype])}({expr})"
+
+    def ref(a: Any, op_dtypes: OpDtypes | None = None) -> str:
+        if op_dtypes is None:
+            if a[0] == "lane":
+                return f"v{a[1]}"
+            if a[0] == "scalar":
+                return f"scalars[{scalar_slot(a[1], program)}]"
+            return const(a[1])
+        assert dtypes is not None
+        common, compute = op_dtypes.common, compute_dtype(op_dtypes.common)
+        if a[0] == "lane":  # a tensor is cast to the common dtype, a number read in opmath
+            operand = dtypes[a[1]].result if a[1] in dtypes else None
+            if operand is torch.bool:
+                return f"v{a[1]}"
+            target = compute if operand is None else common
+            return f"v{a[1]}" if operand is target else rounded(f"v{a[1]}", target)
         if a[0] == "scalar":
-            return f"scalars[{scalar_slot(a[1], program)}]"
+            return rounded(ref(a), compute)
+        if isinstance(a[1], float) and compute is not torch.float64:
+            return const(_ROUND_SCALAR[torch.float32](a[1]))
         return const(a[1])
 
     lines = ["def host(small, scalars, lanes):"]
     for var in order:
         op = ops[var]
+        exact = dtypes[var] if dtypes is not None and op.op not in _EXEMPT else None
         if op.op == "input":
             value = f"small[{op.args[0]}]"
             if not uniform:
                 value = f"np.asarray({value}, dtype=np.float64)"
         elif op.op == "full":  # a constant for every lane (``scalar_tensor(0.0)``)
             number = f"float({ref(op.args[0])})"
+            if exact is not None:
+                number = rounded(number, exact.result)
             value = number if uniform else f"np.full(lanes, {number}, dtype=np.float64)"
+        elif op.op in PYTHON_FUNCTIONS:  # Python's arithmetic, lane by lane
+            python = const(PYTHON_FUNCTIONS[op.op])
+            operands = ", ".join(ref(x) for x in op.args)
+            value = (
+                f"_py({python}, {operands})"
+                if uniform
+                else f"_py_lanes({python}, lanes, {operands})"
+            )
+        elif op.op == ASSERT:
+            check = "_check" if uniform else "_check_lanes"
+            value = f"{check}({ref(op.args[0])}, {const(op.args[1][1])})"
+        elif exact is not None:
+            kwargs = [(k, v) for k, v in op.kwargs if v[0] != "ignore"]
+            args = "".join(f"{ref(x, exact)}, " for x in op.args)
+            kw = ", ".join(f"{k!r}: {ref(v, exact)}" for k, v in kwargs)
+            value = rounded(f"{const(table[op.op])}(({args}), {{{kw}}})", exact.result)
         else:
             kwargs = [(k, v) for k, v in op.kwargs if v[0] != "ignore"]
             inline = _INLINE.get(op.op) if uniform and not kwargs else None
@@ -157,10 +258,95 @@ def host_function(
                 value = f"{const(table[op.op])}(({args}), {{{kw}}})"
         lines.append(f"    v{var} = {value}")
     lines.append("    return {" + ", ".join(f"{v}: v{v}" for v in order) + "}")
-    scope: dict[str, Any] = {"c": constants, "np": np, "sqrt": math.sqrt}
+    scope: dict[str, Any] = {
+        "c": constants,
+        "np": np,
+        "sqrt": math.sqrt,
+        "_py": _py,
+        "_py_lanes": _py_lanes,
+        "_check": _check,
+        "_check_lanes": _check_lanes,
+    }
     exec(_compiled("\n".join(lines), "optkernels:host_function"), scope)
     fn: HostFunction = scope["host"]
     return fn
+
+
+# Ops whose values are not a tensor op's (Python numbers, checks): never rounded.
+_EXEMPT = frozenset({"input", "item", "identity", *HOST_ONLY})
+
+
+def _py(fn: Callable[..., Any], *args: Any) -> Any:
+    """Python arithmetic on one lane's numbers; a complex result (a negative base to a
+    fractional power) is an error here (the array path then gives nan)."""
+    out = fn(*args)
+    if isinstance(out, complex):
+        raise ValueError("complex result")
+    return out
+
+
+def _py_lanes(fn: Callable[..., Any], lanes: int, *args: Any) -> Any:
+    """Python arithmetic lane by lane: Python's errors propagate, as in eager."""
+    columns = [a.tolist() if isinstance(a, np.ndarray) else [a] * lanes for a in args]
+    out = [fn(*xs) for xs in zip(*columns, strict=True)]
+    return np.array([math.nan if isinstance(x, complex) else x for x in out], dtype=np.float64)
+
+
+def _check(condition: Any, message: str) -> float:
+    """``torch._check`` on a Python number: raises as the torch backend does."""
+    if not condition:
+        raise RuntimeError(message)
+    return 0.0
+
+
+def _check_lanes(condition: Any, message: str) -> Any:
+    if not np.all(condition):
+        raise RuntimeError(message)
+    return np.zeros_like(condition, dtype=np.float64)
+
+
+def _pack(fmt: str) -> Callable[[float], float]:
+    packer = struct.Struct(fmt)
+
+    def rounded(x: float) -> float:  # (OverflowError past the dtype's range)
+        value: float = packer.unpack(packer.pack(x))[0]
+        return value
+
+    return rounded
+
+
+def _bfloat16(x: Any) -> Any:
+    out = torch.as_tensor(x, dtype=torch.float32).to(torch.bfloat16).double()
+    return out.item() if out.dim() == 0 else out.numpy()
+
+
+# Rounding a double to a dtype (and back): of a Python float (uniform lanes), of an array.
+_ROUND_SCALAR: dict[torch.dtype, Callable[[Any], Any]] = {
+    torch.float32: _pack("f"),
+    torch.float16: _pack("e"),
+    torch.bfloat16: _bfloat16,
+}
+_ROUND: dict[torch.dtype, Callable[[Any], Any]] = {
+    torch.float32: lambda x: np.asarray(x, dtype=np.float32).astype(np.float64),
+    torch.float16: lambda x: np.asarray(x, dtype=np.float16).astype(np.float64),
+    torch.bfloat16: _bfloat16,
+}
+
+
+def _pow_lanes(x: Any, y: Any) -> Any:
+    """``x ** y`` lane by lane as Python computes it (numpy's vectorized power differs in
+    the last bit for ~1% of bias corrections), inf/nan where Python raises."""
+    xs, ys = np.broadcast_arrays(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64))
+    out = np.power(xs, ys)
+    flat = out.reshape(-1)
+    for i, (a, b) in enumerate(zip(xs.flat, ys.flat, strict=True)):
+        try:
+            value = float(a) ** float(b)
+        except (ArithmeticError, ValueError):
+            continue
+        if not isinstance(value, complex):
+            flat[i] = value
+    return out
 
 
 def _alpha(a: Sequence[Any], kw: dict[str, Any], position: int = 2) -> Any:
@@ -198,7 +384,7 @@ _HOST: dict[str, Any] = {
     "rsub": lambda a, kw: a[1] - _scaled(a[0], _alpha(a, kw)),
     "mul": lambda a, kw: a[0] * a[1],
     "div": lambda a, kw: np.true_divide(a[0], a[1]),
-    "pow": lambda a, kw: np.power(a[0], a[1]),
+    "pow": lambda a, kw: _pow_lanes(a[0], a[1]),
     "sqrt": lambda a, kw: np.sqrt(a[0]),
     "rsqrt": lambda a, kw: 1.0 / np.sqrt(a[0]),
     "reciprocal": lambda a, kw: 1.0 / a[0],

@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from optkernels.compressed import DEQUANTIZE, QUANTIZE
+from optkernels.numbers import ASSERT, PYTHON_OPS, is_assert, lane_numbers, scalar_constant
 
 aten = torch.ops.aten
 
@@ -131,13 +132,16 @@ _SINGLE = {
 
 def fusible(node: fx.Node) -> bool:
     """Whether the kernel generator knows ``node``'s op (placeholders and outputs count;
-    a constant the step made, ``torch.tensor(...)``, is handed over by the torch backend)."""
+    a constant the step made, ``torch.tensor(...)``, is handed over by the torch backend
+    unless it is a 0-dim float, which the kernels take as a constant)."""
     if node.op == "get_attr":
-        return False
+        return scalar_constant(node) is not None
     if node.op != "call_function":
         return True
     target = node.target
     if target is operator.getitem or target is aten.copy_.default or _is_scalar(node):
+        return True
+    if is_assert(node):  # a check on a Python number (the host makes it)
         return True
     if target in (DEQUANTIZE, QUANTIZE):  # compressed state: converted where loaded/stored
         return node.args[1] in ("bf16", "int8")
@@ -162,32 +166,38 @@ def analyze_parts(graph: fx.Graph) -> list[LaneProgram]:
     groups runs one set of foreach ops per group, with lists of different lengths."""
     if not any(_is_foreach(n) for n in graph.nodes):
         return [_analyze_per_tensor(graph)]
+    numbers = lane_numbers(graph)
     programs = []
-    for part in _parts(graph):
-        builder = _Builder(_lane_count(part))
+    for part in _parts(graph, numbers):
+        builder = _Builder(_lane_count(part), numbers)
         for node in graph.nodes:
-            if node.op in ("placeholder", "output") or _is_scalar(node) or node in part:
+            if node.op in ("placeholder", "output", "get_attr") or _is_scalar(node) or node in part:
                 builder.visit(node)
         programs.append(builder.finish())
     return programs
 
 
-def _parts(graph: fx.Graph) -> list[set[fx.Node]]:
+def _parts(graph: fx.Graph, numbers: set[fx.Node]) -> list[set[fx.Node]]:
     """Tensor ops connected through the tensors and lists they share, ignoring the Python
     scalars every part reads."""
     # Parts over the same number of tensors stay one program (a group's step increments are
     # not connected to its update but belong to the same lanes): one kernel per group size.
     by_lanes: dict[int, set[fx.Node]] = {}
-    for component in _components(graph):
+    for component in _components(graph, numbers):
         part = set(component)
         by_lanes.setdefault(_lane_count(part), set()).update(part)
     return list(by_lanes.values())
 
 
-def _components(graph: fx.Graph) -> list[list[fx.Node]]:
+def _components(graph: fx.Graph, numbers: set[fx.Node]) -> list[list[fx.Node]]:
     """The tensor ops of ``graph`` grouped by the tensors and lists they share (Python
-    scalars, which every op may read, do not connect them); each group in graph order."""
-    ops = [n for n in graph.nodes if n.op == "call_function" and not _is_scalar(n)]
+    scalars and 0-dim constants, which every op may read, do not connect them; Python
+    arithmetic on a tensor's value, ``numbers``, does); each group in graph order."""
+
+    def shared(n: fx.Node) -> bool:
+        return (_is_scalar(n) and n not in numbers) or scalar_constant(n) is not None
+
+    ops = [n for n in graph.nodes if n.op == "call_function" and not shared(n)]
     parent: dict[fx.Node, fx.Node] = {n: n for n in graph.nodes}
 
     def find(n: fx.Node) -> fx.Node:
@@ -198,7 +208,7 @@ def _components(graph: fx.Graph) -> list[list[fx.Node]]:
 
     for node in ops:
         for arg in node.all_input_nodes:
-            if not _is_scalar(arg):
+            if not shared(arg):
                 parent[find(arg)] = find(node)
     components: dict[fx.Node, list[fx.Node]] = {}
     for node in ops:
@@ -240,20 +250,14 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
     if graph.output_node().args[0]:
         raise NotLanes("the graph returns values (only in-place steps are fused)")
     nodes = [n for n in graph.nodes if n.op in ("placeholder", "call_function")]
-    components = _components(graph)
+    # (Python arithmetic on a value read with .item() from a lane's tensor is per lane: it
+    # joins that lane's component)
+    numbers = lane_numbers(graph)
+    components = _components(graph, numbers)
     if not components:
         raise NotLanes("the graph has no tensor ops")
     lanes = _lanes_from_components(components)
-    scalars = [n for n in nodes if _is_scalar(n)]
-    for node in scalars:
-        if not all(_is_scalar(a) for a in node.all_input_nodes):
-            # (a value read with .item() from a lane's tensor: per lane, not one scalar for
-            # all; with several lanes their op sequences differ, with one it would be taken
-            # for a scalar input the host cannot compute)
-            raise NotLanes(
-                f"{node.name} mixes Python arithmetic with tensors (a value read with "
-                ".item(), as a capturable=False path does)"
-            )
+    scalars = [n for n in nodes if _is_scalar(n) and n not in numbers]
     program = LaneProgram(lanes=len(lanes))
     program.scalar_inputs = [n for n in scalars if n.op == "placeholder"]
     program.scalar_nodes = [n for n in scalars if n.op == "call_function"]
@@ -267,7 +271,7 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
         column = tuple(lane[j] for lane in inputs_per_lane)
         program.inputs.append(column)
         program.input_small.append(all(n.meta["val"].dim() == 0 for n in column))
-    _lower_component(program, lanes, inputs_per_lane[0], scalar_ref)
+    _lower_component(program, lanes, inputs_per_lane[0], scalar_ref, numbers)
     _check_numels(program)
     return program
 
@@ -308,6 +312,9 @@ def _signature(
                 if a not in placeholders:
                     placeholders.append(a)
                 return ("input", placeholders.index(a))
+            constant = scalar_constant(a)
+            if constant is not None:
+                return ("constant", *constant)
             if a not in local:  # a constant the step made (get_attr): the torch backend's
                 raise NotLanes(f"{a.name} is a tensor the step made from Python data")
             return ("local", local[a])
@@ -327,20 +334,29 @@ def _lower_component(
     lanes: list[list[fx.Node]],
     placeholders: list[fx.Node],
     scalar_ref: dict[fx.Node, Any],
+    numbers: set[fx.Node],
 ) -> None:
     """Lane 0's component as the program; the other lanes' (same ops, by _signature) give
     each op's per-lane result dtypes."""
     component = lanes[0]
     var_of: dict[fx.Node, int] = {}
-    for j, node in enumerate(placeholders):
-        var_of[node] = program.num_vars
-        program.ops.append(LaneOp(program.num_vars, "input", "", (j,), (), program.input_small[j]))
+
+    def emit(op: str, args: tuple[Any, ...], small: bool, dtypes: tuple[Any, ...] = ()) -> int:
+        var = program.num_vars
+        program.ops.append(LaneOp(var, op, "", args, (), small, dtypes))
         program.num_vars += 1
+        return var
+
+    for j, node in enumerate(placeholders):
+        var_of[node] = emit("input", (j,), program.input_small[j])
 
     def arg(a: Any) -> Any:
         if isinstance(a, fx.Node):
             if a in scalar_ref:
                 return scalar_ref[a]
+            constant = scalar_constant(a)
+            if constant is not None and a not in var_of:  # a 0-dim tensor of every lane
+                var_of[a] = emit("full", (("const", constant[0]),), True, (constant[1],))
             return ("lane", var_of[a])
         if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
             return ("ignore", a)
@@ -357,6 +373,14 @@ def _lower_component(
             if dst not in placeholders:
                 raise NotLanes(f"{node.name} writes to something that is not an input")
             program.writes.append((var_of[src], placeholders.index(dst)))
+            continue
+        if is_assert(node):
+            var_of[node] = emit(ASSERT, (arg(node.args[0]), ("const", str(node.args[1]))), True)
+            continue
+        if node in numbers:
+            if target not in PYTHON_OPS:
+                raise NotLanes(f"{node.name}: Python {target} on a value read with .item()")
+            var_of[node] = emit(PYTHON_OPS[target], tuple(arg(a) for a in node.args), True)
             continue
         name = getattr(target, "__name__", "")
         base, _, overload = name.partition(".")
@@ -400,10 +424,11 @@ _IGNORED_KWARGS = ("dtype", "device", "layout", "pin_memory", "memory_format", "
 
 
 class _Builder:
-    def __init__(self, lanes: int) -> None:
+    def __init__(self, lanes: int, numbers: set[fx.Node]) -> None:
         # (the part's foreach lists tell the lane count before any op is visited: a per-item
         # op on graph inputs alone needs it to know where its lanes end)
         self.lanes: int | None = lanes if lanes > 0 else None
+        self.numbers = numbers  # Python arithmetic on a lane's value (numbers.lane_numbers)
         self.program = LaneProgram(lanes=0)
         self.input_index: dict[tuple[fx.Node, ...], int] = {}
         self.value: dict[fx.Node, Any] = {}  # node -> ("lanes", var) | ("scalar", i) | ...
@@ -430,6 +455,12 @@ class _Builder:
                 self.program.scalar_inputs.append(node)
             else:
                 raise NotLanes(f"input {node.name} is neither a tensor nor a Python scalar")
+            return
+        if node.op == "get_attr":
+            constant = scalar_constant(node)
+            if constant is not None:  # the same 0-dim tensor in every lane
+                value, dtype = constant
+                self.value[node] = ("free", ("full", "", (("const", value),), ()), (dtype,))
             return
         if node.op == "output":
             outs = node.args[0]
@@ -461,6 +492,14 @@ class _Builder:
                 raise NotLanes(f"{node.name} writes back something other than a lane value")
             self.copies[dst] = (item[1], item[2])  # type: ignore[index]
             return
+        if node in self.numbers:  # Python arithmetic on a lane's value: one op per lane
+            if is_assert(node):
+                self._per_item(node, ASSERT, "")
+            elif target in PYTHON_OPS:
+                self._per_item(node, PYTHON_OPS[target], "")
+            else:
+                raise NotLanes(f"{node.name}: Python {target} on a value read with .item()")
+            return
         if getattr(target, "__module__", None) == "_operator" or target in (min, max, abs):
             if any(self._kind(a) not in ("scalar", "const") for a in node.args):
                 raise NotLanes(
@@ -473,7 +512,7 @@ class _Builder:
         name = getattr(target, "__name__", "")  # e.g. "_foreach_add.Scalar"
         base, _, overload = name.partition(".")
         if base in _SINGLE:
-            self._per_item(node, base, overload)
+            self._per_item(node, _SINGLE[base], overload)
             return
         if not base.startswith("_foreach_") or base[len("_foreach_") :] not in _FOREACH:
             raise NotLanes(f"{target} is not a foreach op the kernel generator knows")
@@ -503,12 +542,13 @@ class _Builder:
         self.value[node] = value
         self.rounded[node] = (fmt, counter, node.args[3])  # type: ignore[assignment]
 
-    def _per_item(self, node: fx.Node, base: str, overload: str) -> None:
-        """A single-tensor op applied to item i of lane lists (``[torch.where(r > 5, ...)
-        for r in rs]``): the K ops of one shape, for i = 0..K-1, form one lane op. Its graph
-        inputs (a prelude's per-tensor results: ``[n.pow(0.5) for n in all_reduced]``) form
-        an input column lane by lane; an op on such inputs alone is the item after the last
-        one of its kind (the first when that group is complete)."""
+    def _per_item(self, node: fx.Node, op: str, overload: str) -> None:
+        """A single-tensor op (or Python arithmetic on a ``.item()``) applied to item i of
+        lane lists (``[torch.where(r > 5, ...) for r in rs]``, ``[1 - beta1 ** s.item() for
+        s in steps]``): the K ops of one shape, for i = 0..K-1, form one lane op ``op``. Its
+        graph inputs (a prelude's per-tensor results: ``[n.pow(0.5) for n in all_reduced]``)
+        form an input column lane by lane; an op on such inputs alone is the item after the
+        last one of its kind (the first when that group is complete)."""
         index: set[int] = set()
         tensors: list[fx.Node] = []
 
@@ -530,7 +570,7 @@ class _Builder:
                 raise NotLanes(f"{a.name} ({v[0]}) cannot be an argument of a per-item op")
             if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
                 return ("ignore", a)
-            if isinstance(a, bool | int | float) or a is None:
+            if isinstance(a, bool | int | float | str) or a is None:  # (str: a check's message)
                 return ("const", a)
             raise NotLanes(f"argument {a!r} of a per-item op")
 
@@ -538,7 +578,7 @@ class _Builder:
         kwargs = tuple(
             (k, template(v)) for k, v in sorted(node.kwargs.items()) if k not in _IGNORED_KWARGS
         )
-        key = (_SINGLE[base], overload, args, kwargs)
+        key = (op, overload, args, kwargs)
         if not index and not tensors:  # same for every lane (a constant: scalar_tensor(0.0))
             self.value[node] = ("free", key, _result_dtypes(node))
             return
@@ -612,6 +652,8 @@ class _Builder:
                 return ("lane", v[1])
             if v[0] == "scalar":
                 return ("scalar", v[1])
+            if v[0] == "free":  # (a 0-dim constant the step made)
+                return ("lane", self._free_var(v[1], v[2]))
             if v[0] == "tensor" and self.lanes is not None:
                 return ("lane", self._input((v[1],) * self.lanes))  # one tensor for all lanes
             raise NotLanes(f"{a.name} ({v[0]}) cannot be an argument of a lane op")

@@ -23,7 +23,16 @@ from optkernels.compressed import BLOCK as INT8_BLOCK
 from optkernels.dtypes import op_dtypes
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError, kernel_source, launch_config, load_kernel
-from optkernels.host import HOST_ROWS, host_function, host_reads, host_vars, scalar_function
+from optkernels.host import (
+    HOST_ROWS,
+    host_dtypes,
+    host_function,
+    host_reads,
+    host_vars,
+    needs_host,
+    python_floats,
+    scalar_function,
+)
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, with_prelude, write_back
 from optkernels.reference import TorchPlan
@@ -167,10 +176,11 @@ class _Part:
         self.staging = Staging()
         self.launches = 0
         self.device = torch.device("cpu")  # where the kernels run; set by check_devices
-        self.host = False
+        # (Python arithmetic on .item() values is computed on the host only: numbers.py)
+        self.host = needs_host(program)
         self.host_order: list[int] = []  # the vars computed on the host (host mode)
         self.host_read: list[int] = []  # those the kernels read: the host_vals columns
-        self._build(program)
+        self._build(program, self.host)
 
     def _build(self, program: LaneProgram, host: bool = False) -> None:
         # One kernel per dtype signature: the inputs' dtypes and what each op computes in
@@ -185,8 +195,11 @@ class _Part:
         self.host_read = host_reads(program, self.host_order)
         columns = {v: j for j, v in enumerate(self.host_read)}
         host_cols = {v: columns.get(v) for v in self.host_order}
-        self._host_fn = host_function(program, self.host_order) if host else None
-        self._host_fn_uniform = host_function(program, self.host_order, True) if host else None
+        self._host_fn = self._host_fn_uniform = None
+        if host:
+            rounding = host_dtypes(program, self.host_order)
+            self._host_fn = host_function(program, self.host_order, False, rounding)
+            self._host_fn_uniform = host_function(program, self.host_order, True, rounding)
         # An input column is static when the guards fix every lane's address (params, state).
         dynamic = [
             not all(n.meta.get("static_address", False) for n in column)
@@ -230,16 +243,24 @@ class _Part:
             if program.input_small[k]
             for t in lane
         )
-        on_host = (
-            small == {torch.device("cpu")}
-            and numpy_dtypes
-            and (device.type != "cpu" or _python_floats(program))
-        )
+        needed = needs_host(program)
+        on_cpu = small == {torch.device("cpu")} and numpy_dtypes
+        on_host = on_cpu and (device.type != "cpu" or python_floats(program) or needed)
         if self.host_small if self.host_small is not None else on_host:
             # Step counts of capturable=False optimizers stay on the CPU: what depends
             # only on them is computed there, for all lanes at once, each call.
-            self._build(program, host=True)
+            if not self.host:
+                try:
+                    self._build(program, host=True)
+                except (NotLanes, KernelError) as exc:
+                    return str(exc)
             self.host = True
+        elif needed:
+            return (
+                "the step computes with values read with .item() from 0-dim tensors on "
+                f"{', '.join(sorted(map(str, small)))}; the host computes such values from "
+                "CPU tensors only"
+            )
         return None
 
     def run(self, inputs: Sequence[Any]) -> None:
@@ -432,21 +453,6 @@ class _Part:
         return tables
 
 
-def _python_floats(program: LaneProgram) -> bool:
-    """Whether ``program`` reads 0-dim inputs that eager reads as Python floats (the step
-    counts of a capturable=False optimizer, marked by the tracer: placeholder meta
-    ``python_float``). On a device, such a step's 0-dim inputs are the ones on the CPU
-    (the step counts, a Tensor lr the user made there) and computed on the host; with
-    the kernels on the CPU too (under the interpreter) only the mark tells them from the
-    0-dim tensors of a step that computes with them in their dtype (a custom step's)."""
-    return any(
-        node.meta.get("python_float") is True
-        for k, nodes in enumerate(program.inputs)
-        if program.input_small[k]
-        for node in nodes
-    )
-
-
 def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` for the torch backend when the kernels do not take it: the 0-dim inputs eager
     reads as Python floats (placeholder meta ``python_float``: step counts) read in float64,
@@ -535,9 +541,7 @@ class TritonPlan:
                     self.split, self.prelude = split, TorchPlan(split.prelude)
             if not self.parts and _reads_numbers(gm):
                 self.reason = (
-                    "the step computes with tensor values read as Python numbers (.item(): "
-                    "an optimizer's capturable=False path, which optcompile traces for "
-                    "float16 Adam, AdamW, Adamax and NAdam; capturable=True fuses them)"
+                    "the step computes with tensor values read as Python numbers (.item())"
                     f": {self.reason}"
                 )
 
