@@ -536,7 +536,12 @@ def test_one_zero_dim_float16_param_on_the_eager_path_is_one_lane(name):
         p.grad, q.grad = grad.clone(), grad.clone()
         opt.step()
         eager.step()
-    assert optcompile.explain(opt).graph_code.startswith("# 1 kernel launch(es) per step")
+    code = optcompile.explain(opt).graph_code
+    if DEVICE == "cpu":
+        assert code.startswith("# 1 kernel launch(es) per step")
+    else:  # only 0-dim tensors, the param on the GPU and its step count on the CPU: nothing
+        # to fuse, and the plan says why it runs on the torch backend
+        assert code.startswith("# not fused (its tensors live on several devices")
     _assert_close([p], opt, [q], eager, rtol=1e-3, atol=1e-5)
 
 
