@@ -165,6 +165,24 @@ def test_a_graph_the_lanes_do_not_cover_runs_on_the_batched_torch_backend():
     assert code.startswith("# not fused (") and "the torch backend runs this graph" in code
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_graph_the_lanes_do_not_cover_over_large_tensors_runs_node_by_node_in_place(foreach):
+    """Over large tensors Adafactor runs node by node: the results it makes written in place
+    (as eager writes them), its column norms in C (closer to the exact norm than ATen's,
+    within an ulp of them here); a 3-D parameter factors its last two dims."""
+    params, opt, reference, eager = _run(
+        lambda ps, f: optim.Adafactor(ps, lr=0.1, weight_decay=0.01, foreach=f),
+        foreach,
+        torch.float32,
+        3,
+        shapes=[(), (7,), (2, 3, 4), (640, 480), (480,)],
+    )
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    code = optcompile.explain(opt).graph_code
+    assert "values per op: ops run in place, column norms in C" in code
+    assert "vector_norm(" in code and "rsqrt_.default" in code  # (run in place)
+
+
 def test_new_grads_every_step_and_a_step_count_re_pointed_are_read_again():
     """Grads given new storage every step are re-read from their addresses; a step count
     replaced by a new tensor (a state dict loaded) is aliased into the host buffer again."""

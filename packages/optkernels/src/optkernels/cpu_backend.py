@@ -33,6 +33,7 @@ from optkernels.c_kernel import (
     kernel_source,
     library_source,
 )
+from optkernels.c_norms import with_c_norms
 from optkernels.dtypes import op_dtypes
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError
@@ -46,7 +47,7 @@ from optkernels.host import (
 )
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, with_prelude, write_back
-from optkernels.reference import TorchBackend, TorchPlan
+from optkernels.reference import TorchBackend, TorchPlan, node_by_node
 from optkernels.split import Split, split_unfused
 
 log = logging.getLogger("optcompile.kernels")
@@ -56,6 +57,10 @@ log = logging.getLogger("optcompile.kernels")
 # elements at most (as ATen's grain size does): waking a thread costs microseconds on an
 # idle machine and a scheduler time slice (milliseconds) on a loaded one.
 BLOCK = 1 << 15
+# Values per op node above which a graph the lanes do not cover runs node by node rather
+# than batched (``_torch_plan``): a batched op's fresh result costs about a page fault per
+# 4 KiB, a node-by-node call some microseconds of Python.
+PAGE_VALUES = 4096
 
 
 def cpu_usable() -> str | None:
@@ -231,6 +236,31 @@ class _Part:
             rows[:, j] = values[var]
 
 
+def _torch_plan(gm: fx.GraphModule) -> Plan:
+    """The torch backend's plan of a graph that is not a lane program (Adafactor's). Where
+    its tensors are large (PAGE_VALUES values or more per op node) node by node: the results
+    the step makes are written in place as eager writes them (``reinplace``), where the
+    batched plan allocates each (fresh pages cost more than the op on them), and column
+    norms run in C (``c_norms``); elsewhere batched, where the calls are the cost."""
+    values = sum(
+        v.numel()
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor)
+    )
+    calls = sum(  # tensor ops (Python scalar math costs less)
+        1
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor | list)
+    )
+    if values < PAGE_VALUES * max(calls, 1):
+        return TorchBackend().compile(gm)
+    reason = (
+        f"its tensors hold {values // max(calls, 1)} values per op: ops run in place, "
+        "column norms in C (optkernels.c_norms)"
+    )
+    return node_by_node(with_c_norms(gm), reason=reason)
+
+
 class CpuPlan:
     """A graph lowered to generated C loop nests (or run by the torch backend)."""
 
@@ -270,7 +300,7 @@ class CpuPlan:
                 else:
                     self.split, self.prelude = split, TorchPlan(split.prelude)
         if not self.parts:
-            self.fallback = TorchBackend().compile(gm)
+            self.fallback = _torch_plan(gm)
 
     def _lower(self, gm: fx.GraphModule) -> list[_Part]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -12,7 +12,10 @@ in-place ops round differently from their functional forms).
 Rule: a node ``n = f(a, ...)`` whose first argument ``a`` holds an input ``x``'s storage
 (``x`` itself, or a node already turned in place over ``x``) becomes ``f_(a, ...)`` when every
 other reader of ``a`` runs before ``n``; for a foreach node, for every item of its first list.
-A trailing ``copy_(x, v)`` whose ``v`` now is ``x`` is dropped.
+A trailing ``copy_(x, v)`` whose ``v`` now is ``x`` is dropped. A tensor the step made (the
+fresh result of an op such as ``mm`` or ``clone``, not a view) is written in place likewise:
+Adafactor's ``(row @ col).div_(m).clamp_(e).rsqrt_().mul_(g)`` then allocates one result,
+as eager does, instead of five.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def reinplace(graph: fx.Graph) -> int:
     storage: dict[fx.Node, fx.Node] = {n: n for n in graph.nodes if n.op == "placeholder"}
     turned = 0
     for node in list(graph.nodes):
+        if _fresh(node):
+            storage[node] = node
         inplace = node.meta.get("inplace")
         if node.op != "call_function" or not _writes_self(inplace):
             continue
@@ -69,6 +74,20 @@ def _writes_self(op: Any) -> bool:
         a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
     ]
     return schema.name.endswith("_") and written == ["self"]
+
+
+def _fresh(node: fx.Node) -> bool:
+    """A functional op's single tensor result, in new storage (its schema aliases nothing)."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    schema = op._schema
+    return (
+        isinstance(node.meta.get("val"), torch.Tensor)
+        and len(schema.returns) == 1
+        and schema.returns[0].alias_info is None
+        and not any(a.alias_info is not None for a in schema.arguments)
+    )
 
 
 def _free(
