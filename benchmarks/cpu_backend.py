@@ -2,7 +2,7 @@
 
 Usage: OPTCOMPILE_NATIVE=sync python benchmarks/cpu_backend.py [--sets gpt2,mlp,tiny]
        [--optimizers AdamW,SGD momentum,Adagrad,Adafactor] [--tiny-optimizers AdamW,RAdam,
-       Rprop,ASGD] [--torch-compile AdamW] [--rounds 7] [--out FILE]
+       Rprop,ASGD] [--torch-compile AdamW] [--rounds 7] [--bandwidth-runs 25] [--out FILE]
 Writes benchmarks/results/cpu_backend.md (or FILE).
 
 For each parameter set ("gpt2": GPT-2 124M's 148 tensors in float32; "mlp": a 2.1M-value MLP,
@@ -18,13 +18,15 @@ with its own state:
 
 The floor is the bytes the step must move (AdamW: read p, g, m, v, write p, m, v: 28 bytes
 per float32 value; SGD momentum and Adagrad: 20; Adafactor: p, g read, p written, its
-factored state negligible: 12; RAdam, Rprop 28; ASGD 20) over the copy bandwidth measured in
-the same run, with all cores (a 256 Mi-value float32 ``copy_``, read + write counted, median
-of 15). A copy's destination is also read into the cache before it is written (write
-allocate), so a copy moves 3 bytes for every 2 counted, which an in-place step (its written
-tensors were read anyway) does not: the step can beat this floor. The in-place bandwidth
-(``x.add_(y)`` over the same size: 12 bytes per value counted, none uncounted) is reported
-too, and the ratio to the floor it gives. Times are medians
+factored state negligible: 12; RAdam, Rprop 28; ASGD 20) over the best copy rate measured in
+the same run, with all cores (1 GiB float32 arrays; ``--bandwidth-runs`` timed runs at the
+start and again at the end: best and median reported; best, as STREAM reports, since load
+from other processes only ever slows a run). STREAM's triad (``a = b + 3c``) and an in-place
+add are measured alike; the last column divides by the triad's best. A copy's or triad's
+destination is also read into the cache before it is written (write allocate), which their
+counted bytes leave out and an in-place step (its written tensors were read anyway) does
+not do: the step can beat these floors. The 1-minute load average before and after each row
+is reported with it. Times are medians
 of ``rounds`` rounds of one step each, the variants interleaved within a round (load from
 other processes hits them alike), all with ``torch.get_num_threads()`` = every core; the
 first steps (trace, state init, compile) are not timed but the first call of each compiled
@@ -81,30 +83,35 @@ VARIANTS = [
 ]
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a large float32 copy on all cores (read + write counted)."""
-    src = torch.randn(256 * 1024 * 1024)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(17):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    del src, dst
-    return 2 * 256 * 1024 * 1024 * 4 / statistics.median(times[2:])
+VALUES = 256 * 1024 * 1024  # float32 values per array of the bandwidth kernels (1 GiB)
 
 
-def inplace_bandwidth() -> float:
-    """Bytes per second of ``x.add_(y)`` over 256 Mi float32 values (read x, y; write x)."""
-    x = torch.randn(256 * 1024 * 1024)
-    y = torch.randn(256 * 1024 * 1024)
+def _rates(kernel: Callable[[], Any], nbytes: int, runs: int) -> tuple[float, float]:
+    """(best, median) bytes per second of ``kernel`` over ``runs`` timed calls (2 untimed)."""
+    for _ in range(2):
+        kernel()
     times = []
-    for _ in range(17):
+    for _ in range(runs):
         start = time.perf_counter()
-        x.add_(y)
+        kernel()
         times.append(time.perf_counter() - start)
-    del x, y
-    return 3 * 256 * 1024 * 1024 * 4 / statistics.median(times[2:])
+    return nbytes / min(times), nbytes / statistics.median(times)
+
+
+def bandwidths(runs: int) -> dict[str, tuple[float, float]]:
+    """(best, median) bytes per second, all cores, over 1 GiB float32 arrays, of: a copy
+    (``dst.copy_(src)``: 8 bytes per value counted), STREAM's triad (``a = b + 3 c``:
+    12 counted; neither counts the read of the destination before it is written), and an
+    in-place add (``x.add_(y)``: 12 counted, nothing uncounted)."""
+    b = torch.randn(VALUES)
+    c = torch.randn(VALUES)
+    a = torch.empty_like(b)
+    found = {
+        "copy": _rates(lambda: a.copy_(b), 8 * VALUES, runs),
+        "triad": _rates(lambda: torch.add(b, c, alpha=3.0, out=a), 12 * VALUES, runs),
+        "in place": _rates(lambda: b.add_(c, alpha=1e-9), 12 * VALUES, runs),
+    }
+    return found
 
 
 def _params(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
@@ -129,9 +136,7 @@ def _build(variant: str, opt_name: str, params: list[torch.nn.Parameter]) -> Cal
     return opt.step
 
 
-def run_case(
-    set_name: str, opt_name: str, rounds: int, variants: list[str], floor_s: float
-) -> dict[str, Any]:
+def run_case(set_name: str, opt_name: str, rounds: int, variants: list[str]) -> dict[str, Any]:
     params = _params(SETS[set_name]())
     steps: dict[str, Callable[[], Any]] = {}
     first: dict[str, float] = {}
@@ -158,7 +163,6 @@ def run_case(
     return {
         "set": set_name,
         "optimizer": opt_name,
-        "floor_s": floor_s,
         "median_s": medians,
         "first_call_s": first,
         "cpu_plan": backend,
@@ -176,14 +180,14 @@ def main() -> None:
     parser.add_argument("--tiny-optimizers", default="AdamW,RAdam,Rprop,ASGD")
     parser.add_argument("--torch-compile", default="AdamW", help="optimizers to torch.compile")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--bandwidth-runs", type=int, default=25)
     parser.add_argument("--out", default=str(RESULTS / "cpu_backend.md"))
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
-    load_before = _load()
-    bandwidth = copy_bandwidth()
-    inplace = inplace_bandwidth()
+    loads = [_load()]
+    measured = [bandwidths(args.bandwidth_runs)]
     compiled = set(args.torch_compile.split(",")) if args.torch_compile else set()
     variants = [v for v in VARIANTS if v != "torch.compile" or compiled]
     rows = []
@@ -191,64 +195,94 @@ def main() -> None:
         values = sum(torch.Size(s).numel() for s in SETS[set_name]())
         names = args.tiny_optimizers if set_name == "tiny" else args.optimizers
         for opt_name in names.split(","):
-            floor_s = values * OPTIMIZERS[opt_name][2] / bandwidth
             case_variants = [
                 v
                 for v in variants
                 if v != "torch.compile" or (set_name != "tiny" and opt_name in compiled)
             ]
-            row = run_case(set_name, opt_name, args.rounds, case_variants, floor_s)
-            row["inplace_floor_s"] = values * OPTIMIZERS[opt_name][2] / inplace
+            load = _load()
+            row = run_case(set_name, opt_name, args.rounds, case_variants)
+            row["bytes"] = values * OPTIMIZERS[opt_name][2]
+            row["load"] = (load, _load())
+            loads.append(_load())
             rows.append(row)
             print(
                 set_name,
                 opt_name,
                 {v: f"{t * 1e3:.2f} ms" for v, t in row["median_s"].items()},
-                f"floor {floor_s * 1e3:.2f} ms",
+                f"load {row['load'][0]:.1f}-{row['load'][1]:.1f}",
                 flush=True,
             )
             torch._dynamo.reset()
-    write(args, rows, (bandwidth, inplace), cores, load_before, variants)
+    measured.append(bandwidths(args.bandwidth_runs))
+    loads.append(_load())
+    write(args, rows, measured, cores, loads, variants)
+
+
+def _gbs(rate: float) -> str:
+    return f"{rate / 1e9:.2f}"
 
 
 def write(
     args: argparse.Namespace,
     rows: list[dict[str, Any]],
-    bandwidths: tuple[float, float],
+    measured: list[dict[str, tuple[float, float]]],
     cores: int,
-    load_before: float,
+    loads: list[float],
     variants: list[str],
 ) -> None:
-    bandwidth, inplace = bandwidths
     try:
         cc = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout
         compiler = cc.splitlines()[0]
     except OSError:
         compiler = "none"
+    # The floor: the best copy rate of the run (the fastest the memory moved: the floor is
+    # then the least time, whatever load slowed the other measurements).
+    copy = max(m["copy"][0] for m in measured)
+    triad = max(m["triad"][0] for m in measured)
     lines = [
         "# CPU step time against the memory-bandwidth floor: generated C vs the anchors",
         "",
         f"Command: `OPTCOMPILE_NATIVE=sync python benchmarks/cpu_backend.py --sets {args.sets} "
         f"--optimizers {args.optimizers!r} --tiny-optimizers {args.tiny_optimizers} "
-        f"--torch-compile {args.torch_compile!r} --rounds {args.rounds}` (repo root)  ",
+        f"--torch-compile {args.torch_compile!r} --rounds {args.rounds} --bandwidth-runs "
+        f"{args.bandwidth_runs}` (repo root)  ",
         f"Device: {platform.machine()}, {platform.processor() or 'cpu'}; **{cores} cores** "
-        f"(torch threads: {torch.get_num_threads()}), shared with other processes (load "
-        f"{load_before:.2f} at start, {_load():.2f} at end)  ",
+        f"(torch threads: {torch.get_num_threads()}), shared with other processes: 1-minute "
+        f"load average {loads[0]:.2f} at start, {loads[-1]:.2f} at end, {min(loads):.2f}-"
+        f"{max(loads):.2f} over the run (per row below)  ",
         f"Versions: Python {platform.python_version()}, torch {torch.__version__}; C compiler: "
         f"{compiler}  ",
-        f"Bandwidth measured in this run (all cores): copy {bandwidth / 1e9:.2f} GB/s (the "
-        f"floor's), in place (`x.add_(y)`) {inplace / 1e9:.2f} GB/s  ",
         "",
-        "Milliseconds per `opt.step()` (median of interleaved rounds); in brackets: step time "
-        "/ floor. Default options (eager's for-loop path; `torch.compile` compiles that step).",
+        f"Bandwidth, all cores, 1 GiB float32 arrays, {args.bandwidth_runs} timed runs each, "
+        "at the start and at the end of the run (GB/s, best / median):",
         "",
-        "| set | optimizer | floor | "
+        "| kernel | bytes counted per value | start | end |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    counted = {
+        "copy": "8 (`dst.copy_(src)`)",
+        "triad": "12 (`a = b + 3c`)",
+        "in place": "12 (`x.add_(y)`)",
+    }
+    for kernel, what in counted.items():
+        cells = [f"{_gbs(m[kernel][0])} / {_gbs(m[kernel][1])}" for m in measured]
+        lines.append(f"| {kernel} | {what} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Floor: the bytes the step moves over the best copy rate of the run ({_gbs(copy)} "
+        f"GB/s); the last column divides by STREAM's triad's best ({_gbs(triad)} GB/s) "
+        "instead. Milliseconds per `opt.step()` (median of interleaved rounds); in brackets: "
+        "step time / floor. Default options (eager's for-loop path; `torch.compile` compiles "
+        "that step).",
+        "",
+        "| set | optimizer | load | floor | "
         + " | ".join(variants)
-        + " | cpu / foreach | cpu / in-place floor |",
-        "| --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " | ---: | ---: |",
+        + " | cpu / foreach | cpu / triad floor |",
+        "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in variants) + " | ---: | ---: |",
     ]
     for row in rows:
-        floor = row["floor_s"]
+        floor = row["bytes"] / copy
         cells = []
         for v in variants:
             t = row["median_s"].get(v)
@@ -256,9 +290,10 @@ def write(
         cpu = row["median_s"]["optcompile cpu"]
         ratio = cpu / row["median_s"]["eager foreach"]
         lines.append(
-            f"| {LABELS[row['set']]} | {row['optimizer']} | {floor * 1e3:.2f} | "
+            f"| {LABELS[row['set']]} | {row['optimizer']} | {row['load'][0]:.1f}-"
+            f"{row['load'][1]:.1f} | {floor * 1e3:.2f} | "
             + " | ".join(cells)
-            + f" | {ratio:.2f} | {cpu / row['inplace_floor_s']:.2f} |"
+            + f" | {ratio:.2f} | {cpu / (row['bytes'] / triad):.2f} |"
         )
     lines += [
         "",
