@@ -119,10 +119,16 @@ def test_step_runs_as_generated_c_and_matches_eager(name, dtype, foreach):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_a_0dim_low_precision_parameter_runs_its_casts_on_the_torch_backend_first(dtype):
+    """On the for-loop path (the default) only that parameter's own ops run on the torch
+    backend: every tensor the prelude makes is 0-dim; the other lanes are one C loop."""
     params, opt, reference, eager = _run(MAKE["RAdam"], None, dtype, shapes=WIDE_SHAPES)
     _assert_matches_eager(params, opt, reference, eager, dtype)
     code = optcompile.explain(opt).graph_code
+    assert code.startswith("# 1 C loop nest(s) per step over 4 lanes, after ")
     assert "# partly fused: aten._to_copy.default not an op the kernel generator knows" in code
+    prelude = _plan(opt).prelude.gm.graph
+    made = [n.meta["val"] for n in prelude.nodes if n.op == "call_function"]
+    assert all(v.dim() == 0 for v in made if isinstance(v, torch.Tensor))
 
 
 def test_auto_picks_the_generated_c_for_cpu_params_and_says_why():

@@ -352,8 +352,12 @@ class CpuPlan:
                 + self.fallback.describe()
             )
         lanes = " + ".join(str(part.program.lanes) for part in self.parts)
+        nests = sum(len(part.functions) for part in self.parts)
+        after = ""
+        if self.prelude is not None:
+            after = f", after {self.prelude.kernel_launches_per_step} torch op(s)"
         sections = [
-            f"# {self.kernel_launches_per_step} C loop nest(s) per step over {lanes} lanes "
+            f"# {nests} C loop nest(s) per step over {lanes} lanes{after} "
             f"({self.compiler.version}, OpenMP; built or loaded in {self.build_seconds:.2f} s)"
         ]
         if self.split is not None and self.prelude is not None:
