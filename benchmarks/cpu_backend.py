@@ -18,14 +18,17 @@ with its own state:
 
 The floor is the bytes the step must move (AdamW: read p, g, m, v, write p, m, v: 28 bytes
 per float32 value; SGD momentum and Adagrad: 20; Adafactor: p, g read, p written, its
-factored state negligible: 12; RAdam, Rprop 28; ASGD 20) over the best copy rate measured in
-the same run, with all cores (1 GiB float32 arrays; ``--bandwidth-runs`` timed runs at the
-start and again at the end: best and median reported; best, as STREAM reports, since load
-from other processes only ever slows a run). STREAM's triad (``a = b + 3c``) and an in-place
-add are measured alike; the last column divides by the triad's best. A copy's or triad's
-destination is also read into the cache before it is written (write allocate), which their
-counted bytes leave out and an in-place step (its written tensors were read anyway) does
-not do: the step can beat these floors. The 1-minute load average before and after each row
+factored state negligible: 12; RAdam, Rprop 28; ASGD 20) over the best rate, in the same
+run, of a generated C loop moving those bytes with no math: the step's own streams (AdamW:
+4 tensors of the step's size read, 3 of them written in place), all cores,
+``--bandwidth-runs`` timed runs just before and just after each row (best, as STREAM
+reports, since load from other processes only ever slows a run). A copy (``dst.copy_``)
+and STREAM's triad (``a = b + 3c``) over 1 GiB arrays are measured too, at the start and the
+end, and the last columns divide by their best: fewer streams than an optimizer's, and
+their destination is read into the cache before it is written (write allocate) without
+being counted, which an in-place step's is not, so a step can beat those floors (on 2 cores
+a core's outstanding misses, not the memory, bound a stream's rate: more streams move more).
+The 1-minute load average before and after each row
 is reported with it. Times are medians
 of ``rounds`` rounds of one step each, the variants interleaved within a round (load from
 other processes hits them alike), all with ``torch.get_num_threads()`` = every core; the
@@ -36,6 +39,7 @@ variant is reported.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import statistics
@@ -64,6 +68,8 @@ OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]
     "Rprop": (torch.optim.Rprop, {}, 28),
     "ASGD": (torch.optim.ASGD, {}, 20),
 }
+# Bytes per value -> (tensors read, tensors of those written): the step's memory streams.
+STREAMS = {28: (4, 3), 20: (3, 2), 12: (2, 1)}
 SETS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
     "gpt2": gpt2_shapes,
     "mlp": lambda: [(1024, 1024), (1024,), (1024, 1024), (1024,), (1, 1024), (1,)],
@@ -112,6 +118,47 @@ def bandwidths(runs: int) -> dict[str, tuple[float, float]]:
         "in place": _rates(lambda: b.add_(c, alpha=1e-9), 12 * VALUES, runs),
     }
     return found
+
+
+def _streams_kernel(reads: int, writes: int) -> Callable[..., Any]:
+    """A generated C loop over ``reads`` float32 arrays writing the first ``writes`` of them
+    in place (each ``a_k[i] = a_0[i] + ... + a_{reads-1}[i]``): a step's memory traffic with
+    no math, in work items of 32,768 values over OpenMP threads, as the CPU backend's."""
+    from optkernels.c_kernel import build, find_compiler
+
+    compiler = find_compiler()
+    assert not isinstance(compiler, str), compiler
+    total = " + ".join(f"a{k}[i]" for k in range(reads))
+    stores = " ".join(f"a{k}[i] = s;" for k in range(writes))
+    loads = "\n".join(
+        f"    float *restrict a{k} = (float *)(intptr_t)ptrs[{k}];" for k in range(reads)
+    )
+    source = f"""#include <stdint.h>
+void streams(const int64_t *ptrs, int64_t n, int threads) {{
+{loads}
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t b = 0; b < n; b += 32768) {{
+        const int64_t end = b + 32768 < n ? b + 32768 : n;
+        #pragma omp simd
+        for (int64_t i = b; i < end; ++i) {{ const float s = {total}; {stores} }}
+    }}
+}}
+"""
+    fn = build(compiler, source).streams
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn.restype = None
+    return fn  # type: ignore[no-any-return]
+
+
+def streams_rate(values: int, nbytes: int, runs: int) -> tuple[float, float]:
+    """(best, median) bytes per second of the step's streams (``STREAMS``) over ``values``
+    float32 values each: the bytes the step moves, moved with no math, all cores."""
+    reads, writes = STREAMS[nbytes]
+    arrays = [torch.full((values,), 1e-3 * (k + 1)) for k in range(reads)]
+    ptrs = torch.tensor([a.data_ptr() for a in arrays], dtype=torch.int64)
+    fn = _streams_kernel(reads, writes)
+    threads = torch.get_num_threads()
+    return _rates(lambda: fn(ptrs.data_ptr(), values, threads), values * nbytes, runs)
 
 
 def _params(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
@@ -201,8 +248,11 @@ def main() -> None:
                 if v != "torch.compile" or (set_name != "tiny" and opt_name in compiled)
             ]
             load = _load()
+            nbytes = OPTIMIZERS[opt_name][2]
+            streams = streams_rate(values, nbytes, args.bandwidth_runs)
             row = run_case(set_name, opt_name, args.rounds, case_variants)
-            row["bytes"] = values * OPTIMIZERS[opt_name][2]
+            row["bytes"] = values * nbytes
+            row["streams"] = (streams, streams_rate(values, nbytes, args.bandwidth_runs))
             row["load"] = (load, _load())
             loads.append(_load())
             rows.append(row)
@@ -270,19 +320,26 @@ def write(
         lines.append(f"| {kernel} | {what} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"Floor: the bytes the step moves over the best copy rate of the run ({_gbs(copy)} "
-        f"GB/s); the last column divides by STREAM's triad's best ({_gbs(triad)} GB/s) "
-        "instead. Milliseconds per `opt.step()` (median of interleaved rounds); in brackets: "
-        "step time / floor. Default options (eager's for-loop path; `torch.compile` compiles "
-        "that step).",
+        "Floor (per row): the bytes the step moves over the best rate of a generated C loop "
+        "with the step's own memory streams and no math (AdamW: 4 tensors read, 3 of them "
+        "written in place; SGD momentum, Adagrad: 3 and 2; Adafactor: 2 and 1), over as many "
+        f"values as the step, all cores, {args.bandwidth_runs} timed runs just before and "
+        "again just after the row; its best rate in brackets (GB/s). Milliseconds per "
+        "`opt.step()` (median of interleaved rounds); in brackets: step time / floor. The "
+        f"last two columns divide optcompile cpu by the floors of the best copy ({_gbs(copy)} "
+        f"GB/s) and triad ({_gbs(triad)} GB/s) rates above instead. Default options (eager's "
+        "for-loop path; `torch.compile` compiles that step).",
         "",
         "| set | optimizer | load | floor | "
         + " | ".join(variants)
-        + " | cpu / foreach | cpu / triad floor |",
-        "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in variants) + " | ---: | ---: |",
+        + " | cpu / foreach | cpu / copy floor | cpu / triad floor |",
+        "| --- | --- | ---: | ---: | "
+        + " | ".join("---:" for _ in variants)
+        + " | ---: | ---: | ---: |",
     ]
     for row in rows:
-        floor = row["bytes"] / copy
+        rate = max(r[0] for r in row["streams"])
+        floor = row["bytes"] / rate
         cells = []
         for v in variants:
             t = row["median_s"].get(v)
@@ -291,9 +348,10 @@ def write(
         ratio = cpu / row["median_s"]["eager foreach"]
         lines.append(
             f"| {LABELS[row['set']]} | {row['optimizer']} | {row['load'][0]:.1f}-"
-            f"{row['load'][1]:.1f} | {floor * 1e3:.2f} | "
+            f"{row['load'][1]:.1f} | {floor * 1e3:.2f} ({_gbs(rate)}) | "
             + " | ".join(cells)
-            + f" | {ratio:.2f} | {cpu / (row['bytes'] / triad):.2f} |"
+            + f" | {ratio:.2f} | {cpu / (row['bytes'] / copy):.2f} | "
+            f"{cpu / (row['bytes'] / triad):.2f} |"
         )
     lines += [
         "",
