@@ -123,7 +123,8 @@ def bandwidths(runs: int) -> dict[str, tuple[float, float]]:
 def _streams_kernel(reads: int, writes: int) -> Callable[..., Any]:
     """A generated C loop over ``reads`` float32 arrays writing the first ``writes`` of them
     in place (each ``a_k[i] = a_0[i] + ... + a_{reads-1}[i]``): a step's memory traffic with
-    no math, in work items of 32,768 values over OpenMP threads, as the CPU backend's."""
+    no math, in work items of 32,768 values over OpenMP threads (one thread for fewer
+    values: waking another costs more), as the CPU backend's."""
     from optkernels.c_kernel import build, find_compiler
 
     compiler = find_compiler()
@@ -136,7 +137,7 @@ def _streams_kernel(reads: int, writes: int) -> Callable[..., Any]:
     source = f"""#include <stdint.h>
 void streams(const int64_t *ptrs, int64_t n, int threads) {{
 {loads}
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    #pragma omp parallel for if(n > 32768) num_threads(threads) schedule(dynamic, 1)
     for (int64_t b = 0; b < n; b += 32768) {{
         const int64_t end = b + 32768 < n ? b + 32768 : n;
         #pragma omp simd
