@@ -131,6 +131,18 @@ def test_a_0dim_low_precision_parameter_runs_its_casts_on_the_torch_backend_firs
     assert all(v.dim() == 0 for v in made if isinstance(v, torch.Tensor))
 
 
+def test_a_0dim_low_precision_parameter_on_the_foreach_path_runs_whole_foreach_ops_first():
+    """With foreach=True its casts read items of foreach ops over every parameter: those
+    run on the torch backend before the loop (documented), and the step matches eager."""
+    params, opt, reference, eager = _run(
+        MAKE["Adagrad lr decay"], True, torch.bfloat16, shapes=WIDE_SHAPES
+    )
+    _assert_matches_eager(params, opt, reference, eager, torch.bfloat16)
+    assert optcompile.explain(opt).graph_code.startswith("# 1 C loop nest(s) per step over 5")
+    prelude = _plan(opt).prelude.gm.graph
+    assert any("_foreach_add.List" in str(n.target) for n in prelude.nodes)
+
+
 def test_auto_picks_the_generated_c_for_cpu_params_and_says_why():
     params, opt, reference, eager = _run(MAKE["AdamW weight decay"], None, torch.float32, 2, "auto")
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
