@@ -92,3 +92,46 @@ def test_rounds_alternating_between_streams_wait_for_their_own_copies():
     torch.cuda.synchronize()
     expected = torch.arange(rounds, dtype=torch.float32, device=device)[:, None].expand(-1, 16)
     torch.testing.assert_close(history, expected, rtol=0, atol=0)
+
+
+@CUDA
+def test_copies_are_queued_through_the_cuda_driver_in_stream_order():
+    device = torch.device("cuda")
+    staging = Staging()
+    rounds = 3 * SLOTS
+    history = torch.zeros(rounds, 8, device=device, dtype=torch.float64)
+    buffer = None
+    _busy(device)
+    for r in range(rounds):
+        staging.begin()
+        buffer, host = staging.stage(buffer, (8,), torch.float64, device)
+        host[:] = [r + k / 8 for k in range(8)]
+        staging.send(buffer)
+        staging.end()
+        history[r].copy_(buffer)
+    torch.cuda.synchronize()
+    expected = torch.arange(rounds, dtype=torch.float64)[:, None] + torch.arange(8) / 8
+    torch.testing.assert_close(history.cpu(), expected, rtol=0, atol=0)
+    assert staging.native_sends == rounds  # none fell back to copy_
+
+
+@CUDA
+def test_a_dropped_ring_keeps_its_pinned_memory_until_its_copies_are_done():
+    device = torch.device("cuda")
+    seen = torch.zeros(64, device=device)
+    for value in (1.0, 2.0):
+        staging = Staging()
+        _busy(device)  # the copy below waits behind this
+        staging.begin()
+        buffer, host = staging.stage(None, (64,), torch.float32, device)
+        host[:] = value
+        staging.send(buffer)
+        staging.end()
+        seen.add_(buffer)
+        del staging, buffer, host  # the ring goes: its pinned memory back to torch
+        # The pinned allocator hands out freed memory again at once: had the ring not
+        # waited, these writes could land before the copy read it.
+        for _ in range(SLOTS):
+            torch.full((64,), -1000.0, pin_memory=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(seen.cpu(), torch.full((64,), 3.0), rtol=0, atol=0)

@@ -12,17 +12,25 @@ comes back to a slot waits for the first event recorded at or after the slot's l
 (normally long past: the host may run up to ``SLOTS - EVERY`` rounds ahead of the device).
 Device buffers keep their addresses from call to call: a recorded CUDA graph reads them.
 
+The copy itself is queued through the CUDA driver (``_cuda_driver``: ~1 µs of host time
+instead of torch's ~10) where it can be, else with ``copy_``. torch's pinned-memory allocator
+then records no event of its own: a ring whose copies it did not see waits for its stream
+before its pinned memory goes back to that allocator (``_Ring.native``).
+
 On a CPU device (the Triton interpreter) the values are written into the buffer directly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections import deque
 from typing import Any
 
 import numpy as np
 import torch
 
+from optkernels import _cuda_driver
 from optkernels._torch_compat import current_stream
 
 SLOTS = 16
@@ -45,6 +53,7 @@ class Staging:
         self._last_copy = 0  # the last round with a copy
         self._stream: Any = None  # where the uncovered copies were queued
         self._rings: dict[int, _Ring] = {}
+        self.native_sends = 0  # copies queued through the CUDA driver (the rest: copy_)
 
     def begin(self) -> None:
         self.round += 1
@@ -90,7 +99,11 @@ class Staging:
         stream = current_stream(buffer.device)
         if self._uncovered is not None and stream is not self._stream:
             self._cover()  # the earlier copies went to another stream: cover them there
-        buffer.copy_(self._rings[id(buffer)].pinned[self.slot], non_blocking=True)
+        ring = self._rings[id(buffer)]
+        if ring.native(stream, self.slot):
+            self.native_sends += 1
+        else:
+            buffer.copy_(ring.pinned[self.slot], non_blocking=True)
         self._written[self.slot] = self._last_copy = self.round
         if self._uncovered is None:
             self._uncovered, self._stream = self.round, stream
@@ -135,6 +148,36 @@ class _Ring:
         self.dtype = dtype
         self.pinned = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(SLOTS)]
         self.arrays = [p.numpy() for p in self.pinned]
+        self._dst = buffer.data_ptr()  # the device buffer keeps its address (see Staging)
+        self._srcs = [p.data_ptr() for p in self.pinned]
+        self._nbytes = buffer.numel() * buffer.element_size()
+        self._device = buffer.device.index if buffer.device.index is not None else 0
+        self._streams: list[Any] = []  # the streams its driver copies were queued on
+        self._handle = 0  # the cudaStream_t of the last of them
 
     def fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         return shape == self.shape and dtype == self.dtype
+
+    def native(self, stream: Any, slot: int) -> bool:
+        """Queue the copy of ``slot`` into the buffer on ``stream`` through the CUDA driver;
+        False when it was not queued (the caller uses ``copy_``). torch's pinned-memory
+        allocator does not see such a copy: the ring's pinned tensors are held until
+        ``stream`` has done everything queued when the ring goes (``_drain``)."""
+        streams = self._streams
+        if not streams or streams[-1] is not stream:  # (by identity: current_stream's)
+            if not any(s is stream for s in streams):
+                weakref.finalize(self, _drain, stream, self.pinned)
+            streams[:] = [*(s for s in streams if s is not stream), stream]
+            self._handle = stream.cuda_stream
+        return _cuda_driver.copy(
+            self._dst, self._srcs[slot], self._nbytes, self._handle, self._device
+        )
+
+
+def _drain(stream: Any, pinned: list[torch.Tensor]) -> None:
+    """Wait for ``stream`` (its copies from ``pinned`` included) before ``pinned`` is freed:
+    its allocator would hand the memory out again at once."""
+    # (an error: the process is exiting, or the device failed; nothing left to protect)
+    with contextlib.suppress(Exception):
+        stream.synchronize()
+    del pinned
