@@ -206,6 +206,17 @@ def test_values_the_host_computes_reach_a_float64_kernel_in_float64(uniform):
     assert [float(s) for s in mine[2:4]] == [float(s) + 1 for s in steps]
 
 
+def test_a_power_with_no_real_value_on_uniform_lanes_gives_torchs_nan():
+    """(-0.9) ** 5.5 is complex in Python: the uniform lanes' Python arithmetic gives up and
+    the array path computes torch's nan."""
+    gm = _bias_correction_graph(torch.float64, [7, 300])
+    xs = [torch.ones(n, dtype=torch.float64) for n in (7, 300)]
+    mine, theirs = _run_both(gm, [*xs, torch.tensor(4.5), torch.tensor(4.5), -0.9], host_small=True)
+    assert all(x.isnan().all() for x in mine[:2])
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 def test_values_the_host_computes_are_read_unrounded_by_float16_ops():
     """A value the host computed is a CPU scalar to ATen's CUDA kernels (and a Python float
     in eager's capturable=False path): ops read it in float32, not rounded to float16."""

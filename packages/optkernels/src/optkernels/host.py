@@ -266,6 +266,7 @@ def host_function(
         "_py_lanes": _py_lanes,
         "_check": _check,
         "_check_lanes": _check_lanes,
+        "pow_": _scalar_pow,
     }
     exec(_compiled("\n".join(lines), "optkernels:host_function"), scope)
     fn: HostFunction = scope["host"]
@@ -462,6 +463,7 @@ _INLINE: dict[str, tuple[str, int]] = {
     "reciprocal": ("(1.0 / {0})", 1),
     "sqrt": ("sqrt({0})", 1),
     "rsqrt": ("(1.0 / sqrt({0}))", 1),
+    "pow": ("pow_({0}, {1})", 2),  # (a function: a complex result must raise)
 }
 
 

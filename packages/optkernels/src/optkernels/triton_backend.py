@@ -219,6 +219,8 @@ class _Part:
         self.values: torch.Tensor | None = None
         self.scalars: torch.Tensor | None = None
         self._scalar_values: list[float] = []
+        # (scalar count, values' size, each group's block: start and length), by _stage_values
+        self._layout: tuple[int, int, list[tuple[_Group, int, int]]] | None = None
 
     def check_devices(self, inputs: Sequence[Any]) -> str | None:
         """Decide where 0-dim values are computed; the reason if the kernels cannot run."""
@@ -291,14 +293,19 @@ class _Part:
     def _stage_values(self, inputs: Sequence[Any], scalar_values: list[float]) -> None:
         """Write the scalars and (host mode) the groups' host vals into this round's staging
         array of ``values`` and send it: one copy. Each block starts 16-byte aligned."""
-        width = len(self.host_read)
-        size = _aligned(max(len(scalar_values), 1))
-        starts: list[tuple[_Group, int, int]] = []
-        if self.host:
-            for group in self.groups:
-                length = HOST_ROWS + len(group.lanes) * width
-                starts.append((group, size, length))
-                size += _aligned(length)
+        count = len(scalar_values)
+        layout = self._layout
+        if layout is None or layout[0] != count:
+            width = len(self.host_read)
+            size = _aligned(max(count, 1))
+            starts: list[tuple[_Group, int, int]] = []
+            if self.host:
+                for group in self.groups:
+                    length = HOST_ROWS + len(group.lanes) * width
+                    starts.append((group, size, length))
+                    size += _aligned(length)
+            layout = self._layout = (count, size, starts)
+        _, size, starts = layout
         # float64: a float64 op reads lr, betas and the host's bias corrections at full
         # precision (ops of narrower dtypes convert them as ATen converts a Python scalar)
         values, host = self.staging.stage(self.values, (size,), torch.float64, self.device)
@@ -307,7 +314,7 @@ class _Part:
             self.scalars = values[: max(len(scalar_values), 1)]
             for group, start, length in starts:
                 group.host_vals = values[start : start + length]
-        host[: len(scalar_values)] = scalar_values
+        host[:count] = scalar_values
         for group, start, length in starts:
             block = host[start : start + length]
             self._host_values(self.program, group, inputs, scalar_values, block)
@@ -376,9 +383,10 @@ class _Part:
             for var, k in program.writes:
                 if program.input_small[k]:
                     views[k].fill(values[var])
-            block[0] = 0  # one row for every lane
-            block[HOST_ROWS : HOST_ROWS + len(self.host_read)] = [
-                values[var] for var in self.host_read
+            # a row stride of 0: one row for every lane (one write with the unused values)
+            block[: HOST_ROWS + len(self.host_read)] = [
+                *_UNIFORM_HEAD,
+                *[values[var] for var in self.host_read],
             ]
             return
         assert self._host_fn is not None
@@ -451,6 +459,9 @@ class _Part:
                 blk_start.to(device),
             )
         return tables
+
+
+_UNIFORM_HEAD = [0.0] * HOST_ROWS  # host_vals' head when every lane has the same row
 
 
 def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
