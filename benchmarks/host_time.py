@@ -68,8 +68,10 @@ def main() -> None:
     for variant, step in steps.items():
         row = _row(step, args.calls)
         print(f"| {variant} | " + " | ".join(f"{v:.1f} µs" for v in row) + " |")
+    copies = "; ".join(f"{v} {_driver_copies(step)}" for v, step in steps.items())
     fused = step_time.build("fused", args.optimizer, params)
     print(f"| fused=True | {_time(fused, args.calls):.1f} µs | | | | | |")
+    print(f"\nHost-to-device copies of the plans' staged values through the CUDA driver: {copies}")
     if args.slope:
         _slope(args.optimizer, args.calls)
     if args.profile:
@@ -104,6 +106,15 @@ def _profile(variant: str, step: Callable[[], Any], calls: int, rows: int) -> No
     torch.cuda.synchronize()
     profile.disable()
     pstats.Stats(profile).sort_stats("tottime").print_stats(rows)
+
+
+def _driver_copies(step: Callable[[], Any]) -> str:
+    """How many of the plan's host-to-device copies went through the CUDA driver so far."""
+    from optcompile.api import _OPTIMIZERS
+
+    plan = _OPTIMIZERS[step.__self__].cache.entries[0].value.plan.plan  # type: ignore[attr-defined]
+    stagings = [part.staging for part in plan.parts]
+    return f"{sum(s.native_sends for s in stagings)} of {sum(s.sends for s in stagings)}"
 
 
 def _row(step: Callable[[], Any], calls: int) -> list[float]:

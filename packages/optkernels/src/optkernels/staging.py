@@ -53,7 +53,8 @@ class Staging:
         self._last_copy = 0  # the last round with a copy
         self._stream: Any = None  # where the uncovered copies were queued
         self._rings: dict[int, _Ring] = {}
-        self.native_sends = 0  # copies queued through the CUDA driver (the rest: copy_)
+        self.sends = 0  # copies queued (CUDA buffers)
+        self.native_sends = 0  # those queued through the CUDA driver (the rest: copy_)
 
     def begin(self) -> None:
         self.round += 1
@@ -100,6 +101,7 @@ class Staging:
         if self._uncovered is not None and stream is not self._stream:
             self._cover()  # the earlier copies went to another stream: cover them there
         ring = self._rings[id(buffer)]
+        self.sends += 1
         if ring.native(stream, self.slot):
             self.native_sends += 1
         else:
