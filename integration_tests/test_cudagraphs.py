@@ -13,6 +13,7 @@ import io
 import optcompile
 import pytest
 import torch
+from optguard import native
 from step_optimizers import TrustRatioSGD
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -77,6 +78,46 @@ def test_a_graphed_step_matches_eager_over_ten_steps_with_one_recording(name):
     assert report.cudagraph_replays == STEPS - report.traces
     assert report.kernel_launches_per_step == 1
     assert report.cudagraphs.startswith("graph #") and "1 recording(s)" in report.cudagraphs
+    # The staged values (the schedule's lr each step; CPU step counts' host values) went to
+    # the device through the CUDA driver, not copy_.
+    stagings = [part.staging for part in _plan(opt).parts]
+    sends = sum(s.sends for s in stagings)
+    driver = sum(s.native_sends for s in stagings)
+    assert sends >= STEPS - 1 and driver == (sends if native.module() is not None else 0)
+
+
+def _plan(opt):
+    from optcompile.api import _OPTIMIZERS
+
+    return _OPTIMIZERS[opt].cache.entries[0].value.plan.plan
+
+
+def test_a_dropped_staging_ring_keeps_its_pinned_memory_until_its_copies_are_done():
+    """A copy queued through the driver is unknown to torch's pinned-memory allocator: the
+    ring waits for its stream before that memory can be handed out again."""
+    from optkernels.staging import SLOTS, Staging
+
+    if native.module() is None:
+        pytest.skip(f"optguard's native module is not loaded: {native.status()}")
+    device = torch.device("cuda")
+    seen = torch.zeros(64, device=device)
+    for value in (1.0, 2.0):
+        staging = Staging()
+        busy = torch.randn(4096, 4096, device=device)
+        for _ in range(4):
+            busy = busy @ busy / 4096  # the copy below waits behind this
+        staging.begin()
+        buffer, host = staging.stage(None, (64,), torch.float32, device)
+        host[:] = value
+        staging.send(buffer)
+        staging.end()
+        assert staging.native_sends == 1
+        seen.add_(buffer)
+        del staging, buffer, host  # the ring goes: its pinned memory back to torch
+        for _ in range(SLOTS):  # handed out again at once, and overwritten
+            torch.full((64,), -1000.0, pin_memory=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(seen.cpu(), torch.full((64,), 3.0), rtol=0, atol=0)
 
 
 def test_a_moved_parameter_is_caught_by_its_data_pointer_guard_and_recorded_anew():

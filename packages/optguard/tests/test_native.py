@@ -266,3 +266,13 @@ def test_the_command_line_reports_status(tmp_path, monkeypatch, capsys):
     assert native.main(["path"]) == 0
     assert capsys.readouterr().out.strip() == str(native.library_path())
     assert native.main(["frobnicate"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case: no CUDA driver loaded")
+def test_h2d_declines_where_no_cuda_driver_is_loaded(module):
+    """The staged copies' fast path (optkernels' staging) needs the driver torch's CUDA
+    runtime loads; without it the caller copies with torch."""
+    host = torch.zeros(4, dtype=torch.float64)
+    assert module.h2d(host.data_ptr(), host.data_ptr(), 32, 0, 0) is False
+    with pytest.raises(TypeError):
+        module.h2d(0, 0, 32)

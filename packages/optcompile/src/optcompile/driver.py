@@ -35,7 +35,8 @@ from opttrace import TRACE_LOCK, TracedStep, TraceError, clear_cache
 from optcompile import logs
 from optcompile.errors import FallbackWarning, warn_user
 
-# The backends' per-call address checks use optguard's C++ loops once they are built.
+# The backends' per-call address checks and staged host-to-device copies use optguard's C++
+# module once it is built.
 native.when_loaded(use_native_addresses)
 
 Tracer = Callable[[Locals], TracedStep]

@@ -162,7 +162,8 @@ def build(timeout: float = BUILD_TIMEOUT_S) -> Path:
             "import sys\n"
             "from torch.utils import cpp_extension\n"
             "m = cpp_extension.load(name=sys.argv[1], sources=[sys.argv[2]], "
-            "build_directory=sys.argv[3], extra_cflags=['-O2'], verbose=False)\n"
+            "build_directory=sys.argv[3], extra_cflags=['-O2'], extra_ldflags=['-ldl'], "
+            "verbose=False)\n"  # (dlopen: in libc since glibc 2.34, in libdl before)
             "print(m.__file__)\n"
         )
         argv = [sys.executable, "-c", script, _NAME, str(SOURCE), tmp]
@@ -185,7 +186,7 @@ def _load(path: Path) -> Any:
     spec.loader.exec_module(loaded)
     loaded.plain(compat.plain_grad_types())
     names = ("spec", "match", "match_both", "take", "grads", "held", "held_match")
-    for name in (*names, "addresses", "addresses_equal", "addresses_record"):
+    for name in (*names, "addresses", "addresses_equal", "addresses_record", "h2d"):
         getattr(loaded, name)
     return loaded
 

@@ -25,14 +25,22 @@ class NativeAddresses(Protocol):
 
     def addresses_record(self, spec: Any, tensors: list[Any]) -> list[int]: ...
 
+    def h2d(self, dst: int, src: int, nbytes: int, stream: int, device: int) -> bool: ...
+
 
 _native: NativeAddresses | None = None
 
 
 def use_native_addresses(module: NativeAddresses | None) -> None:
-    """Record and compare addresses with ``module``'s C++ loops from now on (None: torch's)."""
+    """Record and compare addresses with ``module``'s C++ loops from now on (None: torch's),
+    and queue staged copies through its ``h2d`` (staging.py)."""
     global _native
     _native = module
+
+
+def native_module() -> NativeAddresses | None:
+    """The module handed in by ``use_native_addresses`` (None: none yet)."""
+    return _native
 
 
 class AddressCheck:

@@ -12,8 +12,9 @@ comes back to a slot waits for the first event recorded at or after the slot's l
 (normally long past: the host may run up to ``SLOTS - EVERY`` rounds ahead of the device).
 Device buffers keep their addresses from call to call: a recorded CUDA graph reads them.
 
-The copy itself is queued through the CUDA driver (``_cuda_driver``: ~1 µs of host time
-instead of torch's ~10) where it can be, else with ``copy_``. torch's pinned-memory allocator
+The copy itself is queued through the CUDA driver where it can be (optguard's native
+``h2d``, handed in like the address checks: ``addresses.native_module``; well under 1 µs of
+host time instead of ``copy_``'s ~10), else with ``copy_``. torch's pinned-memory allocator
 then records no event of its own: a ring whose copies it did not see waits for its stream
 before its pinned memory goes back to that allocator (``_Ring.native``).
 
@@ -30,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from optkernels import _cuda_driver
 from optkernels._torch_compat import current_stream
+from optkernels.addresses import native_module
 
 SLOTS = 16
 EVERY = 4  # at most SLOTS: the event covering a slot's copy is recorded before its reuse
@@ -165,15 +166,16 @@ class _Ring:
         False when it was not queued (the caller uses ``copy_``). torch's pinned-memory
         allocator does not see such a copy: the ring's pinned tensors are held until
         ``stream`` has done everything queued when the ring goes (``_drain``)."""
+        module = native_module()
+        if module is None:
+            return False
         streams = self._streams
         if not streams or streams[-1] is not stream:  # (by identity: current_stream's)
             if not any(s is stream for s in streams):
                 weakref.finalize(self, _drain, stream, self.pinned)
             streams[:] = [*(s for s in streams if s is not stream), stream]
             self._handle = stream.cuda_stream
-        return _cuda_driver.copy(
-            self._dst, self._srcs[slot], self._nbytes, self._handle, self._device
-        )
+        return module.h2d(self._dst, self._srcs[slot], self._nbytes, self._handle, self._device)
 
 
 def _drain(stream: Any, pinned: list[torch.Tensor]) -> None:
