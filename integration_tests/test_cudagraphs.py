@@ -120,6 +120,36 @@ def test_a_dropped_staging_ring_keeps_its_pinned_memory_until_its_copies_are_don
     torch.testing.assert_close(seen.cpu(), torch.full((64,), 3.0), rtol=0, atol=0)
 
 
+def test_a_ring_dropped_during_a_capture_holds_its_memory_until_a_later_round():
+    """Waiting for a stream inside a CUDA graph capture would break the capture: the ring's
+    pinned memory is held until the next round outside one."""
+    from optkernels import staging as staging_module
+    from optkernels.staging import Staging
+
+    if native.module() is None:
+        pytest.skip(f"optguard's native module is not loaded: {native.status()}")
+    device = torch.device("cuda")
+    staging = Staging()
+    staging.begin()
+    buffer, host = staging.stage(None, (8,), torch.float32, device)
+    host[:] = 5.0
+    staging.send(buffer)
+    staging.end()
+    assert staging.native_sends == 1
+    out = torch.zeros(8, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(buffer * 2)
+        del staging, host  # the ring goes while this thread captures
+    assert len(staging_module._HELD) == 1
+    graph.replay()
+    later = Staging()
+    later.begin()  # outside the capture: the held memory is waited for and let go
+    assert staging_module._HELD == []
+    torch.cuda.synchronize()
+    assert out.tolist() == [10.0] * 8
+
+
 def test_a_moved_parameter_is_caught_by_its_data_pointer_guard_and_recorded_anew():
     """Params and state are static inputs: each hit checks their addresses (one C++ loop),
     and a moved one sends the call to a new trace and recording, never to a stale table.

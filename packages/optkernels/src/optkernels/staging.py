@@ -58,6 +58,8 @@ class Staging:
         self.native_sends = 0  # those queued through the CUDA driver (the rest: copy_)
 
     def begin(self) -> None:
+        if _HELD:
+            _drain_held()
         self.round += 1
         self.slot = self.round % SLOTS
         written = self._written[self.slot]
@@ -180,8 +182,26 @@ class _Ring:
 
 def _drain(stream: Any, pinned: list[torch.Tensor]) -> None:
     """Wait for ``stream`` (its copies from ``pinned`` included) before ``pinned`` is freed:
-    its allocator would hand the memory out again at once."""
+    its allocator would hand the memory out again at once. While this thread captures a CUDA
+    graph, waiting would break the capture: ``pinned`` is held until a later round runs
+    outside one (``_drain_held``)."""
     # (an error: the process is exiting, or the device failed; nothing left to protect)
     with contextlib.suppress(Exception):
+        if torch.cuda.is_current_stream_capturing():
+            _HELD.append((stream, pinned))
+            return
         stream.synchronize()
-    del pinned
+
+
+# Pinned memory of rings dropped during a capture, with the stream to wait for (see _drain).
+_HELD: list[tuple[Any, list[torch.Tensor]]] = []
+
+
+def _drain_held() -> None:
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_current_stream_capturing():
+            return
+    held = _HELD[:]
+    _HELD.clear()
+    for stream, pinned in held:
+        _drain(stream, pinned)
