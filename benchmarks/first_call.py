@@ -1,0 +1,315 @@
+"""Cold first call of a compiled optimizer, split into phases (issues 20 and 24).
+
+Usage (from the repo root, PYTHONPATH naming packages/*/src):
+    python benchmarks/first_call.py [--cases gpt2-adamw tiny-200-adamw ...] [--device cpu]
+        [--machine "CPU dev machine"] [--out benchmarks/results/first_call_cpu.md]
+    python benchmarks/first_call.py --device cuda --machine "H100" \
+        --out benchmarks/results/first_call_h100.md        # on the GPU machine
+
+Each case runs in a fresh Python process whose caches are empty temporary directories
+(``OPTCOMPILE_CACHE_DIR``, ``OPTKERNELS_CACHE_DIR``, ``OPTGUARD_CACHE_DIR``,
+``TRITON_CACHE_DIR``), so nothing a
+previous run compiled is reused: the optguard C++ module (an install-time build, ``python -m
+optguard build``) is not found either, and the Python checks run. The child builds the
+optimizer, then times its first ``step()`` and, inside it, these phases (each exclusive of
+the phases nested in it, so they add up to at most the total; "other" is the rest):
+
+  state init      the optimizer's ``_init_group`` run for real before the trace
+  trace           recording the step into an ATen graph (opttrace)
+  audit           the side-effect audit of globals, cells and random generators
+  guards          the prologue: guard and gather codegen and compile (optguard)
+  families        finding the per-parameter lane programs / families (optkernels)
+  kernel source   generating Triton or C source
+  C compile       building (or loading) the C kernels (CPU backend)
+  Triton compile  a kernel's first launch (compile, or load from the cache, and run)
+  graph capture   CUDA graph recording (optcudagraph)
+  replay codegen  the side-effect replay code (optsidefx)
+  run             the plan's run and the replay, outside the phases above
+
+Cases: ``gpt2-adamw`` (AdamW over the 148 tensors of GPT-2 124M, foreach as torch defaults
+on the device) and ``tiny-N-OPT`` for N in 200, 2000, 10000 and OPT one of ``adamw``
+(AdamW, torch's default: the for-loop on the CPU), ``sgd`` (SGD, momentum 0.9),
+``adam-foreach`` and ``adam-forloop`` (Adam with foreach=True / False), over 4x4 params.
+Writes a markdown table (``--out``) and prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+OPTIMIZERS = ("adamw", "sgd", "adam-foreach", "adam-forloop")
+DEFAULT_CASES = ["gpt2-adamw", *(f"tiny-{n}-{o}" for n in (200, 2000, 10000) for o in OPTIMIZERS)]
+PHASES = [
+    "state init",
+    "trace",
+    "audit",
+    "guards",
+    "families",
+    "kernel source",
+    "C compile",
+    "Triton compile",
+    "graph capture",
+    "replay codegen",
+    "run",
+]
+
+
+# -- the child: one case, timed ------------------------------------------------------------
+
+
+class Timer:
+    """Exclusive seconds per phase: time spent in a nested timed function is its own."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._stack: list[list[Any]] = []  # [phase, start, nested seconds]
+
+    def wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._stack.append([phase, time.perf_counter(), 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _, start, nested = self._stack.pop()
+                spent = time.perf_counter() - start
+                self.seconds[phase] += spent - nested
+                if self._stack:
+                    self._stack[-1][2] += spent
+
+        return timed
+
+    def patch(self, owner: Any, name: str, phase: str) -> None:
+        """Time ``owner.name`` everywhere it is reachable: on ``owner`` and in every loaded
+        module that imported it by name."""
+        original = getattr(owner, name)
+        timed = self.wrap(original, phase)
+        setattr(owner, name, timed)
+        for module in list(sys.modules.values()):
+            if module is not owner and getattr(module, name, None) is original:
+                setattr(module, name, timed)
+
+
+def _patch_phases(timer: Timer) -> None:
+    import optcompile.driver
+    import optguard.prologue
+    import optkernels.c_kernel
+    import optkernels.families
+    import optkernels.foreach_kernel
+    import optkernels.lanes
+    import optsidefx
+    import optsidefx.replay
+    import opttrace.audit
+    import opttrace.optimizer
+    import opttrace.tracer
+
+    timer.patch(opttrace.optimizer, "init_state", "state init")
+    timer.patch(opttrace.tracer, "_record", "trace")
+    for name in ("user_functions", "snapshot", "constant_globals", "check_and_restore"):
+        timer.patch(opttrace.audit, name, "audit")
+    timer.patch(optguard.prologue.Prologue, "__init__", "guards")
+    timer.patch(optkernels.lanes, "analyze_parts", "families")
+    timer.patch(optkernels.families, "families", "families")
+    timer.patch(optkernels.foreach_kernel, "kernel_source", "kernel source")
+    timer.patch(optkernels.c_kernel, "kernel_source", "kernel source")
+    timer.patch(optkernels.c_kernel, "build", "C compile")
+    timer.patch(optsidefx.replay, "generate_replay", "replay codegen")
+    timer.patch(optcompile.driver.CompiledEntry, "run", "run")
+    try:
+        import optcudagraph.tree
+        import optkernels._triton_compat
+    except ImportError:
+        return
+    timer.patch(optkernels._triton_compat.Kernel, "_first", "Triton compile")
+    timer.patch(optcudagraph.tree.Graphed, "_record", "graph capture")
+
+
+def _params(case: str, device: str) -> tuple[list[Any], str]:
+    import torch
+
+    if case.startswith("gpt2"):
+        sys.path.insert(0, str(HERE))
+        import gpt
+
+        model = gpt.build("gpt2", device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        del model
+    else:
+        n = int(case.split("-")[1])
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 4, device=device)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params, case.split("-", 2)[-1] if case.startswith("tiny") else "adamw"
+
+
+def _optimizer(kind: str, params: list[Any]) -> Any:
+    import torch
+
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if kind == "adam-foreach":
+        return torch.optim.Adam(params, lr=1e-3, foreach=True)
+    if kind == "adam-forloop":
+        return torch.optim.Adam(params, lr=1e-3, foreach=False)
+    raise SystemExit(f"unknown optimizer {kind!r}")
+
+
+def run_case(case: str, device: str) -> dict[str, Any]:
+    """Time the first and second step of ``case`` in this (fresh) process."""
+    import optcompile
+    import torch
+
+    params, kind = _params(case, device)
+    opt = optcompile.compile(_optimizer(kind, params))
+    timer = Timer()
+    _patch_phases(timer)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    opt.step()
+    sync()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    opt.step()
+    sync()
+    second = time.perf_counter() - start
+    report = optcompile.explain(opt)
+    phases = {k: round(v, 4) for k, v in timer.seconds.items()}
+    phases["other"] = round(first - sum(timer.seconds.values()), 4)
+    return {
+        "case": case,
+        "params": len(params),
+        "first_s": round(first, 4),
+        "second_s": round(second, 4),
+        "phases": phases,
+        "traces": report.traces,
+        "backend": report.backend,
+        "graph_ops": report.graph_ops,
+        "check_code_lines": report.check_code.count("\n") + 1,
+        "fallback": report.fallback_reason,
+    }
+
+
+# -- the parent: one fresh process per case ----------------------------------------------
+
+
+def run_fresh(case: str, device: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="first_call_") as tmp:
+        env = dict(os.environ)
+        for var, sub in (
+            ("OPTCOMPILE_CACHE_DIR", "optcompile"),
+            ("OPTKERNELS_CACHE_DIR", "optkernels"),
+            ("OPTGUARD_CACHE_DIR", "optguard"),
+            ("TRITON_CACHE_DIR", "triton"),
+        ):
+            env[var] = os.path.join(tmp, sub)
+        env.pop("OPTCOMPILE_NATIVE", None)  # never build the C++ checks inside the timing
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", case, "--device", device],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"{case} failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _revision() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "packages"], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (f"git {head}" + (" with uncommitted changes under packages/" if dirty else "")) or "?"
+
+
+def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float) -> str:
+    import torch
+
+    shown = [p for p in [*PHASES, "other"] if any(r["phases"][p] >= 0.0005 for r in results)]
+    head = ["case", "params", "first call s", "ms/param", *(f"{p} s" for p in shown), "2nd call s"]
+    rows = []
+    for r in results:
+        cells = [
+            r["case"],
+            str(r["params"]),
+            f"{r['first_s']:.3f}",
+            f"{1000 * r['first_s'] / r['params']:.3f}",
+            *(f"{r['phases'][p]:.3f}" for p in shown),
+            f"{r['second_s']:.4f}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    versions = f"Python {platform.python_version()}, torch {torch.__version__}"
+    try:
+        import triton
+
+        versions += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    command = " ".join(["python", "benchmarks/first_call.py", *sys.argv[1:]])
+    return "\n".join(
+        [
+            f"# First call of a compiled optimizer, cold ({args.device})",
+            "",
+            f"Command: `{command}` (from the repo root)  ",
+            f"Machine: {args.machine}; {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, 1-min load "
+            f"average {load:.2f} at start  ",
+            f"Versions: {versions}; source {_revision()}  ",
+            "Each case in a fresh process with empty optcompile/optkernels/Triton caches "
+            "(the optguard C++ module not built); phases are exclusive (see the script's "
+            "docstring). Tiny params are 4x4 float32.",
+            "",
+            "| " + " | ".join(head) + " |",
+            "| " + " | ".join("---" for _ in head) + " |",
+            *rows,
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--machine", default="CPU dev machine")
+    parser.add_argument("--out", default=None, help="markdown table (default: print only)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_case(args.child, args.device)), flush=True)
+        return
+    load = os.getloadavg()[0]
+    results = []
+    for case in args.cases:
+        results.append(run_fresh(case, args.device))
+        print(json.dumps(results[-1]), flush=True)
+    table = _table(results, args, load)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+
+
+if __name__ == "__main__":
+    main()
