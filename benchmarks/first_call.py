@@ -179,10 +179,10 @@ def run_case(case: str, device: str) -> dict[str, Any]:
     timer = Timer()
     _patch_phases(timer)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     opt.step()
     sync()
-    first = time.perf_counter() - start
+    first, first_cpu = time.perf_counter() - start, time.process_time() - cpu
     start = time.perf_counter()
     opt.step()
     sync()
@@ -194,6 +194,7 @@ def run_case(case: str, device: str) -> dict[str, Any]:
         "case": case,
         "params": len(params),
         "first_s": round(first, 4),
+        "first_cpu_s": round(first_cpu, 4),
         "second_s": round(second, 4),
         "phases": phases,
         "traces": report.traces,
@@ -248,13 +249,22 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
     import torch
 
     shown = [p for p in [*PHASES, "other"] if any(r["phases"][p] >= 0.0005 for r in results)]
-    head = ["case", "params", "first call s", "ms/param", *(f"{p} s" for p in shown), "2nd call s"]
+    head = [
+        "case",
+        "params",
+        "first call s",
+        "its CPU s",
+        "ms/param",
+        *(f"{p} s" for p in shown),
+        "2nd call s",
+    ]
     rows = []
     for r in results:
         cells = [
             r["case"],
             str(r["params"]),
             f"{r['first_s']:.3f}",
+            f"{r['first_cpu_s']:.3f}",
             f"{1000 * r['first_s'] / r['params']:.3f}",
             *(f"{r['phases'][p]:.3f}" for p in shown),
             f"{r['second_s']:.4f}",
@@ -279,7 +289,9 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             f"Versions: {versions}; source {_revision()}  ",
             "Each case in a fresh process with empty optcompile/optkernels/Triton caches "
             "(the optguard C++ module not built); phases are exclusive (see the script's "
-            "docstring). Tiny params are 4x4 float32.",
+            'docstring). Tiny params are 4x4 float32. Phases are wall seconds; "its CPU s" '
+            "is the first call's process CPU time (all threads: on a shared, loaded machine "
+            "the steadier number).",
             "",
             "| " + " | ".join(head) + " |",
             "| " + " | ".join("---" for _ in head) + " |",

@@ -52,9 +52,11 @@ class _RowCode(SourceCode):
     """One row's statements as a template: the row's sources are named by markers relative
     to its item, constants become slots, every other source is the outer code's variable."""
 
-    def __init__(self, outer: SourceCode, row: _Row) -> None:
+    def __init__(
+        self, outer: SourceCode, row: _Row, memo: dict[Source, frozenset[ItemSource]]
+    ) -> None:
         super().__init__(indent="    ")
-        self.outer, self.row = outer, row
+        self.outer, self.row, self._memo = outer, row, memo
         self._item_name = variable_name(row.item)
         self._taken_markers: set[str] = set()
         self.names[row.item] = self._marker(row.item, "item")
@@ -64,7 +66,7 @@ class _RowCode(SourceCode):
     def var(self, source: Source) -> str:
         if source in self.names:
             return self.names[source]
-        if not _reaches(source, self.row.item):
+        if self.row.item not in _items(source, self._memo):
             return self.outer.var(source)
         parents = tuple(self.var(p) for p in source.parents())
         relative = variable_name(source).replace(self._item_name, "item")
@@ -92,34 +94,29 @@ class _RowCode(SourceCode):
         return f"\x01{name}\x02"
 
 
-def _reaches(source: Source, item: Source) -> bool:
-    """Whether ``item`` is ``source`` or one of the sources it is reached through."""
-    stack = [source]
-    while stack:
-        s = stack.pop()
-        if s == item:
-            return True
-        stack.extend(s.parents())
-    return False
+def _items(source: Source, memo: dict[Source, frozenset[ItemSource]]) -> frozenset[ItemSource]:
+    """The items with an int key (``params[3]``) that ``source`` is reached through."""
+    found = memo.get(source)
+    if found is None:
+        acc: set[ItemSource] = set()
+        for parent in source.parents():
+            acc |= _items(parent, memo)
+        if isinstance(source, ItemSource) and type(source.key) is int:
+            acc.add(source)
+        found = memo[source] = frozenset(acc)
+    return found
 
 
-def _row_items(source: Source, found: set[ItemSource]) -> None:
-    stack = [source]
-    while stack:
-        s = stack.pop()
-        if isinstance(s, ItemSource) and type(s.key) is int:
-            found.add(s)
-        stack.extend(s.parents())
-
-
-def _rows(statements: Sequence[Statement]) -> dict[ItemSource, _Row]:
+def _rows(
+    statements: Sequence[Statement], memo: dict[Source, frozenset[ItemSource]]
+) -> dict[ItemSource, _Row]:
     """Each statement that reads from exactly one item of a long list, by that item."""
-    items: list[set[ItemSource]] = []
+    items: list[frozenset[ItemSource]] = []
     keys: dict[Source, set[int]] = {}
     for sources, _ in statements:
-        found: set[ItemSource] = set()
-        for s in sources:
-            _row_items(s, found)
+        found = _items(sources[0], memo)
+        for s in sources[1:]:
+            found = found | _items(s, memo)
         items.append(found)
         for item in found:
             keys.setdefault(item.base, set()).add(int(item.key))
@@ -144,13 +141,14 @@ def _key(value: Any) -> Any:
 def emit(body: SourceCode, statements: Sequence[Statement]) -> bool:
     """Emit ``statements`` onto ``body``, rows of one template as one loop each (see the
     module docstring); True if any loop was emitted."""
-    rows = _rows(statements)
+    memo: dict[Source, frozenset[ItemSource]] = {}
+    rows = _rows(statements, memo)
     if len(rows) < MIN_ROWS:
         for _, emitter in statements:
             emitter(body)
         return False
     for row in rows.values():
-        code = _RowCode(body, row)
+        code = _RowCode(body, row, memo)
         for index in row.statements:
             statements[index][1](code)
         row.text = "\n".join(code.lines)
