@@ -205,10 +205,127 @@ def run_case(case: str, device: str) -> dict[str, Any]:
     }
 
 
+# -- the Triton compile of GPT-2's kernels, offline (no GPU needed) -------------------------
+
+_KERNEL_SIGNATURE = {
+    "ptrs": "*i64",
+    "dptrs": "*i64",
+    "numels": "*i64",
+    "blk_lane": "*i32",
+    "blk_start": "*i64",
+    "scalars": "*fp64",
+    "small_out": "*fp64",
+    "host_vals": "*fp64",
+    "BLOCK": "constexpr",
+}
+_SMALL_SIGNATURE = {
+    "ptrs": "*i64",
+    "dptrs": "*i64",
+    "small_out": "*fp64",
+    "n_lanes": "i32",
+    "BLOCK": "constexpr",
+}
+
+
+def triton_offline(arch: int) -> dict[str, Any]:
+    """What the GPU's first call does before its first launch, on this CPU: trace AdamW
+    (foreach, capturable: the Triton backend's path) over GPT-2 124M's shapes, build the
+    prologue, lower to Triton kernels; then compile each generated kernel for an
+    ``sm_<arch>`` target with Triton's compiler (as the first launch would), timing each."""
+    import optguard
+    import torch
+    import triton
+    from optkernels.triton_backend import TritonPlan
+    from opttrace import trace_step
+    from opttrace.optimizer import init_state
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params, _ = _params("gpt2-adamw", "cpu")
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True, capturable=True)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    init_state(opt)  # (the state's allocation, as eager's first step: not timed below)
+    seconds["state init (as eager's first step)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    traced = trace_step(opt, capturable=True)
+    seconds["trace"] = time.perf_counter() - start
+    start = time.perf_counter()
+    optguard.Prologue(traced.guards, traced.input_sources, pin=True)
+    seconds["guards"] = time.perf_counter() - start
+    start = time.perf_counter()
+    plan = TritonPlan(traced.graph_module)  # (the backend object wants a GPU)
+    seconds["lowering and kernel source"] = time.perf_counter() - start
+    target = GPUTarget("cuda", arch, 32)
+    kernels = []
+    for part in plan.parts:
+        for group in part.groups:
+            launches = [(group.kernel.fn, _KERNEL_SIGNATURE, group.block, group.num_warps)]
+            if group.small_kernel is not None:
+                launches.append((group.small_kernel.fn, _SMALL_SIGNATURE, 256, 4))
+            for fn, signature, block, warps in launches:
+                source = ASTSource(fn=fn, signature=signature, constexprs={"BLOCK": block})
+                start = time.perf_counter()
+                compiled = triton.compile(source, target=target, options={"num_warps": warps})
+                spent = time.perf_counter() - start
+                ptx = compiled.asm["ptx"]
+                kernels.append(
+                    {
+                        "name": fn.__name__,
+                        "source_lines": len(fn.src.splitlines()),
+                        "compile_s": round(spent, 4),
+                        "ptx_lines": len(ptx.splitlines()),
+                        "vector_loads": ptx.count("ld.global.v4"),
+                        "block": block,
+                        "num_warps": warps,
+                    }
+                )
+    return {
+        "arch": arch,
+        "params": len(params),
+        "graph_ops": sum(1 for n in traced.graph.nodes if n.op == "call_function"),
+        "phases": {k: round(v, 4) for k, v in seconds.items()},
+        "kernels": kernels,
+        "triton": triton.__version__,
+    }
+
+
+def _triton_table(result: dict[str, Any]) -> str:
+    phases = result["phases"]
+    total = sum(k["compile_s"] for k in result["kernels"])
+    lines = [
+        "",
+        f"## GPT-2 124M AdamW (foreach, capturable): Triton compile for sm_{result['arch']}, "
+        "offline",
+        "",
+        f"Command: `python benchmarks/first_call.py --triton-offline {result['arch']}` "
+        f"(Triton {result['triton']}, on this CPU: the compile to PTX and cubin needs no "
+        "GPU). The same trace, prologue and lowering the GPU's first call runs, on CPU "
+        f"tensors of GPT-2's shapes ({result['params']} tensors, {result['graph_ops']} graph "
+        "ops), then `triton.compile` of each generated kernel as its first launch would.",
+        "",
+        "| phase | s |",
+        "| --- | --- |",
+        *(f"| {k} | {v:.3f} |" for k, v in phases.items()),
+        f"| Triton compile, {len(result['kernels'])} kernels | {total:.3f} |",
+        f"| total | {sum(phases.values()) + total:.3f} |",
+        "",
+        "| kernel | source lines | BLOCK | warps | compile s | PTX lines | ld.global.v4 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *(
+            f"| {k['name']} | {k['source_lines']} | {k['block']} | {k['num_warps']} "
+            f"| {k['compile_s']:.3f} | {k['ptx_lines']} | {k['vector_loads']} |"
+            for k in result["kernels"]
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
 # -- the parent: one fresh process per case ----------------------------------------------
 
 
-def run_fresh(case: str, device: str) -> dict[str, Any]:
+def run_fresh(case: str, device: str, triton_arch: int | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="first_call_") as tmp:
         env = dict(os.environ)
         for var, sub in (
@@ -219,8 +336,12 @@ def run_fresh(case: str, device: str) -> dict[str, Any]:
         ):
             env[var] = os.path.join(tmp, sub)
         env.pop("OPTCOMPILE_NATIVE", None)  # never build the C++ checks inside the timing
+        command = [sys.executable, __file__, "--child", case, "--device", device]
+        if triton_arch is not None:
+            env.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
+            command = [sys.executable, __file__, "--triton-child", str(triton_arch)]
         done = subprocess.run(
-            [sys.executable, __file__, "--child", case, "--device", device],
+            command,
             env=env,
             capture_output=True,
             text=True,
@@ -303,14 +424,25 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--machine", default="CPU dev machine")
     parser.add_argument("--out", default=None, help="markdown table (default: print only)")
+    parser.add_argument(
+        "--triton-offline",
+        type=int,
+        default=None,
+        metavar="ARCH",
+        help="also compile GPT-2's Triton kernels for sm_ARCH (e.g. 90) on this machine",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--triton-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_case(args.child, args.device)), flush=True)
+        return
+    if args.triton_child is not None:
+        print(json.dumps(triton_offline(args.triton_child)), flush=True)
         return
     load = os.getloadavg()[0]
     results = []
@@ -318,6 +450,10 @@ def main() -> None:
         results.append(run_fresh(case, args.device))
         print(json.dumps(results[-1]), flush=True)
     table = _table(results, args, load)
+    if args.triton_offline is not None:
+        offline = run_fresh("gpt2-adamw", "cpu", args.triton_offline)
+        print(json.dumps(offline), flush=True)
+        table += _triton_table(offline)
     print(table)
     if args.out:
         Path(args.out).write_text(table)
