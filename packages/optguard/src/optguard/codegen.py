@@ -24,6 +24,10 @@ from typing import Any
 
 from optguard.sources import Locals, Source, variable_name
 
+# Generated locals must not shadow builtins the code calls (type, len, tuple) or be
+# keywords: an argument named ``type`` would otherwise break every check.
+_RESERVED = frozenset({"L", "sys", *dir(builtins), *keyword.kwlist})
+
 
 class SourceCode:
     """Accumulates the statements that bind sources to local variables, in dependency order."""
@@ -33,9 +37,7 @@ class SourceCode:
         self.lines: list[str] = []
         self.names: dict[Source, str] = {}
         self.constants: dict[str, Any] = {}
-        # Generated locals must not shadow builtins the code calls (type, len, tuple) or be
-        # keywords: an argument named ``type`` would otherwise break every check.
-        self._taken: set[str] = {"L", "sys", *dir(builtins), *keyword.kwlist}
+        self._taken: set[str] = set(_RESERVED)
         self._constant_names: dict[Any, str] = {}
         self._next_suffix: dict[str, int] = {}
         # Lists the generated code fills with many sources' values, in order (rows.py).

@@ -111,12 +111,14 @@ def _rows(
     statements: Sequence[Statement], memo: dict[Source, frozenset[ItemSource]]
 ) -> dict[ItemSource, _Row]:
     """Each statement that reads from exactly one item of a long list, by that item."""
-    items: list[frozenset[ItemSource]] = []
+    items: list[frozenset[ItemSource] | set[ItemSource]] = []
     keys: dict[Source, set[int]] = {}
     for sources, _ in statements:
-        found = _items(sources[0], memo)
-        for s in sources[1:]:
-            found = found | _items(s, memo)
+        found: frozenset[ItemSource] | set[ItemSource] = _items(sources[0], memo)
+        if len(sources) > 1:  # (a guard over every param's state: thousands of sources)
+            found = set(found)
+            for s in sources[1:]:
+                found.update(_items(s, memo))
         items.append(found)
         for item in found:
             keys.setdefault(item.base, set()).add(int(item.key))
