@@ -59,3 +59,24 @@ def test_fsdp_training_benchmark_runs_under_torchrun_with_two_ranks(tmp_path: Pa
         assert all(r["opt_step_s"] > 0 and r["train_step_s"] > 0 for r in run["rows"])
         assert run["rows"][0]["fallback"] is None
     assert "largest loss gap" in table
+
+
+def test_first_call_benchmark_times_each_phase_in_a_fresh_process(tmp_path: Path) -> None:
+    # (its timers patch the functions each phase runs: this keeps their names current)
+    out = tmp_path / "first_call.md"
+    script = str(BENCHMARKS / "first_call.py")
+    done = subprocess.run(
+        [sys.executable, script, "--cases", "tiny-200-adamw", "--out", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[0])
+    assert result["params"] == 200 and result["traces"] == 1 and result["fallback"] is None
+    for phase in ("trace", "guards", "families", "run"):
+        assert result["phases"][phase] > 0, phase
+    assert result["check_code_lines"] < 200  # the params' guards are one loop
+    assert "| tiny-200-adamw | 200 |" in out.read_text()

@@ -1,17 +1,20 @@
 """Compile all guards of an entry into one check function, and explain its failures.
 
 One generated function ``check(L) -> bool`` fetches each source once and tests every guard
-in order (an entry's Prologue, prologue.py, runs it when its fast tier does not answer).
+(those of each item of a long list, a parameter's, as one loop: rows.py; an entry's
+Prologue, prologue.py, runs it when its fast tier does not answer).
 After a miss, ``first_failure`` walks the guards one by one to name the first that fails,
 with its old and new value.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from optguard import rows
 from optguard.codegen import SourceCode, build_function
 from optguard.guards import MISSING, Guard, describe_failure
 from optguard.sources import Locals
@@ -75,10 +78,7 @@ class CompiledCheck:
 def compile_check(guards: GuardSet) -> CompiledCheck:
     """Generate ``check(L)``: True when every guard holds; any error while fetching is a miss."""
     body = SourceCode(indent="        ")
-    for guard in guards.guards:
-        var = body.var(guard.source)
-        body.emit(f"if not {guard.test(var, body)}:")
-        body.emit("    return False")
+    rows.emit(body, [(g.sources(), functools.partial(_emit_guard, g)) for g in guards.guards])
     body.emit("return True")
     lines = ["    try:", *body.lines, "    except Exception:", "        return False"]
     fn, code = build_function("check", "L", lines, body.constants)
@@ -87,6 +87,12 @@ def compile_check(guards: GuardSet) -> CompiledCheck:
         log.info("check compiled: %d guards (%s)", len(guards), kinds or "none")
         log.debug("%s", code)
     return CompiledCheck(guards, fn, code)
+
+
+def _emit_guard(guard: Guard, code: SourceCode) -> None:
+    var = code.var(guard.source)
+    code.emit(f"if not {guard.test(var, code)}:")
+    code.emit("    return False")
 
 
 def first_failure(guards: Sequence[Guard], L: Locals) -> str | None:

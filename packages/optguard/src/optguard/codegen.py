@@ -8,6 +8,7 @@ it) so the generated functions evaluate each access path once.
 from __future__ import annotations
 
 import builtins
+import functools
 import hashlib
 import importlib.util
 import keyword
@@ -23,6 +24,10 @@ from typing import Any
 
 from optguard.sources import Locals, Source, variable_name
 
+# Generated locals must not shadow builtins the code calls (type, len, tuple) or be
+# keywords: an argument named ``type`` would otherwise break every check.
+_RESERVED = frozenset({"L", "sys", *dir(builtins), *keyword.kwlist})
+
 
 class SourceCode:
     """Accumulates the statements that bind sources to local variables, in dependency order."""
@@ -32,11 +37,11 @@ class SourceCode:
         self.lines: list[str] = []
         self.names: dict[Source, str] = {}
         self.constants: dict[str, Any] = {}
-        # Generated locals must not shadow builtins the code calls (type, len, tuple) or be
-        # keywords: an argument named ``type`` would otherwise break every check.
-        self._taken: set[str] = {"L", "sys", *dir(builtins), *keyword.kwlist}
+        self._taken: set[str] = set(_RESERVED)
         self._constant_names: dict[Any, str] = {}
         self._next_suffix: dict[str, int] = {}
+        # Lists the generated code fills with many sources' values, in order (rows.py).
+        self.lists: dict[tuple[Source, ...], str] = {}
 
     def var(self, source: Source) -> str:
         """The local variable holding ``source``'s value, emitting its fetch if needed."""
@@ -61,6 +66,19 @@ class SourceCode:
             name = self._constant_names[key] = self._fresh(hint)
             self.constants[name] = value
         return name
+
+    def inline(self, value: Any, hint: str = "value") -> str:
+        """Source text for a value written out (a shape, a position): its repr here; a
+        row template (rows.py) makes it a slot that may differ between rows."""
+        return repr(value)
+
+    def tuple_of(self, sources: Iterable[Source]) -> str:
+        """An expression for the sequence of ``sources``' values."""
+        sources = tuple(sources)
+        filled = self.lists.get(sources)
+        if filled is not None:
+            return filled
+        return f"({', '.join(self.var(s) for s in sources)},)"
 
     def literal(self, value: Any) -> str:
         """Source text for a constant: its repr where that evaluates back to it (not inf/nan
@@ -155,8 +173,22 @@ def code_dir() -> str:
 def compile_fetch(
     sources: Iterable[Source], name: str = "gather"
 ) -> tuple[Callable[[Locals], list[Any]], str]:
-    """Generate ``name(L) -> [value of each source]`` evaluating shared prefixes once."""
+    """Generate ``name(L) -> [value of each source]`` evaluating shared prefixes once (the
+    items of a long list in one loop: rows.py)."""
+    from optguard import rows  # (rows builds on this module)
+
+    sources = list(sources)
+    body = SourceCode()
+    body.emit(f"out = [None] * {len(sources)}")
+    statements = [((s,), functools.partial(_emit_item, j, s)) for j, s in enumerate(sources)]
+    if rows.emit(body, statements):
+        body.emit("return out")
+        return build_function(name, "L", body.lines, body.constants)
     body = SourceCode()
     values = [body.var(s) for s in sources]
     body.emit(f"return [{', '.join(values)}]")
     return build_function(name, "L", body.lines, body.constants)
+
+
+def _emit_item(position: int, source: Source, code: SourceCode) -> None:
+    code.emit(f"out[{code.inline(position, 'at')}] = {code.var(source)}")

@@ -324,8 +324,7 @@ class DisjointGuard(Guard):
     others: tuple[Source, ...]
 
     def test(self, var: str, code: SourceCode) -> str:
-        names = ", ".join([var, *(code.var(o) for o in self.others)])
-        return f"{code.constant(disjoint, 'disjoint')}(({names},))"
+        return f"{code.constant(disjoint, 'disjoint')}({code.tuple_of(self.sources())})"
 
     def expected(self) -> str:
         return f"shares no memory with {self._others()}"
@@ -527,7 +526,8 @@ class TensorMatchGuard(Guard):
         layout = code.constant(m.layout, str(m.layout).replace("torch.", ""))
         return (
             f"(type({var}) is {cls} and {var}.dtype is {dtype} and {var}.device == {device}"
-            f" and {var}.shape == {m.shape!r} and {var}.stride() == {m.stride!r}"
+            f" and {var}.shape == {code.inline(m.shape, 'shape')}"
+            f" and {var}.stride() == {code.inline(m.stride, 'stride')}"
             f" and {var}.requires_grad is {m.requires_grad} and {var}.layout is {layout})"
         )
 

@@ -25,6 +25,10 @@ class Source:
     def name(self) -> str:
         raise NotImplementedError(type(self).__name__)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # (the cached hash is this process's: string hashes differ between processes)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_name")}
+
     def fetch(self, L: Locals) -> Any:
         raise NotImplementedError(type(self).__name__)
 
@@ -194,6 +198,44 @@ class DictKeySource(Source):
 
     def expr(self, parent_vars: tuple[str, ...]) -> str:
         return f"list({parent_vars[0]}.keys())[{self.index}]"
+
+
+def _cache_hash_and_name(cls: type[Source]) -> None:
+    """Keep each source's hash and name once computed: a source is hashed as a dict key and
+    named (generated variables are named after it) again and again while guards and gathers
+    are generated, tens of thousands of times for a large optimizer, and both walk the
+    whole path each time."""
+    fields_hash, plain_name = cls.__hash__, cls.name
+
+    def __hash__(self: Source) -> int:
+        try:
+            return self.__dict__["_hash"]  # type: ignore[no-any-return]
+        except KeyError:
+            h = self.__dict__["_hash"] = fields_hash(self)
+            return h
+
+    def name(self: Source) -> str:
+        try:
+            return self.__dict__["_name"]  # type: ignore[no-any-return]
+        except KeyError:
+            n = self.__dict__["_name"] = plain_name(self)
+            return n
+
+    cls.__hash__ = __hash__  # type: ignore[method-assign,assignment]
+    cls.name = name  # type: ignore[method-assign]
+
+
+for _cls in (
+    LocalSource,
+    AttrSource,
+    ItemSource,
+    KeyedSource,
+    GlobalSource,
+    AutocastSource,
+    WeakRefSource,
+    DictKeySource,
+):
+    _cache_hash_and_name(_cls)
 
 
 def ancestors(source: Source) -> Iterator[Source]:

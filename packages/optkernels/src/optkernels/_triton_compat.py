@@ -8,12 +8,21 @@ process builds the compiled kernel from those files and puts it straight into th
 in-memory cache: Triton neither compiles nor hashes itself. Anything unexpected (another
 Triton version or target, files gone, a JIT that looks different) falls back to Triton's
 own path, which is always correct, only slower.
+
+A process whose kernels are not recorded yet (a cold cache) still pays for the hash before
+its first compile: most of it reading and hashing ``libtriton`` (hundreds of MB), which
+runs without the GIL. ``prefetch_triton_key`` starts it in a background thread when the
+backend is made (``compile()``), so the trace and lowering of the first call, and whatever
+the caller does before its first step, overlap it; the first compile waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +50,8 @@ class Kernel:
         except _MISMATCH:
             launch = None
         seeded = launch is not None and _seed(self.fn, self.record, launch)
+        if not seeded:
+            _await_triton_key()  # (Triton compiles: its key is computed, or being computed)
         self.fn[grid](*args, **kwargs)
         if launch is not None and not seeded:
             _remember(self.fn, self.record, launch)
@@ -122,3 +133,43 @@ def _read(record: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return entries if isinstance(entries, dict) else {}
+
+
+_key_thread: threading.Thread | None = None
+
+
+def prefetch_triton_key() -> None:
+    """Compute Triton's self-hash (``triton_key``, cached by Triton for the process) in a
+    background thread; see the module docstring. Once per process; never under the
+    interpreter (it compiles nothing)."""
+    global _key_thread
+    if _key_thread is not None or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    key = _triton_key_function()
+    if key is None:
+        return
+    _key_thread = threading.Thread(
+        target=_quietly, args=(key,), name="optkernels-triton-key", daemon=True
+    )
+    _key_thread.start()
+
+
+def _triton_key_function() -> Callable[[], Any] | None:
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:
+            return None
+    return triton_key  # type: ignore[no-any-return]
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    with contextlib.suppress(Exception):  # the first compile computes it again, and says why
+        fn()
+
+
+def _await_triton_key() -> None:
+    if _key_thread is not None:
+        _key_thread.join()

@@ -18,11 +18,18 @@ import numpy as np
 import torch
 from torch import fx
 
+from optkernels._triton_compat import prefetch_triton_key
 from optkernels.addresses import AddressCheck
 from optkernels.compressed import BLOCK as INT8_BLOCK
 from optkernels.dtypes import op_dtypes
 from optkernels.errors import BackendError
-from optkernels.foreach_kernel import KernelError, kernel_source, launch_config, load_kernel
+from optkernels.foreach_kernel import (
+    KernelError,
+    kernel_source,
+    launch_config,
+    load_kernel,
+    source_dir,
+)
 from optkernels.host import (
     HOST_ROWS,
     host_dtypes,
@@ -695,6 +702,15 @@ def _reads_numbers(gm: fx.GraphModule) -> bool:
     )
 
 
+def kernels_recorded() -> bool:
+    """Whether the kernel cache (``source_dir()``) holds a launched kernel's record: if not,
+    the first call of this process compiles (see _triton_compat)."""
+    try:
+        return any(name.endswith(".json") for name in os.listdir(source_dir()))
+    except OSError:
+        return False
+
+
 class TritonBackend:
     """Backend that fuses foreach graphs into generated Triton kernels."""
 
@@ -705,6 +721,8 @@ class TritonBackend:
         reason = triton_usable()
         if reason is not None:
             raise BackendError(f"backend='triton' cannot run here: {reason}")
+        if not kernels_recorded():
+            prefetch_triton_key()  # a cold cache: the first call will compile
 
     def compile(self, gm: fx.GraphModule) -> TritonPlan:
         plan = TritonPlan(gm)

@@ -9,6 +9,7 @@ meta tensors: exact, just slower.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +35,14 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
+@functools.lru_cache(maxsize=4096)
 def contiguous_stride(shape: Shape) -> Shape:
+    """The strides of a contiguous tensor of ``shape`` (asked for by every pointwise op:
+    cached, and computed without ``max``, which a trace patches)."""
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)
-        acc *= max(size, 1)
+        acc *= size if size > 1 else 1
     return tuple(reversed(stride))
 
 

@@ -1,0 +1,516 @@
+"""Cold first call of a compiled optimizer, split into phases (issues 20 and 24).
+
+Usage (from the repo root, PYTHONPATH naming packages/*/src):
+    python benchmarks/first_call.py [--cases gpt2-adamw tiny-200-adamw ...] [--device cpu]
+        [--machine "CPU dev machine"] [--out benchmarks/results/first_call_cpu.md]
+    python benchmarks/first_call.py --device cuda --machine "H100" \
+        --out benchmarks/results/first_call_h100.md        # on the GPU machine
+
+Each case runs in a fresh Python process whose caches are empty temporary directories
+(``OPTCOMPILE_CACHE_DIR``, ``OPTKERNELS_CACHE_DIR``, ``OPTGUARD_CACHE_DIR``,
+``TRITON_CACHE_DIR``), so nothing a
+previous run compiled is reused: the optguard C++ module (an install-time build, ``python -m
+optguard build``) is not found either, and the Python checks run. The child builds the
+optimizer, then times its first ``step()`` and, inside it, these phases (each exclusive of
+the phases nested in it, so they add up to at most the total; "other" is the rest):
+
+  state init      the optimizer's ``_init_group`` run for real before the trace
+  trace           recording the step into an ATen graph (opttrace)
+  audit           the side-effect audit of globals, cells and random generators
+  guards          the prologue: guard and gather codegen and compile (optguard)
+  families        finding the per-parameter lane programs / families (optkernels)
+  kernel source   generating Triton or C source
+  C compile       building (or loading) the C kernels (CPU backend)
+  Triton compile  a kernel's first launch (compile, or load from the cache, and run)
+  graph capture   CUDA graph recording (optcudagraph)
+  replay codegen  the side-effect replay code (optsidefx)
+  run             the plan's run and the replay, outside the phases above
+
+Cases: ``gpt2-adamw`` (AdamW over the 148 tensors of GPT-2 124M, foreach as torch defaults
+on the device) and ``tiny-N-OPT`` for N in 200, 2000, 10000 and OPT one of ``adamw``
+(AdamW, torch's default: the for-loop on the CPU), ``sgd`` (SGD, momentum 0.9),
+``adam-foreach`` and ``adam-forloop`` (Adam with foreach=True / False), over 4x4 params.
+Writes a markdown table (``--out``) and prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+OPTIMIZERS = ("adamw", "sgd", "adam-foreach", "adam-forloop")
+DEFAULT_CASES = ["gpt2-adamw", *(f"tiny-{n}-{o}" for n in (200, 2000, 10000) for o in OPTIMIZERS)]
+PHASES = [
+    "state init",
+    "trace",
+    "audit",
+    "guards",
+    "families",
+    "kernel source",
+    "C compile",
+    "Triton compile",
+    "graph capture",
+    "replay codegen",
+    "run",
+]
+
+
+# -- the child: one case, timed ------------------------------------------------------------
+
+
+def _cpu() -> float:
+    """CPU seconds of this process (all threads) and of the children it waited for (the C
+    compiler, ptxas)."""
+    children = os.times()  # (in clock ticks: fine for compilers, too coarse for the rest)
+    return time.process_time() + children.children_user + children.children_system
+
+
+class Timer:
+    """Exclusive seconds per phase, wall and process CPU: time spent in a nested timed
+    function is its own."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.cpu = dict.fromkeys(PHASES, 0.0)
+        self._stack: list[list[Any]] = []  # [phase, start, cpu start, nested, nested cpu]
+
+    def wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._stack.append([phase, time.perf_counter(), _cpu(), 0.0, 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _, start, cpu_start, nested, nested_cpu = self._stack.pop()
+                spent = time.perf_counter() - start
+                spent_cpu = _cpu() - cpu_start
+                self.seconds[phase] += spent - nested
+                self.cpu[phase] += spent_cpu - nested_cpu
+                if self._stack:
+                    self._stack[-1][3] += spent
+                    self._stack[-1][4] += spent_cpu
+
+        return timed
+
+    def patch(self, owner: Any, name: str, phase: str) -> None:
+        """Time ``owner.name`` everywhere it is reachable: on ``owner`` and in every loaded
+        module that imported it by name."""
+        original = getattr(owner, name)
+        timed = self.wrap(original, phase)
+        setattr(owner, name, timed)
+        for module in list(sys.modules.values()):
+            if module is not owner and getattr(module, name, None) is original:
+                setattr(module, name, timed)
+
+
+def _patch_phases(timer: Timer) -> None:
+    import optcompile.driver
+    import optguard.prologue
+    import optkernels.c_kernel
+    import optkernels.families
+    import optkernels.foreach_kernel
+    import optkernels.lanes
+    import optsidefx
+    import optsidefx.replay
+    import opttrace.audit
+    import opttrace.optimizer
+    import opttrace.tracer
+
+    timer.patch(opttrace.optimizer, "init_state", "state init")
+    timer.patch(opttrace.tracer, "_record", "trace")
+    for name in ("user_functions", "snapshot", "constant_globals", "check_and_restore"):
+        timer.patch(opttrace.audit, name, "audit")
+    timer.patch(optguard.prologue.Prologue, "__init__", "guards")
+    timer.patch(optkernels.lanes, "analyze_parts", "families")
+    timer.patch(optkernels.families, "families", "families")
+    timer.patch(optkernels.foreach_kernel, "kernel_source", "kernel source")
+    timer.patch(optkernels.c_kernel, "kernel_source", "kernel source")
+    timer.patch(optkernels.c_kernel, "build", "C compile")
+    timer.patch(optsidefx.replay, "generate_replay", "replay codegen")
+    timer.patch(optcompile.driver.CompiledEntry, "run", "run")
+    try:
+        import optcudagraph.tree
+        import optkernels._triton_compat
+    except ImportError:
+        return
+    timer.patch(optkernels._triton_compat.Kernel, "_first", "Triton compile")
+    timer.patch(optcudagraph.tree.Graphed, "_record", "graph capture")
+
+
+def _params(case: str, device: str) -> tuple[list[Any], str]:
+    import torch
+
+    if case.startswith("gpt2"):
+        sys.path.insert(0, str(HERE))
+        import gpt
+
+        model = gpt.build("gpt2", device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        del model
+    else:
+        n = int(case.split("-")[1])
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 4, device=device)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params, case.split("-", 2)[-1] if case.startswith("tiny") else "adamw"
+
+
+def _optimizer(kind: str, params: list[Any]) -> Any:
+    import torch
+
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if kind == "adam-foreach":
+        return torch.optim.Adam(params, lr=1e-3, foreach=True)
+    if kind == "adam-forloop":
+        return torch.optim.Adam(params, lr=1e-3, foreach=False)
+    raise SystemExit(f"unknown optimizer {kind!r}")
+
+
+def run_case(case: str, device: str) -> dict[str, Any]:
+    """Time the first and second step of ``case`` in this (fresh) process."""
+    import optcompile
+    import torch
+
+    params, kind = _params(case, device)
+    opt = optcompile.compile(_optimizer(kind, params))
+    timer = Timer()
+    _patch_phases(timer)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    start, cpu = time.perf_counter(), _cpu()
+    opt.step()
+    sync()
+    first, first_cpu = time.perf_counter() - start, _cpu() - cpu
+    phases = {k: round(v, 4) for k, v in timer.seconds.items()}
+    phases["other"] = round(first - sum(timer.seconds.values()), 4)
+    cpu_phases = {k: round(v, 4) for k, v in timer.cpu.items()}
+    cpu_phases["other"] = round(first_cpu - sum(timer.cpu.values()), 4)
+    check_code = optcompile.explain(opt).check_code  # (before the fast tier's is added)
+    start = time.perf_counter()
+    opt.step()
+    sync()
+    second = time.perf_counter() - start
+    report = optcompile.explain(opt)
+    return {
+        "case": case,
+        "params": len(params),
+        "first_s": round(first, 4),
+        "first_cpu_s": round(first_cpu, 4),
+        "second_s": round(second, 4),
+        "phases": phases,
+        "cpu_phases": cpu_phases,
+        "traces": report.traces,
+        "backend": report.backend,
+        "graph_ops": report.graph_ops,
+        "check_code_lines": check_code.count("\n") + 1,
+        "fallback": report.fallback_reason,
+    }
+
+
+# -- the Triton compile of GPT-2's kernels, offline (no GPU needed) -------------------------
+
+_KERNEL_SIGNATURE = {
+    "ptrs": "*i64",
+    "dptrs": "*i64",
+    "numels": "*i64",
+    "blk_lane": "*i32",
+    "blk_start": "*i64",
+    "scalars": "*fp64",
+    "small_out": "*fp64",
+    "host_vals": "*fp64",
+    "BLOCK": "constexpr",
+}
+_SMALL_SIGNATURE = {
+    "ptrs": "*i64",
+    "dptrs": "*i64",
+    "small_out": "*fp64",
+    "n_lanes": "i32",
+    "BLOCK": "constexpr",
+}
+
+
+def triton_offline(arch: int, prefetch: bool) -> dict[str, Any]:
+    """What the GPU's first call does before its first launch, on this CPU: trace AdamW
+    (foreach, capturable: the Triton backend's path) over GPT-2 124M's shapes, build the
+    prologue, lower to Triton kernels; then compile each generated kernel for an
+    ``sm_<arch>`` target with Triton's compiler (as the first launch would), timing each.
+    ``prefetch``: Triton's self-hash starts in the background first, as the Triton backend
+    starts it when a compiled optimizer is made on a machine with a cold kernel cache."""
+    import optguard
+    import torch
+    import triton
+    from optkernels import _triton_compat
+    from optkernels.triton_backend import TritonPlan
+    from opttrace import trace_step
+    from opttrace.optimizer import init_state
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params, _ = _params("gpt2-adamw", "cpu")
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True, capturable=True)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    init_state(opt)  # (the state's allocation, as eager's first step: not timed below)
+    seconds["state init (as eager's first step)"] = time.perf_counter() - start
+    if prefetch:  # (after the CPU's slow state init, which on a GPU takes no time)
+        _triton_compat.prefetch_triton_key()
+    start = time.perf_counter()
+    traced = trace_step(opt, capturable=True)
+    seconds["trace"] = time.perf_counter() - start
+    start = time.perf_counter()
+    optguard.Prologue(traced.guards, traced.input_sources, pin=True)
+    seconds["guards"] = time.perf_counter() - start
+    start = time.perf_counter()
+    plan = TritonPlan(traced.graph_module)  # (the backend object wants a GPU)
+    seconds["lowering and kernel source"] = time.perf_counter() - start
+    start = time.perf_counter()
+    if prefetch:
+        _triton_compat._await_triton_key()
+    else:
+        _triton_compat._triton_key_function()()  # type: ignore[misc]
+    seconds["Triton self-hash (its wait, if prefetched)"] = time.perf_counter() - start
+    target = GPUTarget("cuda", arch, 32)
+    kernels = []
+    for part in plan.parts:
+        for group in part.groups:
+            launches = [(group.kernel.fn, _KERNEL_SIGNATURE, group.block, group.num_warps)]
+            if group.small_kernel is not None:
+                launches.append((group.small_kernel.fn, _SMALL_SIGNATURE, 256, 4))
+            for fn, signature, block, warps in launches:
+                source = ASTSource(fn=fn, signature=signature, constexprs={"BLOCK": block})
+                start = time.perf_counter()
+                compiled = triton.compile(source, target=target, options={"num_warps": warps})
+                spent = time.perf_counter() - start
+                ptx = compiled.asm["ptx"]
+                kernels.append(
+                    {
+                        "name": fn.__name__,
+                        "source_lines": len(fn.src.splitlines()),
+                        "compile_s": round(spent, 4),
+                        "ptx_lines": len(ptx.splitlines()),
+                        "vector_loads": ptx.count("ld.global.v4"),
+                        "block": block,
+                        "num_warps": warps,
+                    }
+                )
+    return {
+        "arch": arch,
+        "prefetch": prefetch,
+        "params": len(params),
+        "graph_ops": sum(1 for n in traced.graph.nodes if n.op == "call_function"),
+        "phases": {k: round(v, 4) for k, v in seconds.items()},
+        "kernels": kernels,
+        "triton": triton.__version__,
+    }
+
+
+def _triton_table(results: list[dict[str, Any]]) -> str:
+    result = results[0]
+    lines = [
+        "",
+        f"## GPT-2 124M AdamW (foreach, capturable): Triton compile for sm_{result['arch']}, "
+        "offline",
+        "",
+        f"Command: `python benchmarks/first_call.py --triton-offline {result['arch']}` "
+        f"(Triton {result['triton']}, on this CPU: the compile to PTX and cubin needs no "
+        "GPU). The same trace, prologue and lowering the GPU's first call runs, on CPU "
+        f"tensors of GPT-2's shapes ({result['params']} tensors, {result['graph_ops']} graph "
+        "ops), then `triton.compile` of each generated kernel as its first launch would.",
+        "",
+        "| phase | " + " | ".join(_variant(r) for r in results) + " |",
+        "| --- |" + " --- |" * len(results),
+        *(
+            f"| {k} | " + " | ".join(f"{r['phases'][k]:.3f}" for r in results) + " |"
+            for k in result["phases"]
+        ),
+        f"| Triton compile, {len(result['kernels'])} kernels | "
+        + " | ".join(f"{sum(k['compile_s'] for k in r['kernels']):.3f}" for r in results)
+        + " |",
+        "| total after the state init | "
+        + " | ".join(f"{_after_init(r):.3f}" for r in results)
+        + " |",
+        "",
+        "| kernel | source lines | BLOCK | warps | compile s | PTX lines | ld.global.v4 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *(
+            f"| {k['name']} | {k['source_lines']} | {k['block']} | {k['num_warps']} "
+            f"| {k['compile_s']:.3f} | {k['ptx_lines']} | {k['vector_loads']} |"
+            for k in result["kernels"]
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _variant(result: dict[str, Any]) -> str:
+    return "s, self-hash prefetched" if result["prefetch"] else "s"
+
+
+def _after_init(result: dict[str, Any]) -> float:
+    phases = dict(result["phases"])
+    phases.pop("state init (as eager's first step)")
+    return sum(phases.values()) + sum(k["compile_s"] for k in result["kernels"])
+
+
+# -- the parent: one fresh process per case ----------------------------------------------
+
+
+def run_fresh(case: str, device: str, triton: str | None = None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="first_call_") as tmp:
+        env = dict(os.environ)
+        for var, sub in (
+            ("OPTCOMPILE_CACHE_DIR", "optcompile"),
+            ("OPTKERNELS_CACHE_DIR", "optkernels"),
+            ("OPTGUARD_CACHE_DIR", "optguard"),
+            ("TRITON_CACHE_DIR", "triton"),
+        ):
+            env[var] = os.path.join(tmp, sub)
+        env.pop("OPTCOMPILE_NATIVE", None)  # never build the C++ checks inside the timing
+        command = [sys.executable, __file__, "--child", case, "--device", device]
+        if triton is not None:
+            env.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
+            command = [sys.executable, __file__, "--triton-child", triton]
+        done = subprocess.run(
+            command,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"{case} failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _revision() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "packages"], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (f"git {head}" + (" with uncommitted changes under packages/" if dirty else "")) or "?"
+
+
+def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float) -> str:
+    import torch
+
+    shown = [
+        p for p in [*PHASES, "other"] if any(abs(r["cpu_phases"][p]) >= 0.0005 for r in results)
+    ]
+    head = [
+        "case",
+        "params",
+        "first call s",
+        "its CPU s",
+        "CPU ms/param",
+        *(f"{p} s" for p in shown),
+        "2nd call s",
+    ]
+    rows = []
+    for r in results:
+        cells = [
+            r["case"],
+            str(r["params"]),
+            f"{r['first_s']:.3f}",
+            f"{r['first_cpu_s']:.3f}",
+            f"{1000 * r['first_cpu_s'] / r['params']:.3f}",
+            *(f"{r['cpu_phases'][p]:.3f}" for p in shown),
+            f"{r['second_s']:.4f}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    versions = f"Python {platform.python_version()}, torch {torch.__version__}"
+    try:
+        import triton
+
+        versions += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    command = " ".join(["python", "benchmarks/first_call.py", *sys.argv[1:]])
+    return "\n".join(
+        [
+            f"# First call of a compiled optimizer, cold ({args.device})",
+            "",
+            f"Command: `{command}` (from the repo root)  ",
+            f"Machine: {args.machine}; {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, 1-min load "
+            f"average {load:.2f} at start  ",
+            f"Versions: {versions}; source {_revision()}  ",
+            "Each case in a fresh process with empty optcompile/optkernels/Triton caches "
+            "(the optguard C++ module not built); phases are exclusive (see the script's "
+            'docstring). Tiny params are 4x4 float32. "first call s" is wall time; "its CPU '
+            's", the ms per param and the phases are CPU seconds (all threads, and the C '
+            "compiler's; on a shared, loaded machine the steadier numbers; wall phases are "
+            "in the JSON). The "
+            "2nd call (wall) builds the guards' fast tier, or retraces where the first step "
+            "created state (SGD's momentum buffers).",
+            "",
+            "| " + " | ".join(head) + " |",
+            "| " + " | ".join("---" for _ in head) + " |",
+            *rows,
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--machine", default="CPU dev machine")
+    parser.add_argument("--out", default=None, help="markdown table (default: print only)")
+    parser.add_argument(
+        "--triton-offline",
+        type=int,
+        default=None,
+        metavar="ARCH",
+        help="also compile GPT-2's Triton kernels for sm_ARCH (e.g. 90) on this machine",
+    )
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--triton-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_case(args.child, args.device)), flush=True)
+        return
+    if args.triton_child is not None:
+        arch, _, prefetch = args.triton_child.partition(":")
+        print(json.dumps(triton_offline(int(arch), prefetch == "prefetch")), flush=True)
+        return
+    load = os.getloadavg()[0]
+    results = []
+    for case in args.cases:
+        results.append(run_fresh(case, args.device))
+        print(json.dumps(results[-1]), flush=True)
+    table = _table(results, args, load)
+    if args.triton_offline is not None:
+        offline = [
+            run_fresh("gpt2-adamw", "cpu", f"{args.triton_offline}{variant}")
+            for variant in ("", ":prefetch")
+        ]
+        print(json.dumps(offline), flush=True)
+        table += _triton_table(offline)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+
+
+if __name__ == "__main__":
+    main()
