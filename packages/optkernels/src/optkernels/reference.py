@@ -99,6 +99,11 @@ def _on_device(node: fx.Node, target: Callable[..., Any]) -> Callable[..., Any]:
     optimizer, in a graph traced on the capturable path) with tensors on a device and
     whose kernel refuses that (``addcmul``, ``lerp``, ``where``: "expected all tensors on
     the same device"), a call that moves those operands to the device first."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        # Python's own ops (getitem of a foreach result, scalar arithmetic) take no device;
+        # a getitem's argument holds a whole list's values: scanning them for every item
+        # made the first call of a step over N params quadratic in N
+        return target
     name = getattr(node.target, "__name__", "").partition(".")[0].removeprefix("_foreach_")
     if name.rstrip("_") in _TAKE_CPU_SCALARS:
         return target
