@@ -11,10 +11,8 @@ a CUDA graph). ``main`` writes, per optimizer, "ok" or the error to ``<out>/rank
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,6 +29,7 @@ from dtensor_scenarios import (
     assert_collectives,
     assert_same,
     copy_grads,
+    run_each,
 )
 from torch import nn
 
@@ -95,20 +94,7 @@ def main(rank: int, world_size: int, out: str) -> None:
         timeout=timedelta(seconds=120),
     )
     mesh = init_device_mesh("cuda", (world_size,))
-    results: dict[str, str] = {}
-    try:
-        for name in OPTIMIZERS:
-            optcompile.reset()
-            try:
-                run(mesh, name)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    run_each(rank, out, {name: functools.partial(run, mesh, name) for name in OPTIMIZERS})
 
 
 if __name__ == "__main__":

@@ -713,18 +713,32 @@ def main(rank: int, world_size: int, out: str) -> None:
         world_size=world_size,
         timeout=timedelta(seconds=60),
     )
+
+    def checked(name: str, scenario: Callable[..., None]) -> Callable[[], None]:
+        def call() -> None:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if name.startswith("checkpoint_"):
+                    scenario(out)
+                else:
+                    scenario()
+            no_fallback(caught)
+
+        return call
+
+    run_each(rank, out, {name: checked(name, s) for name, s in SCENARIOS.items()})
+
+
+def run_each(rank: int, out: str, calls: dict[str, Callable[[], None]]) -> None:
+    """Run each call on this rank (compile caches reset between them, ranks in step after
+    each), write ``{name: "ok" | traceback}`` to ``out/rank{rank}.json`` (what
+    ``spawn_ranks`` reads) and end the process group."""
     results: dict[str, str] = {}
     try:
-        for name, scenario in SCENARIOS.items():
+        for name, call in calls.items():
             optcompile.reset()
             try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    if name.startswith("checkpoint_"):
-                        scenario(out)
-                    else:
-                        scenario()
-                no_fallback(caught)
+                call()
                 results[name] = "ok"
             except Exception:
                 results[name] = traceback.format_exc()
