@@ -68,13 +68,19 @@ def _run(make, foreach, dtype, steps=3, backend="cpu", shapes=None):
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = optcompile.compile(make(params, foreach), backend=backend)
     eager = make(reference, foreach)
+    _step_both(params, opt, reference, eager, steps, gen, dtype)
+    return params, opt, reference, eager
+
+
+def _step_both(params, opt, reference, eager, steps, gen, dtype=torch.float32):
+    """``steps`` steps of both optimizers, each param and its reference given the same
+    random grad (drawn from ``gen``) before each."""
     for _ in range(steps):
         for p, q in zip(params, reference, strict=True):
             grad = torch.randn(p.shape, generator=gen).to(dtype)
             p.grad, q.grad = grad.clone(), grad.clone()
         opt.step()
         eager.step()
-    return params, opt, reference, eager
 
 
 def _assert_matches_eager(params, opt, reference, eager, dtype, ulps=None):
@@ -208,13 +214,7 @@ def test_new_grads_every_step_and_a_step_count_re_pointed_are_read_again():
     state = opt.state_dict()
     opt.load_state_dict(state)  # new step tensors (and new exp_avg storage: a retrace)
     eager.load_state_dict(eager.state_dict())
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(2):
-        for p, q in zip(params, reference, strict=True):
-            grad = torch.randn(p.shape, generator=gen)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        opt.step()
-        eager.step()
+    _step_both(params, opt, reference, eager, 2, torch.Generator().manual_seed(5))
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
 
 
@@ -233,12 +233,6 @@ def test_a_param_given_new_storage_retraces_and_the_loops_write_its_new_storage(
     guards are): a param moved by ``p.data = ...`` fails its guard and retraces."""
     params, opt, reference, eager = _run(MAKE["Adam"], False, torch.float32, 2)
     params[1].data = params[1].data.clone()
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(2):
-        for p, q in zip(params, reference, strict=True):
-            grad = torch.randn(p.shape, generator=gen)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        opt.step()
-        eager.step()
+    _step_both(params, opt, reference, eager, 2, torch.Generator().manual_seed(7))
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
     assert optcompile.explain(opt).traces == 2
