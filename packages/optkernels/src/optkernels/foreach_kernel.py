@@ -74,9 +74,12 @@ class KernelError(Exception):
 
 def _round(expr: str, dtype: torch.dtype) -> str:
     """``expr`` (float32) rounded to ``dtype`` and back. Triton's interpreter truncates when
-    it converts float32 to bfloat16; the GPU rounds to nearest even, and so does _bf16."""
-    if dtype is torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
-        return f"_bf16({expr})"
+    it converts float32 to bfloat16; the GPU rounds to nearest even, and so does _bf16. On
+    the GPU a bfloat16 round trip is _bf16_rn: two values per conversion, off the
+    transcendental unit (the same bits as ``.to(tl.bfloat16).to(tl.float32)``)."""
+    if dtype is torch.bfloat16:
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        return f"_bf16({expr})" if interpret else f"_bf16_rn({expr})"
     return f"({expr}).to({_TL_DTYPES[dtype]}).to(tl.float32)"
 
 
@@ -637,6 +640,23 @@ def _pow(b, e):
     out = tl.where(b64 == 0, zero, out)
     out = tl.where(e64 == 0, 1.0, out)
     return out
+
+
+@triton.jit
+def _bf16_rn(x):
+    # float32 -> nearest bfloat16 (ties to even; NaN -> the canonical NaN) -> float32, two
+    # values per cvt.rn.bf16x2.f32: Triton converts one value at a time with an F2F, which
+    # on sm_90 issues on the quarter-rate unit that the divisions and square roots use, and
+    # an update in bfloat16 rounds after every op. Exactly what .to(tl.bfloat16) computes.
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; "
+        "shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
+        "=r,=r,r,r",
+        [x],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit
