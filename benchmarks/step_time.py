@@ -86,10 +86,15 @@ EXTRA_VARIANTS = ["optcompile-capturable"]
 def make_params(set_name: str, device: str) -> list[torch.nn.Parameter]:
     shapes, dtype = SETS[set_name]
     gen = torch.Generator(device=device).manual_seed(0)
+    # float16 grads of unit scale (as a GradScaler's scaled grads are): at 1e-2, eager's
+    # float16 Adam step rounds (1 - beta2) * g * g and eps to 0 for most elements and turns
+    # the params into NaNs at once (0 / 0), and every later step times NaN arithmetic (the
+    # division's slow path) instead of a training step. params_are_finite checks a run.
+    scale = 1.0 if dtype is torch.float16 else 1e-2
     params = []
     for shape in shapes():
         p = torch.nn.Parameter(torch.randn(shape, generator=gen, device=device).to(dtype))
-        p.grad = torch.randn(shape, generator=gen, device=device).to(dtype) * 1e-2
+        p.grad = torch.randn(shape, generator=gen, device=device).to(dtype) * scale
         params.append(p)
     return params
 
@@ -103,13 +108,30 @@ def floor_bytes(set_name: str, opt_name: str) -> int:
 
 def build(variant: str, opt_name: str, params: list[torch.nn.Parameter]) -> Callable[[], Any]:
     """A fresh optimizer over copies of ``params`` (sharing their grads); its step function."""
-    import optcompile
+    return build_over_copies(variant, opt_name, params)[0]
 
+
+def params_are_finite(copies: list[torch.nn.Parameter]) -> bool:
+    """Whether the params a timed run stepped are all finite (a run that turned them into
+    NaNs timed NaN arithmetic, not a training step)."""
+    return all(bool(torch.isfinite(q).all()) for q in copies)
+
+
+def build_over_copies(
+    variant: str, opt_name: str, params: list[torch.nn.Parameter]
+) -> tuple[Callable[[], Any], list[torch.nn.Parameter]]:
+    """``build``'s step function and the copies of ``params`` it steps."""
     copies = []
     for p in params:
         q = torch.nn.Parameter(p.detach().clone())
         q.grad = p.grad
         copies.append(q)
+    return _build(variant, opt_name, copies), copies
+
+
+def _build(variant: str, opt_name: str, copies: list[torch.nn.Parameter]) -> Callable[[], Any]:
+    import optcompile
+
     cls, options, _, _ = OPTIMIZERS[opt_name]
     if variant == "for-loop":
         return cls(copies, foreach=False, **options).step

@@ -34,8 +34,10 @@ def child(set_name: str, optimizers: list[str]) -> None:
         for variant in ("optcompile", "fused"):
             step = None
             try:
-                step = step_time.build(variant, opt, params)
+                step, copies = step_time.build_over_copies(variant, opt, params)
                 row[variant] = step_time.time_per_step(step, "cuda") / floor
+                if not step_time.params_are_finite(copies):
+                    row[variant] = f"{row[variant]:.2f}x (NaN/inf params)"
             except Exception as exc:  # fused=True does not exist for every optimizer
                 row[variant] = f"{type(exc).__name__}"
             del step

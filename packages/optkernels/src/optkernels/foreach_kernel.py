@@ -183,6 +183,7 @@ def kernel_source(
         lines.append(f"    a{k} = tl.load({columns[k]})")
     scalars = _Scalars(program)
     body: list[str] = []
+    loads: list[str] = []  # the inputs' loads (see below)
     resolved = op_dtypes(program, lane)
     value_dtype: dict[int, torch.dtype] = {}  # what each var's Triton value holds
     numbers: set[int] = set()  # vars ATen reads as Python numbers (see _operand)
@@ -217,12 +218,15 @@ def kernel_source(
         if op.op == "item":
             numbers.add(op.out)
         value_dtype[op.out] = dtype
-        body.append(f"    v{op.out} = {expr}")
+        # every load first (they depend on nothing computed, and no store comes before the
+        # end): their latencies overlap, where a load written at its first use (Adam's
+        # param, read by the last op) waited until the math before it was done
+        (loads if op.op == "input" else body).append(f"    v{op.out} = {expr}")
     rounding = rounding or {}
     counters = {
         k: scalars.ref(c, torch.float64) for k, (f, c, _) in rounding.items() if f == "bf16"
     }
-    core = body
+    core = loads + body
     for var, k in program.writes:
         if program.input_small[k] and host:
             continue  # written on the host
