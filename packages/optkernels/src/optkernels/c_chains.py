@@ -349,7 +349,7 @@ def chain_source(chain: _Chain, name: str) -> str:
     env = _Env(LaneProgram(lanes=1), [], set())
     made = chain.storage < 0
     pointers = []
-    for k, t in enumerate(chain.tensors):
+    for k in range(len(chain.tensors)):
         pointers.append(f"    {ctype} *p{k} = ({ctype} *)(intptr_t)ptrs[{k}];")
     if made:
         pointers.append(f"    {ctype} *out = ({ctype} *)(intptr_t)ptrs[{len(chain.tensors)}];")

@@ -25,6 +25,7 @@ from torch import fx
 
 from optkernels.addresses import AddressCheck
 from optkernels.backend import Plan
+from optkernels.c_chains import fuse_chains
 from optkernels.c_kernel import (
     Compiler,
     build,
@@ -33,7 +34,6 @@ from optkernels.c_kernel import (
     kernel_source,
     library_source,
 )
-from optkernels.c_chains import fuse_chains
 from optkernels.c_norms import with_c_norms
 from optkernels.dtypes import op_dtypes
 from optkernels.errors import BackendError
