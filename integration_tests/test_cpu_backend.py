@@ -11,6 +11,8 @@ computes what depends on step counts in float64, as eager's Python floats do.
 
 from __future__ import annotations
 
+import copy
+
 import optcompile
 import pytest
 import torch
@@ -204,7 +206,10 @@ def test_a_graph_the_lanes_do_not_cover_over_large_tensors_runs_node_by_node_in_
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
     code = optcompile.explain(opt).graph_code
     assert "values per op: ops run in place, column norms in C" in code
-    assert "vector_norm(" in code and "rsqrt_.default" in code  # (run in place)
+    assert "vector_norm(" in code
+    # (in place: the foreach ops as eager ran them; on the for-loop path the chains of
+    # in-place ops run as generated C)
+    assert "_foreach_rsqrt_.default" in code if foreach else "c_chains_c_chain" in code
 
 
 def test_new_grads_every_step_and_a_step_count_re_pointed_are_read_again():
@@ -236,3 +241,60 @@ def test_a_param_given_new_storage_retraces_and_the_loops_write_its_new_storage(
     _step_both(params, opt, reference, eager, 2, torch.Generator().manual_seed(7))
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
     assert optcompile.explain(opt).traces == 2
+
+
+ADAFACTOR_SHAPES = [(), (7,), (2, 3, 4), (640, 480), (480,), (300, 1)]
+ADAFACTOR = {
+    "default": lambda ps, f: optim.Adafactor(ps, lr=0.1, foreach=f),
+    "weight decay maximize": lambda ps, f: optim.Adafactor(
+        ps, lr=0.05, weight_decay=0.01, maximize=True, beta2_decay=-0.5, d=1.5, foreach=f
+    ),
+}
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("options", sorted(ADAFACTOR))
+def test_adafactor_runs_its_elementwise_chains_in_c_and_matches_eager(options, foreach):
+    """Matrices (one 3-D: its last two dims factored), vectors, a 0-dim param, over 4 steps:
+    params and every state tensor as eager's (its column norms in C: within an ulp of
+    ATen's, which the params' update carries a few ulps on)."""
+    params, opt, reference, eager = _run(
+        ADAFACTOR[options], foreach, torch.float32, 4, shapes=ADAFACTOR_SHAPES
+    )
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    code = optcompile.explain(opt).graph_code
+    assert "elementwise chains in C (optkernels.c_chains)" in code
+    # for-loop: per matrix its row and column variances and its variance estimate, per
+    # vector its variance and its update, as one C pass each (and with weight decay the
+    # param's decay and update); foreach ops over lists stay ATen's
+    if foreach is False:
+        assert code.count("= optkernels_c_chains_c_chain") >= 2 * len(ADAFACTOR_SHAPES), code
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adafactor_chains_in_c_give_the_bits_of_atens_ops(foreach, monkeypatch):
+    """The fused chains compute what the node-by-node plan's ATen ops compute, to the bit:
+    the same step compiled with and without them, from the same state, several steps."""
+    import optkernels.cpu_backend as cpu_backend
+
+    make = ADAFACTOR["weight decay maximize"]
+    params, opt, _, _ = _run(make, foreach, torch.float32, 1, shapes=ADAFACTOR_SHAPES)
+    plain_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    monkeypatch.setattr(cpu_backend, "fuse_chains", lambda graph, compiler: 0)
+    plain = optcompile.compile(make(plain_params, foreach), backend="cpu")
+    plain.load_state_dict(copy.deepcopy(opt.state_dict()))
+    gen = torch.Generator().manual_seed(3)
+    monkeypatch.undo()
+    for _ in range(3):
+        for p, q in zip(params, plain_params, strict=True):
+            grad = torch.randn(p.shape, generator=gen)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        monkeypatch.setattr(cpu_backend, "fuse_chains", lambda graph, compiler: 0)
+        plain.step()
+        monkeypatch.undo()
+    assert "c_chains_c_chain" not in optcompile.explain(plain).graph_code
+    for p, q in zip(params, plain_params, strict=True):
+        assert torch.equal(p, q)
+        for key, value in plain.state[q].items():
+            assert torch.equal(opt.state[p][key], value), key

@@ -25,6 +25,7 @@ from torch import fx
 
 from optkernels.addresses import AddressCheck
 from optkernels.backend import Plan
+from optkernels.c_chains import fuse_chains
 from optkernels.c_kernel import (
     Compiler,
     build,
@@ -236,7 +237,7 @@ class _Part:
             rows[:, j] = values[var]
 
 
-def _torch_plan(gm: fx.GraphModule) -> Plan:
+def _torch_plan(gm: fx.GraphModule, compiler: Compiler) -> Plan:
     """The torch backend's plan of a graph that is not a lane program (Adafactor's). Where
     its tensors are large (PAGE_VALUES values or more per op node) node by node: the results
     the step makes are written in place as eager writes them (``reinplace``), where the
@@ -256,9 +257,9 @@ def _torch_plan(gm: fx.GraphModule) -> Plan:
         return TorchBackend().compile(gm)
     reason = (
         f"its tensors hold {values // max(calls, 1)} values per op: ops run in place, "
-        "column norms in C (optkernels.c_norms)"
+        "column norms in C (optkernels.c_norms), elementwise chains in C (optkernels.c_chains)"
     )
-    return node_by_node(with_c_norms(gm), reason=reason)
+    return node_by_node(with_c_norms(gm), reason, lambda g: fuse_chains(g, compiler))
 
 
 class CpuPlan:
@@ -300,7 +301,7 @@ class CpuPlan:
                 else:
                     self.split, self.prelude = split, TorchPlan(split.prelude)
         if not self.parts:
-            self.fallback = _torch_plan(gm)
+            self.fallback = _torch_plan(gm, compiler)
 
     def _lower(self, gm: fx.GraphModule) -> list[_Part]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

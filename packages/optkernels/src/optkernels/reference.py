@@ -193,11 +193,18 @@ class TorchPlan:
         return header + "\n" + self.gm.code.strip()
 
 
-def node_by_node(gm: fx.GraphModule, reason: str | None = None) -> TorchPlan:
+def node_by_node(
+    gm: fx.GraphModule,
+    reason: str | None = None,
+    rewrite: Callable[[fx.Graph], object] | None = None,
+) -> TorchPlan:
     """The node-by-node plan of ``gm``, with the writes eager made in place run in place
-    (``reinplace.py``, on a copy: the entry keeps the traced graph for explain())."""
+    (``reinplace.py``, on a copy: the entry keeps the traced graph for explain()), then
+    ``rewrite`` applied to that graph (the CPU backend's: ``c_chains.fuse_chains``)."""
     graph = copy.deepcopy(gm.graph)
     reinplace(graph)
+    if rewrite is not None:
+        rewrite(graph)
     return TorchPlan(fx.GraphModule(gm, graph), reason=reason)
 
 

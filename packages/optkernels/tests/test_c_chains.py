@@ -1,0 +1,81 @@
+"""Elementwise chains in generated C (``c_chains.fuse_chains``): ATen's bits, operands
+broadcast, the ops that must not be fused left to ATen, and ATen's ops where a call's
+tensors are not laid out as the graph recorded them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from optkernels.c_chains import ChainCall, fuse_chains
+from optkernels.c_kernel import find_compiler
+from torch.fx.experimental.proxy_tensor import make_fx
+
+COMPILER = find_compiler()
+pytestmark = pytest.mark.skipif(isinstance(COMPILER, str), reason=f"{COMPILER}")
+
+
+def _fused(fn, *args):
+    """``fn`` traced (its in-place ops as written), its chains fused; and the calls made."""
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    assert not isinstance(COMPILER, str)
+    fused = fuse_chains(gm.graph, COMPILER)
+    gm.recompile()
+    calls = [n.target for n in gm.graph.nodes if isinstance(n.target, ChainCall)]
+    assert len(calls) == fused
+    return gm, calls
+
+
+def _variance_estimate(row, col, mean, g):  # Adafactor's, as the node-by-node plan runs it
+    return (row @ col).div_(mean.clamp(min=1e-30)).clamp_(min=1e-30).rsqrt_().mul_(g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("m", "n"), [(1, 1), (7, 1), (1, 9), (300, 257)])
+def test_a_column_times_a_row_then_in_place_ops_is_one_call_with_atens_bits(dtype, m, n):
+    gen = torch.Generator().manual_seed(0)
+    row, col = (torch.rand(s, generator=gen, dtype=dtype) for s in [(m, 1), (1, n)])
+    mean, g = torch.rand((1, 1), generator=gen, dtype=dtype), torch.randn(m, n, dtype=dtype)
+    gm, calls = _fused(_variance_estimate, row, col, mean, g)
+    assert len(calls) == 1 and len(calls[0].chain.nodes) == 5  # mm, div_, clamp_, rsqrt_, mul_
+    assert torch.equal(gm(row, col, mean, g), _variance_estimate(row, col, mean, g))
+
+
+def test_a_chain_ending_in_another_tensor_writes_it_and_makes_no_intermediate():
+    def step(variance, g, p, w, alpha):
+        variance.lerp_(g * g, w)
+        update = variance.clone().clamp_(min=1e-30).rsqrt_().mul_(g)
+        p.mul_(0.99).add_(update, alpha=alpha)
+
+    gen = torch.Generator().manual_seed(1)
+    v, g, p = (torch.rand(70_000, generator=gen) for _ in range(3))  # (several threads' work)
+    w, alpha = torch.tensor(0.1), torch.tensor(-0.01)
+    gm, calls = _fused(lambda v, g, p: step(v, g, p, 0.1, -0.01), v, g, p)
+    # (mul, lerp_), then (clone, clamp_, rsqrt_, mul_, add_ into p): the update never made
+    assert [len(c.chain.nodes) for c in calls] == [2, 5]
+    ours = [t.clone() for t in (v, g, p)]
+    gm(*ours)
+    step(v, g, p, w.item(), alpha.item())
+    for a, b in zip(ours, (v, g, p), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_an_operand_written_between_its_reader_and_the_chains_end_ends_the_chain_there():
+    def fn(x, y):
+        t = x.clone().mul_(y)
+        y.add_(1.0)  # the chain's mul_ read y before this write: a call after it would not
+        return t.add_(y)
+
+    x, y = torch.randn(5, 3), torch.randn(3)
+    gm, calls = _fused(fn, x, y)
+    assert [len(c.chain.nodes) for c in calls] == [2]
+    y_ours = y.clone()
+    assert torch.equal(gm(x, y_ours), fn(x, y)) and torch.equal(y_ours, y)
+
+
+def test_tensors_laid_out_otherwise_than_traced_run_the_chains_aten_ops():
+    gen = torch.Generator().manual_seed(2)
+    row, col, mean = torch.rand(6, 1), torch.rand(1, 4), torch.rand(1, 1)
+    gm, calls = _fused(_variance_estimate, row, col, mean, torch.randn(6, 4))
+    g = torch.randn(4, 6, generator=gen).t()  # (6, 4), not contiguous
+    assert len(calls) == 1
+    assert torch.equal(gm(row, col, mean, g), _variance_estimate(row, col, mean, g))
