@@ -174,7 +174,7 @@ def test_float64_steps_with_capturable_false_match_eager_end_to_end(name, fused)
     steps, 3.4e-6 after one at lr=0.1.) Where the kernels do not take the step (a
     transposed grad), the torch backend reads those values in double too (it computed
     them from the float32 step counts; on a GPU it still did for RAdam's for-loop, whose
-    graph makes a tensor on the device: see optkernels' test_triton_backend.py)."""
+    graph makes a tensor on the device: see optkernels' test_triton_plan.py)."""
     make = CASES[name]
     params = _params(torch.float64, seed=5, shapes=[*SHAPES, ()])
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
