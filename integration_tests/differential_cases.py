@@ -244,14 +244,11 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
 # Rprop on backend='triton' over lanes of several dtypes (found here), backend='triton' on
 # float16 (NAdam/Adamax over one 0-dim param: a KeyError in the plan), Adafactor with
 # weight decay on a strided float16/bfloat16 param beside others (the batched torch plan
-# computed its in-place ops on dense results: an ulp off; reproduced by the long mode).
+# computed its in-place ops on dense results: an ulp off; reproduced by the long mode),
+# backend='triton' on float64 with capturable=False and a Tensor hyperparameter in the bias
+# corrections (eager's are float32 tensor ops: its own path is traced now, and the host
+# computes them as ATen does).
 KNOWN_BUGS: dict[str, str] = {
-    # Found by this test (the host computes step-count arithmetic in double, as eager does
-    # with Python floats; with a Tensor hyperparameter in it, eager's is float32 tensor
-    # arithmetic: Adam's Tensor betas give 2e-7 relative in the params at lr=0.1):
-    "triton-fp64-tensor-step-arithmetic": "backend='triton', float64 params, capturable=False, "
-    "a Tensor hyperparameter that enters the bias corrections (betas, NAdam's momentum_decay, "
-    "Adagrad's lr_decay, ASGD's lambd/alpha/t0): the host computes them in double",
     # Found by this test's long mode (seed 1; not reduced to a smaller case yet: ASGD, Tensor
     # lambd and alpha, lr T(0.1), a bfloat16 param added by add_param_group after step 3
     # and a state_dict round trip through torch.save, steps=6):
@@ -260,19 +257,10 @@ KNOWN_BUGS: dict[str, str] = {
 }
 
 
-# Tensor hyperparameters eager's capturable=False path computes with step counts in float32.
-TENSOR_STEP_ARITHMETIC = ("betas", "momentum_decay", "lr_decay", "lambd", "alpha", "t0")
-
-
 def known_bug(
     optimizer: str, backend: str, dtype: str, options: dict[str, Any] | None = None
 ) -> str | None:
     """The KNOWN_BUGS entry a param of ``dtype`` in a group with ``options`` would hit."""
-    if backend == "triton" and dtype == "float64" and optimizer != "RMSprop":
-        for key in TENSOR_STEP_ARITHMETIC:
-            value = (options or {}).get(key)
-            if isinstance(value, T) or (isinstance(value, tuple) and isinstance(value[0], T)):
-                return "triton-fp64-tensor-step-arithmetic"
     if backend == "triton" and optimizer == "ASGD" and dtype in ("bfloat16", "float16"):
         return "triton-asgd-half-ax"
     return None

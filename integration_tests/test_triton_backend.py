@@ -550,28 +550,15 @@ def test_one_zero_dim_float16_param_on_the_eager_path_is_one_lane(name):
     [("bfloat16", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16")],
     ids="-".join,
 )
-@pytest.mark.parametrize(
-    "shapes",
-    [
-        pytest.param(
-            ((), ()),
-            marks=pytest.mark.xfail(
-                DEVICE == "cuda",
-                reason="known (H100, torch 2.11): two 0-dim Rprop lanes of these dtypes still "
-                "differ from eager on CUDA (fixed under the interpreter); next session",
-                strict=True,
-            ),
-        ),
-        ((3,), ()),
-    ],
-    ids=["0-dim", "mixed"],
-)
+@pytest.mark.parametrize("shapes", [((), ()), ((3,), ())], ids=["0-dim", "mixed"])
 def test_rprop_sign_test_per_lane_dtype_matches_eager(dtypes, shapes):
     """Rprop's foreach path sets each sign tensor to etaminus and then tests sign ==
     etaminus. ATen casts the scalar to the comparison's dtype (0.4 is 0.400390625 in
     bfloat16), and each lane's scalar_tensor(eta) has its lane's dtype: a bfloat16 lane
     compared in float32, and a float32 lane given the bfloat16 lane's eta, took the wrong
-    side (the differential test found it: 0-dim float32 + bfloat16)."""
+    side (the differential test found it: 0-dim float32 + bfloat16). With only 0-dim
+    params on a GPU (their step counts on the CPU) there is nothing to fuse: the plan says
+    why the torch backend runs it, and the values must still be eager's."""
     gen = torch.Generator().manual_seed(0)
     values = [
         torch.randn(s, generator=gen).to(DEVICE, getattr(torch, d))
@@ -587,6 +574,10 @@ def test_rprop_sign_test_per_lane_dtype_matches_eager(dtypes, shapes):
             p.grad, q.grad = grad.clone(), grad.clone()
         opt.step()
         eager.step()
-    assert "@triton.jit" in optcompile.explain(opt).graph_code
+    code = optcompile.explain(opt).graph_code
+    if DEVICE == "cpu" or shapes != ((), ()):
+        assert "@triton.jit" in code
+    else:
+        assert code.startswith("# not fused (its tensors live on several devices")
     exact = {"rtol": 0, "atol": 0} if DEVICE == "cpu" else {"rtol": 1.6e-2, "atol": 1e-5}
     _assert_close(params, opt, reference, eager, **exact)

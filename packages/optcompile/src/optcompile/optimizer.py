@@ -150,9 +150,12 @@ def _traces_capturable(backend: Backend, opt: torch.optim.Optimizer) -> bool:
     keep every value on the device), except for the optimizers above with float16
     parameters in a group with ``capturable=False``: their step traces eager's path, whose
     Python arithmetic on the step counts' ``.item()`` values the host computes as eager
-    does (optkernels.numbers), the kernels the rest. ``capturable=True`` fuses eager's
-    capturable path, with its results."""
+    does (optkernels.numbers), the kernels the rest; so do groups with capturable=False
+    and a Tensor hyperparameter in their step-count arithmetic (_tensor_step_arithmetic).
+    ``capturable=True`` fuses eager's capturable path, with its results."""
     if not backend.wants_capturable:
+        return False
+    if _tensor_step_arithmetic(opt):
         return False
     return not (
         isinstance(opt, _FLOAT16_CAPTURABLE_ROUNDS_OTHERWISE)
@@ -162,6 +165,29 @@ def _traces_capturable(backend: Backend, opt: torch.optim.Optimizer) -> bool:
             for group in opt.param_groups
         )
     )
+
+
+def _tensor_step_arithmetic(opt: torch.optim.Optimizer) -> bool:
+    """Whether a group of torch.optim's ``opt`` without ``capturable`` has a 0-dim Tensor
+    hyperparameter that its step combines with the step counts (Tensor betas, lr, NAdam's
+    momentum_decay, Adagrad's lr_decay, ASGD's lambd/alpha/t0). Eager's path computes those
+    bias corrections as float32 tensor ops on the CPU (``1 - beta2 ** step``, where an ulp
+    of ``beta2 ** 3`` is 2e-5 of the result); the capturable path's graph has other ops,
+    which the host computes in double. Eager's own path is traced instead, and the host
+    computes its 0-dim ops as ATen does (optkernels.host; RAdam and ASGD, which decide on
+    the step counts in Python, are traced on their capturable path all the same)."""
+    base = type(opt).__dict__.get("_optcompile_base", type(opt))
+    if not base.__module__.startswith("torch.optim."):
+        return False
+    for group in opt.param_groups:
+        if group.get("capturable", False):
+            continue
+        for key in ("betas", "lr", "momentum_decay", "lr_decay", "lambd", "alpha", "t0"):
+            value = group.get(key)
+            values = value if isinstance(value, tuple | list) else (value,)
+            if any(isinstance(v, torch.Tensor) for v in values):
+                return True
+    return False
 
 
 def _recompile(opt: torch.optim.Optimizer, old: Options, new: Options) -> None:

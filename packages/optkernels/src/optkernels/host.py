@@ -114,10 +114,15 @@ def python_floats(program: LaneProgram) -> bool:
 
 
 def needs_host(program: LaneProgram) -> bool:
-    """Whether ``program`` does Python arithmetic on values read with ``.item()`` (eager's
-    own capturable=False path: its bias corrections and step sizes), which only the host
-    computes (numbers.py)."""
-    return any(op.op in HOST_ONLY for op in program.ops)
+    """Whether ``program`` computes with values read with ``.item()`` from 0-dim inputs
+    (eager's own capturable=False path: its bias corrections and step sizes): Python
+    arithmetic on them, which only the host computes (numbers.py), or tensor arithmetic
+    with them on other 0-dim inputs (a Tensor beta: ``1 - beta1 ** step`` is a float32 op
+    on the CPU in eager), which the host computes as ATen does there (host_dtypes)."""
+    if any(op.op in HOST_ONLY for op in program.ops):
+        return True
+    ops = {op.out: op for op in program.ops}
+    return any(ops[v].op == "item" for v in host_vars(program))
 
 
 def host_dtypes(program: LaneProgram, order: Sequence[int]) -> dict[int, OpDtypes] | None:
@@ -242,6 +247,13 @@ def host_function(
         elif op.op == ASSERT:
             check = "_check" if uniform else "_check_lanes"
             value = f"{check}({ref(op.args[0])}, {const(op.args[1][1])})"
+        elif exact is not None and op.op == "pow" and _number(op.args[1], dtypes):
+            base, exponent = ref(op.args[0], exact), ref(op.args[1])
+            compute = const(compute_dtype(exact.common))
+            value = rounded(f"{const(_aten_pow)}({base}, {exponent}, {compute})", exact.result)
+        elif exact is not None and op.op in _ATEN_UNARY:
+            aten, compute = const(_ATEN_UNARY[op.op]), const(compute_dtype(exact.common))
+            value = rounded(f"_aten({aten}, {ref(op.args[0], exact)}, {compute})", exact.result)
         elif exact is not None:
             kwargs = [(k, v) for k, v in op.kwargs if v[0] != "ignore"]
             args = "".join(f"{ref(x, exact)}, " for x in op.args)
@@ -267,10 +279,65 @@ def host_function(
         "_check": _check,
         "_check_lanes": _check_lanes,
         "pow_": _scalar_pow,
+        "_aten": _aten,
     }
     exec(_compiled("\n".join(lines), "optkernels:host_function"), scope)
     fn: HostFunction = scope["host"]
     return fn
+
+
+def _number(arg: Any, dtypes: dict[int, OpDtypes] | None) -> bool:
+    """Whether the lane program operand ``arg`` is a Python number where eager runs the op
+    (a constant, a scalar, an ``.item()`` value or Python arithmetic on one)."""
+    if arg[0] != "lane":
+        return True
+    return dtypes is not None and arg[1] in dtypes and dtypes[arg[1]].result is None
+
+
+def _aten(fn: Callable[..., Any], x: Any, dtype: torch.dtype) -> Any:
+    """``fn`` (a torch function) of ``x`` (a number, or an array of lanes) as ATen computes
+    it on a CPU tensor of ``dtype``: its sqrt, exp and log differ from Python's ``math`` in
+    the last bit for ~1% of values (the same kernel for one value and for many)."""
+    if np.ndim(x) == 0:
+        return fn(torch.tensor(float(x), dtype=dtype)).item()
+    return fn(torch.from_numpy(np.asarray(x, dtype=np.float64)).to(dtype)).double().numpy()
+
+
+# Ops a host computes by calling ATen (see _aten) where it rounds as eager's tensor ops.
+_ATEN_UNARY: dict[str, Callable[..., Any]] = {
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "exp": torch.exp,
+    "log": torch.log,
+}
+
+
+def _aten_pow(x: Any, y: Any, dtype: torch.dtype) -> Any:
+    """``x ** y`` for a 0-dim CPU tensor ``x`` of compute dtype ``dtype`` (float32 or
+    float64) and a Python number ``y``, as ATen's pow_tensor_scalar computes it: its sqrt,
+    rsqrt and reciprocal kernels for 0.5, -0.5 and -1, products in ``dtype`` for 2, 3 and
+    -2, else the double ``pow`` rounded to ``dtype``. (``1 - beta2 ** 3`` loses most of
+    its float32 digits to cancellation: an ulp of ``beta2 ** 3`` is 2e-5 of the bias
+    correction.) Lane by lane for arrays; inf/nan where Python raises, as in torch."""
+    if np.ndim(x) or np.ndim(y):
+        xs, ys = np.broadcast_arrays(np.asarray(x, np.float64), np.asarray(y, np.float64))
+        out = np.array(_pow_lanes(xs, ys), dtype=np.float64)
+        flat = out.reshape(-1)
+        for i, (a, b) in enumerate(zip(xs.flat, ys.flat, strict=True)):
+            try:
+                flat[i] = _aten_pow(float(a), float(b), dtype)
+            except (ArithmeticError, ValueError):
+                flat[i] = _ROUND[dtype](flat[i]) if dtype in _ROUND else flat[i]
+        return out
+    r = _ROUND_SCALAR.get(dtype, float)
+    if y in (0.5, -0.5):
+        return _aten(torch.sqrt if y == 0.5 else torch.rsqrt, x, dtype)
+    if y == -1.0:
+        return r(1.0 / x)
+    if y in (2.0, 3.0, -2.0):
+        square = r(x * x)
+        return r(square * x) if y == 3.0 else square if y == 2.0 else r(1.0 / square)
+    return r(_scalar_pow(x, y))
 
 
 # Ops whose values are not a tensor op's (Python numbers, checks): never rounded.

@@ -511,12 +511,22 @@ def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
 
 class _MetaRun(fx.Interpreter):
     """Runs a graph on meta tensors to see that every op takes its dtypes (an ``.item()``
-    gives 1.0: its value does not matter here)."""
+    gives 1.0: its value does not matter here). Every tensor is a meta one: an op that
+    makes a tensor on a device (``torch.where``'s scalar, ``scalar_tensor(..., device=
+    'cuda:0')``) makes it on the meta device, and a constant is read as a meta tensor (a
+    real CUDA tensor beside meta ones made the run fail on a GPU, and the torch backend
+    then computed eager's Python floats from float32 step counts: RAdam's for-loop 1e-6
+    relative off eager on an H100)."""
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is torch.ops.aten._local_scalar_dense.default:
             return 1.0
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("meta")}
         return super().call_function(target, args, kwargs)
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return _meta_like(super().get_attr(target, args, kwargs))
 
 
 def _meta_like(val: Any) -> Any:
