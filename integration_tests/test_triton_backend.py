@@ -427,23 +427,25 @@ def test_uniform_host_arithmetic_agrees_with_per_lane_and_refuses_what_python_ca
     scalars = scalar_function(part.program, part.index)(inputs)
     lanes = len(group.lanes)
     views = {k: b.cpu().numpy() for k, b in group.small_buffers.items()}  # CPU or CUDA steps
-    per_lane = part._host_fn(views, scalars, lanes)
+    every, one_fn = part._host_fns[tuple(group.lanes)]
+    assert one_fn is not None
+    per_lane = every(views, scalars, lanes)
     one = {k: float(v[0]) for k, v in views.items()}
-    uniform = part._host_fn_uniform(one, scalars, 1)
+    uniform = one_fn(one, scalars, 1)
     for var in part.host_order:  # float32's 1 - 0.999 ** step loses ~1e-5 to cancellation
         np.testing.assert_allclose(per_lane[var], np.full(lanes, uniform[var]), rtol=5e-5)
-    assert part._uniform_host_values(views, scalars) == uniform  # what a call takes
+    assert part._uniform_host_values(one_fn, views, scalars) == uniform  # what a call takes
     uneven = {k: v.copy() for k, v in views.items()}
     for v in uneven.values():
         v[1] += 1
-    assert part._uniform_host_values(uneven, scalars) is None  # lanes differ: per lane
+    assert part._uniform_host_values(one_fn, uneven, scalars) is None  # lanes differ: per lane
     opt.param_groups[0]["betas"] = (1.0, 0.999)
     scalars = scalar_function(part.program, part.index)(entry.gather({"opt": opt}))
     with pytest.raises(ZeroDivisionError):
-        part._host_fn_uniform(one, scalars, 1)
-    assert part._uniform_host_values(views, scalars) is None
+        one_fn(one, scalars, 1)
+    assert part._uniform_host_values(one_fn, views, scalars) is None
     with np.errstate(all="ignore"):
-        per_lane = part._host_fn(views, scalars, lanes)
+        per_lane = every(views, scalars, lanes)
     assert any(np.isinf(per_lane[var]).all() for var in part.host_order)
 
 

@@ -43,6 +43,7 @@ from optkernels.host import (
     host_function,
     host_reads,
     host_vars,
+    picks_differ,
     scalar_function,
 )
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
@@ -89,7 +90,11 @@ class _Part:
         host: dict[int, int | None] = {v: columns.get(v) for v in order}
         rounding = host_dtypes(program, order)
         self._host_fn = host_function(program, order, False, rounding)
-        self._host_fn_uniform = host_function(program, order, True, rounding)
+        self._host_fn_uniform = (  # (None where the lanes read different numbers by design)
+            None
+            if picks_differ(program, range(program.lanes))
+            else host_function(program, order, True, rounding)
+        )
         self.dynamic = [
             not all(n.meta.get("static_address", False) for n in column)
             for column in program.inputs
@@ -208,10 +213,11 @@ class _Part:
         program = self.program
         values = None
         first: dict[int, Any] = {}
-        if all(v.tobytes() == v[:1].tobytes() * len(v) for v in views.values()):
+        one = self._host_fn_uniform
+        if one is not None and all(v.tobytes() == v[:1].tobytes() * len(v) for v in views.values()):
             first = {k: v[:1].item() for k, v in views.items()}
             try:
-                values = self._host_fn_uniform(first, scalars, 1)
+                values = one(first, scalars, 1)
             except (ArithmeticError, ValueError):
                 values = None
         block = self.host_vals

@@ -24,7 +24,7 @@ from torch import fx
 
 from optkernels.dtypes import OpDtypes, compute_dtype, op_dtypes
 from optkernels.lanes import LaneProgram, NotLanes
-from optkernels.numbers import ASSERT, HOST_ONLY, PYTHON_FUNCTIONS
+from optkernels.numbers import ASSERT, HOST_ONLY, PICK, PYTHON_FUNCTIONS
 
 
 def host_vars(program: LaneProgram) -> list[int]:
@@ -150,11 +150,20 @@ def _compiled(code: str, kind: str) -> types.CodeType:
     return compile(code, filename, "exec")
 
 
+def picks_differ(program: LaneProgram, lanes: Sequence[int]) -> bool:
+    """Whether ``lanes`` read different numbers at one of ``program``'s PICK ops (Muon's lr
+    scaled per shape): then no one row of host values serves them all."""
+    return any(
+        len({op.args[0][1][lane] for lane in lanes}) > 1 for op in program.ops if op.op == PICK
+    )
+
+
 def host_function(
     program: LaneProgram,
     order: Sequence[int],
     uniform: bool = False,
     dtypes: dict[int, OpDtypes] | None = None,
+    lanes: Sequence[int] | None = None,
 ) -> HostFunction:
     """``f(small_inputs, scalars, lanes)``: the host vars ``order`` for every lane at once,
     as straight-line Python generated once (an interpreter loop cost ~0.7 µs an op).
@@ -180,7 +189,10 @@ def host_function(
     (numpy's vectorized power differs from Python's in the last bit) and the same errors
     (a ZeroDivisionError, an OverflowError: raised from the array path too). ``dtypes``
     (host_dtypes): round each tensor op's operands and result as ATen does on 0-dim CPU
-    tensors of those dtypes."""
+    tensors of those dtypes. ``lanes``: the program's lanes the function computes, in order
+    (default: all), which a PICK gathers its numbers for (uniform: lane ``lanes[0]``'s; see
+    picks_differ)."""
+    chosen = list(range(program.lanes)) if lanes is None else list(lanes)
     ops = {op.out: op for op in program.ops}
     table = _HOST_SCALAR if uniform else _HOST
     constants: list[Any] = []
@@ -239,6 +251,10 @@ def host_function(
                 if uniform
                 else f"_py_lanes({python}, lanes, {operands})"
             )
+        elif op.op == PICK:  # the number each lane reads, as the scalars hold it
+            refs = [op.args[0][1][lane] for lane in chosen[: 1 if uniform else None]]
+            numbers = ", ".join(f"float({ref(r)})" for r in refs)
+            value = numbers if uniform else f"np.array([{numbers}], dtype=np.float64)"
         elif op.op == ASSERT:
             check = "_check" if uniform else "_check_lanes"
             value = f"{check}({ref(op.args[0])}, {const(op.args[1][1])})"
