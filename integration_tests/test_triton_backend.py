@@ -139,17 +139,26 @@ def test_a_value_read_from_a_tensor_that_an_unfused_op_needs_runs_with_it(make):
     assert optcompile.explain(opt).fallback_reason is None
 
 
-def test_a_matrix_result_the_torch_backend_gives_transposed_is_laid_out_like_its_param():
-    # Muon (weight decay, an lr the same for both shapes): the orthogonalized update of the
-    # tall matrix comes back transposed from the matmuls; the kernel reads it element for
-    # element next to its parameter, so the plan lays it out like the parameter first.
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"nesterov": False, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}],
+    ids=["defaults", "rms-matched"],
+)
+def test_muon_runs_its_matmuls_first_and_its_tail_over_every_shape_in_one_launch(options):
+    # Muon over a tall, a wide and a square matrix: the Newton-Schulz matmuls (and the
+    # momentum and nesterov lerps they read) run on the torch backend first; the weight decay
+    # and the update, whose lr Muon scales by each matrix's shape (a Python number per
+    # shape: each lane reads its own from the host), run in one kernel for all three. The
+    # tall matrix's update comes back transposed from the matmuls: the plan lays it out like
+    # its parameter. The same bits as eager: the same ATen ops first, then eager's own
+    # per-element arithmetic (one rounding of p * (1 - lr * wd), one fused add).
     gen = torch.Generator().manual_seed(0)
-    shapes = [(8, 6), (3, 8)]
+    shapes = [(8, 6), (3, 8), (5, 5)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
 
     def make(ps):
-        return optim.Muon(ps, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        return optim.Muon(ps, lr=1e-2, **options)
 
     opt, eager = optcompile.compile(make(params), backend="triton"), make(reference)
     for _ in range(3):
@@ -158,10 +167,31 @@ def test_a_matrix_result_the_torch_backend_gives_transposed_is_laid_out_like_its
             q.grad = p.grad.clone()
         opt.step()
         eager.step()
-    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    _assert_close(params, opt, reference, eager, rtol=0, atol=0)
     plan = _plan(opt)
     assert plan.split is not None and plan.layouts  # partly fused, with results laid out
-    assert "@triton.jit" in optcompile.explain(opt).graph_code
+    (part,) = plan.parts
+    assert part.program.lanes == 3 and len(part.groups) == 1
+    report = optcompile.explain(opt)
+    assert report.graph_code.count("@triton.jit") == 1
+    writes = 1  # the momentum buffers, which the matmuls read, written after the kernel
+    assert report.kernel_launches_per_step == plan.prelude.kernel_launches_per_step + 1 + writes
+    picks = [op for op in part.program.ops if op.op == "pick"]
+    assert len(picks) == 1  # each lane's -lr * its shape's scale
+
+
+def test_a_for_loop_step_over_groups_with_their_own_hyperparameters_is_one_kernel():
+    # Each group's lr and momentum are scalars of their own: a lane reads its group's, as a
+    # number the host gathers per lane, so the lanes of both groups share one kernel.
+    def make(ps):
+        groups = [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05, "momentum": 0.5}]
+        return optim.SGD(groups, lr=1e-2, momentum=0.9, nesterov=True, foreach=False)
+
+    params, opt, reference, eager = _run(make)
+    _assert_close(params, opt, reference, eager, rtol=1e-6, atol=1e-7)
+    report = optcompile.explain(opt)
+    assert report.kernel_launches_per_step == 1 and report.graph_code.count("@triton.jit") == 1
+    assert _plan(opt).host  # (the lanes' numbers: one row of host values per lane)
 
 
 def test_a_grad_laid_out_unlike_its_param_runs_on_the_torch_backend_and_matches():
