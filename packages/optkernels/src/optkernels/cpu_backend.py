@@ -47,7 +47,7 @@ from optkernels.host import (
     scalar_function,
 )
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
-from optkernels.layouts import layouts, with_prelude, write_back
+from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.reference import TorchBackend, TorchPlan, node_by_node
 from optkernels.split import Split, split_unfused
 
@@ -327,6 +327,7 @@ class CpuPlan:
         launches = sum(len(part.functions) for part in self.parts)
         if self.prelude is not None and self.split is not None:
             launches += self.prelude.kernel_launches_per_step + (1 if self.split.writes else 0)
+            launches += relaid(self.layouts, self.split.main)
         return launches
 
     def guarded_addresses(self, indices: Collection[int]) -> None:

@@ -43,7 +43,7 @@ from optkernels.host import (
     scalar_function,
 )
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
-from optkernels.layouts import layouts, with_prelude, write_back
+from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.numbers import HOST_ONLY, PICK
 from optkernels.reference import TorchPlan
 from optkernels.split import Split, split_unfused
@@ -616,6 +616,7 @@ class TritonPlan:
         launches = sum(part.launches for part in self.parts)
         if self.prelude is not None and self.split is not None:
             launches += self.prelude.kernel_launches_per_step + (1 if self.split.writes else 0)
+            launches += relaid(self.layouts, self.split.main)
         return launches
 
     def __call__(self, inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
@@ -703,6 +704,11 @@ class TritonPlan:
                 f"# partly fused: {', '.join(ops)} not an op the kernel generator knows "
                 f"({len(self.split.unfused)} node(s)); the torch backend runs them and what "
                 f"they depend on first ({self.prelude.kernel_launches_per_step} launch(es))"
+                + (
+                    f", lays out {copies} of their results like their params ({copies} launch(es))"
+                    if (copies := relaid(self.layouts, self.split.main))
+                    else ""
+                )
                 + (
                     f", and copies {len(self.split.writes)} of their results into the "
                     "inputs after the kernels (1 launch)"
