@@ -114,20 +114,25 @@ def python_floats(program: LaneProgram) -> bool:
 
 
 def needs_host(program: LaneProgram) -> bool:
-    """Whether ``program`` does Python arithmetic on values read with ``.item()`` (eager's
-    own capturable=False path: its bias corrections and step sizes), which only the host
-    computes (numbers.py)."""
+    """Whether ``program`` has values only the host computes (numbers.py): Python arithmetic
+    on values read with ``.item()`` (eager's own capturable=False path: its bias corrections
+    and step sizes), or numbers that differ between lanes (PICK: Muon's lr per shape)."""
     return any(op.op in HOST_ONLY for op in program.ops)
+
+
+def _reads_items(program: LaneProgram) -> bool:
+    """Whether ``program`` does Python arithmetic on values read with ``.item()``."""
+    return any(op.op in HOST_ONLY and op.op != PICK for op in program.ops)
 
 
 def host_dtypes(program: LaneProgram, order: Sequence[int]) -> dict[int, OpDtypes] | None:
     """The dtypes the host rounds the tensor ops among ``order`` to, as ATen computes them
     on eager's 0-dim CPU tensors (``step += 1``, NAdam's ``mu_product *= mu``: float32), in
-    a program that computes eager's Python floats itself (``needs_host``: eager's own
+    a program that computes eager's Python floats itself (arithmetic on ``.item()``: eager's own
     capturable=False path); None elsewhere, where its tensor ops stand for those Python
     floats (the capturable path traced for a capturable=False step: all in double).
     Raises NotLanes if the lanes' 0-dim values differ in dtype."""
-    if not needs_host(program) or python_floats(program):
+    if not _reads_items(program) or python_floats(program):
         return None
     lanes = [op_dtypes(program, lane) for lane in range(program.lanes)]
     out = {}
