@@ -343,9 +343,10 @@ def _per_lane_numbers(signatures: list[tuple[Any, ...]]) -> dict[tuple[Any, ...]
     where they differ otherwise."""
     first = signatures[0]
     out: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-    for sig in signatures[1:]:
-        if len(sig) != len(first):
-            raise NotLanes("the per-tensor op sequences differ between parameters")
+    if all(sig == first for sig in signatures):  # (the usual case: one comparison a lane)
+        return out
+    if any(len(sig) != len(first) for sig in signatures):
+        raise NotLanes("the per-tensor op sequences differ between parameters")
     for position, ops in enumerate(zip(*signatures, strict=True)):
         if any(op[0] != ops[0][0] for op in ops):
             raise NotLanes("the per-tensor op sequences differ between parameters")
