@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpt
-from sharded_step import BYTES_PER_ELEMENT, copy_bandwidth, device_name, local, step_times, sync
+from sharded_step import OPTIMIZERS, copy_bandwidth, device_name, local, step_times, sync
 
 OPTIONS = {"lr": 1e-3, "weight_decay": 0.01}
 VARIANTS = ["optcompile", "fused", "foreach"]
@@ -221,7 +221,7 @@ def run_model(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     del probe
     result["local_numel"] = numel
     result["bandwidth"] = copy_bandwidth(args.device, min(numel, 64 * 1024 * 1024))
-    result["floor_s"] = numel * BYTES_PER_ELEMENT / result["bandwidth"]
+    result["floor_s"] = numel * OPTIMIZERS["adamw"].bytes_per_element / result["bandwidth"]
     result["parity"] = parity(args, workdir)
     result["rows"] = timings(args)
     if args.device == "cuda":

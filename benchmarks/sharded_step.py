@@ -1,4 +1,4 @@
-"""Per-step time of an FSDP2 (``fully_shard``) AdamW step against the floor, on one device.
+"""Per-step time of an FSDP2 (``fully_shard``) AdamW or Muon step against the floor, on one device.
 
 One process, world size 1 (NCCL on CUDA, gloo on the CPU) over a FileStore, a 1-device mesh,
 ``fully_shard`` on a GPT model built from torch.nn layers (gpt.py: GPT-2 124M shapes by
@@ -11,6 +11,14 @@ params keep changing. Variants, each a fresh AdamW (lr 1e-3, weight decay 0.01):
 - plain optcompile: the same compile over plain tensors of the local shards' sizes and values
   (the issue's target: the sharded step within 1.1x of this one).
 
+With ``--optimizer muon``: torch.optim.Muon (defaults, lr 1e-2) over the blocks' matrices
+(tall, wide and square; the embeddings stay out, as Muon's docs advise), variants optcompile,
+eager, plain optcompile and plain eager (Muon has neither ``fused`` nor ``foreach``). Its
+Newton-Schulz matmuls run on the torch backend (the same ATen ops as eager, with DTensor's
+collectives: none at world size 1) and its elementwise tail in one kernel; its floor counts
+the tail's bytes only (read p, g, momentum; write p, momentum: 20 bytes a parameter), the
+matmuls are compute.
+
 Timing: after warm-up (the first call compiles), CUDA events around each step, one pair per
 step, steps enqueued back to back (``step``: device time; the host runs ahead), and again
 with a synchronize before each step (``synced``: the step's host time shows when the device
@@ -21,6 +29,9 @@ bandwidth measured in the same run (step_time.copy_bandwidth on CUDA).
 Usage (GPU machine; prints a markdown table, writes it and the JSON):
   python benchmarks/sharded_step.py --json benchmarks/results/sharded_step_h100.json \
       --out benchmarks/results/sharded_step_h100.md
+Muon, plain vs sharded vs eager (GPU machine):
+  python benchmarks/sharded_step.py --optimizer muon \
+      --json benchmarks/results/sharded_muon_h100.json --out benchmarks/results/sharded_muon_h100.md
 CPU smoke run (what integration_tests/test_benchmark_scripts.py runs; raises if optcompile
 falls back or retraces):
   python benchmarks/sharded_step.py --device cpu --smoke --json /tmp/s.json --out /tmp/s.md
@@ -38,7 +49,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,9 +57,31 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 import gpt
 
-VARIANTS = ["optcompile", "fused", "foreach", "plain optcompile"]
-BYTES_PER_ELEMENT = 7 * 4  # AdamW fp32: p, g, m, v read; p, m, v written
-OPTIONS = {"lr": 1e-3, "weight_decay": 0.01}
+
+class Optimizer(NamedTuple):
+    """What one ``--optimizer`` times: how to make it, over which params, its variants and
+    the bytes per parameter of its floor."""
+
+    make: Callable[..., torch.optim.Optimizer]
+    params: Callable[[torch.nn.Module], list[torch.nn.Parameter]]
+    variants: list[str]
+    bytes_per_element: int
+
+
+OPTIMIZERS = {
+    "adamw": Optimizer(
+        lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw),
+        lambda m: [p for p in m.parameters() if p.grad is not None],
+        ["optcompile", "fused", "foreach", "plain optcompile"],
+        7 * 4,  # AdamW fp32: p, g, m, v read; p, m, v written
+    ),
+    "muon": Optimizer(
+        lambda ps, **kw: torch.optim.Muon(ps, lr=1e-2, **kw),
+        lambda m: [p for b in m.blocks for p in b.parameters() if p.dim() == 2],
+        ["optcompile", "eager", "plain optcompile", "plain eager"],
+        5 * 4,  # its elementwise tail: p, g, momentum read; p, momentum written
+    ),
+}
 
 
 def init_world(device: str, store_dir: str) -> Any:
@@ -67,22 +100,25 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def make_step(variant: str, params: list[torch.nn.Parameter]) -> Callable[[], Any]:
+def make_step(variant: str, params: list[torch.nn.Parameter], optimizer: str) -> Callable[[], Any]:
     import optcompile
 
-    if variant == "optcompile":
-        return optcompile.compile(torch.optim.AdamW(params, **OPTIONS)).step
-    if variant == "fused":
-        return torch.optim.AdamW(params, fused=True, **OPTIONS).step
-    if variant == "foreach":
-        return torch.optim.AdamW(params, foreach=True, **OPTIONS).step
-    if variant == "plain optcompile":
+    make = OPTIMIZERS[optimizer].make
+    if variant.startswith("plain "):  # plain tensors of the local shards' sizes and values
         plain = []
         for p in params:
             q = torch.nn.Parameter(local(p).detach().clone())
             q.grad = local(p.grad).detach().clone()  # type: ignore[arg-type]
             plain.append(q)
-        return optcompile.compile(torch.optim.AdamW(plain, **OPTIONS)).step
+        variant, params = variant[len("plain ") :], plain
+    if variant == "optcompile":
+        return optcompile.compile(make(params)).step
+    if variant == "fused":
+        return make(params, fused=True).step
+    if variant == "foreach":
+        return make(params, foreach=True).step
+    if variant == "eager":
+        return make(params).step
     raise ValueError(variant)
 
 
@@ -134,7 +170,7 @@ def measure(variant: str, params: list[torch.nn.Parameter], args: argparse.Names
     try:
         sync(args.device)
         start = time.perf_counter()
-        step = make_step(variant, params)
+        step = make_step(variant, params, args.optimizer)
         step()
         sync(args.device)
         row["first_call_s"] = time.perf_counter() - start
@@ -175,11 +211,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             model = gpt.shard(gpt.build(args.model, args.device), mesh=mesh)
             tokens = gpt.batch(args.model, args.batch, args.length, args.device, seed=0)
             gpt.loss(model, tokens).backward()
-            params = [p for p in model.parameters() if p.grad is not None]
+            optimizer = OPTIMIZERS[args.optimizer]
+            params = optimizer.params(model)
             numel = sum(local(p).numel() for p in params)
             bandwidth = copy_bandwidth(args.device, min(numel, 64 * 1024 * 1024))
-            floor_s = numel * BYTES_PER_ELEMENT / bandwidth
-            rows = [measure(v, params, args) for v in args.variants.split(",")]
+            floor_bytes = numel * optimizer.bytes_per_element
+            floor_s = floor_bytes / bandwidth
+            variants = args.variants.split(",") if args.variants else optimizer.variants
+            rows = [measure(v, params, args) for v in variants]
         finally:
             dist.destroy_process_group()
     import triton
@@ -190,11 +229,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "optimizer": args.optimizer,
         "model": args.model,
         "tensors": len(params),
         "placements": str(params[0].placements) if hasattr(params[0], "placements") else "",
         "local_numel": numel,
-        "floor_bytes": numel * BYTES_PER_ELEMENT,
+        "floor_bytes": floor_bytes,
         "bandwidth": bandwidth,
         "floor_s": floor_s,
         "steps": args.steps,
@@ -212,8 +252,9 @@ def device_name(device: str) -> str:
 def table(result: dict[str, Any]) -> str:
     meta, rows = result["meta"], result["rows"]
     plain = next((r for r in rows if r["variant"] == "plain optcompile" and "step_s" in r), None)
+    name = {"adamw": "AdamW", "muon": "Muon"}[meta["optimizer"]]
     lines = [
-        "# Sharded (FSDP2) AdamW step against the floor, world size 1",
+        f"# Sharded (FSDP2) {name} step against the floor, world size 1",
         "",
         f"Produced by `{meta['command']}` on {meta['device']}; Python {meta['python']}, torch "
         f"{meta['torch']}, triton {meta['triton']}.",
@@ -246,7 +287,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default="gpt2", choices=sorted(gpt.CONFIGS))
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--variants", default="", help="comma-separated (default: all)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=1)

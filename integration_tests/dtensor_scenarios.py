@@ -370,12 +370,16 @@ def lars_trust_ratios() -> None:
     assert_collectives(opt, "all_reduce(sum)")
 
 
+def _matrices(model: nn.Module) -> list[Any]:
+    """The model's 2-D parameters (Muon's): tall, wide and square ones."""
+    return [p for p in model.parameters() if p.dim() == 2]
+
+
 def muon_newton_schulz() -> None:
     # torch.optim.Muon over the sharded matrices (Shard(0)): its Newton-Schulz matmuls run
     # through DTensor's matmul rules, which pick the all-gathers and all-reduces.
-    matrices = lambda m: [p for p in m.parameters() if p.dim() == 2]  # noqa: E731
     make = functools.partial(torch.optim.Muon, lr=1e-2, weight_decay=0.1)
-    _, opt, _, _ = run_pair(make, steps=3, params=matrices)
+    _, opt, _, _ = run_pair(make, steps=3, params=_matrices)
     assert traces(opt) == 1, optcompile.explain(opt).retrace_reasons
     assert_collectives(opt, "all_reduce(sum)", "all_gather_into_tensor")
 
@@ -653,6 +657,20 @@ def triton_backend_fuses_like_plain() -> None:
         assert prelude.startswith("# partly fused") and "wait_tensor" in prelude, code[:800]
         kernels = [line for line in code.splitlines() if line.startswith("def foreach_")]
         assert len([k for k in kernels if "_small(" not in k]) == 1, kernels
+    # Muon (defaults) over the sharded tall, wide and square matrices: the Newton-Schulz
+    # matmuls with DTensor's all-gathers and all-reduces (and the momentum they read) run in
+    # the prelude; the weight decay and the update, each matrix's lr scaled by its global
+    # shape (a number per lane), in one kernel. The same bits as eager.
+    optcompile.reset()
+    model, ref = sharded_model(), sharded_model()
+    opt = optcompile.compile(torch.optim.Muon(_matrices(model), lr=1e-2), backend="triton")
+    eager = torch.optim.Muon(_matrices(ref), lr=1e-2)
+    step_pair(model, opt, ref, eager, 2)
+    assert_same(model, opt, ref, eager, rtol=0, atol=0)
+    assert_collectives(opt, "all_reduce(sum)", "all_gather_into_tensor")
+    code = optcompile.explain(opt).graph_code
+    kernels = [line for line in code.splitlines() if line.startswith("def foreach_")]
+    assert len(kernels) == 1 and code.split("\n", 3)[2].startswith("# partly fused"), kernels
 
 
 SCENARIOS: dict[str, Callable[..., None]] = {

@@ -36,14 +36,25 @@ def _run(args: list[str], tmp_path: Path) -> tuple[dict, str]:
     return json.loads(js.read_text()), out.read_text()
 
 
-def test_sharded_step_benchmark_runs_every_variant_on_the_cpu(tmp_path: Path) -> None:
-    result, table = _run([sys.executable, str(BENCHMARKS / "sharded_step.py")], tmp_path)
+@pytest.mark.parametrize(
+    ("optimizer", "variants"),
+    [
+        ("adamw", ["optcompile", "fused", "foreach", "plain optcompile"]),
+        ("muon", ["optcompile", "eager", "plain optcompile", "plain eager"]),
+    ],
+)
+def test_sharded_step_benchmark_runs_every_variant_on_the_cpu(
+    tmp_path: Path, optimizer: str, variants: list[str]
+) -> None:
+    script = [sys.executable, str(BENCHMARKS / "sharded_step.py"), "--optimizer", optimizer]
+    result, table = _run(script, tmp_path)
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == ["optcompile", "fused", "foreach", "plain optcompile"]
+    assert list(rows) == variants
     assert all(r["step_s"] > 0 and r["synced_s"] > 0 for r in rows.values())
     sharded, plain = rows["optcompile"], rows["plain optcompile"]
     assert sharded["fallback"] is None and sharded["traces"] == 1
-    # The sharded step is the plain step over the local shards: the same launches.
+    # The sharded step is the plain step over the local shards (world size 1: DTensor's
+    # rules call no collective): the same launches.
     assert sharded["launches"] == plain["launches"]
     assert result["meta"]["floor_s"] > 0 and "| plain optcompile |" in table
 

@@ -172,9 +172,13 @@ def test_triton_backend_on_cpu_params_runs_the_torch_backend_and_says_why():
 
 
 def _matrices() -> torch.nn.Module:
-    torch.manual_seed(0)  # Muon takes 2-D parameters only
+    torch.manual_seed(0)  # Muon takes 2-D parameters only: a tall, a square, a wide one
     return torch.nn.Sequential(
-        torch.nn.Linear(6, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 3, bias=False)
+        torch.nn.Linear(6, 8, bias=False),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 8, bias=False),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 3, bias=False),
     )
 
 

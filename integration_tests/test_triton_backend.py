@@ -139,17 +139,26 @@ def test_a_value_read_from_a_tensor_that_an_unfused_op_needs_runs_with_it(make):
     assert optcompile.explain(opt).fallback_reason is None
 
 
-def test_a_matrix_result_the_torch_backend_gives_transposed_is_laid_out_like_its_param():
-    # Muon (weight decay, an lr the same for both shapes): the orthogonalized update of the
-    # tall matrix comes back transposed from the matmuls; the kernel reads it element for
-    # element next to its parameter, so the plan lays it out like the parameter first.
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"nesterov": False, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}],
+    ids=["defaults", "rms-matched"],
+)
+def test_muon_runs_its_matmuls_first_and_its_tail_over_every_shape_in_one_launch(options):
+    # Muon over a tall, a wide and a square matrix: the Newton-Schulz matmuls (and the
+    # momentum and nesterov lerps they read) run on the torch backend first; the weight decay
+    # and the update, whose lr Muon scales by each matrix's shape (a Python number per
+    # shape: each lane reads its own from the host), run in one kernel for all three. The
+    # tall matrix's update comes back transposed from the matmuls: the plan lays it out like
+    # its parameter. The same bits as eager: the same ATen ops first, then eager's own
+    # per-element arithmetic (one rounding of p * (1 - lr * wd), one fused add).
     gen = torch.Generator().manual_seed(0)
-    shapes = [(8, 6), (3, 8)]
+    shapes = [(8, 6), (3, 8), (5, 5)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
 
     def make(ps):
-        return optim.Muon(ps, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        return optim.Muon(ps, lr=1e-2, **options)
 
     opt, eager = optcompile.compile(make(params), backend="triton"), make(reference)
     for _ in range(3):
@@ -158,10 +167,34 @@ def test_a_matrix_result_the_torch_backend_gives_transposed_is_laid_out_like_its
             q.grad = p.grad.clone()
         opt.step()
         eager.step()
-    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    _assert_close(params, opt, reference, eager, rtol=0, atol=0)
     plan = _plan(opt)
     assert plan.split is not None and plan.layouts  # partly fused, with results laid out
-    assert "@triton.jit" in optcompile.explain(opt).graph_code
+    (part,) = plan.parts
+    assert part.program.lanes == 3 and len(part.groups) == 1
+    report = optcompile.explain(opt)
+    assert report.graph_code.count("@triton.jit") == 1
+    writes = 1  # the momentum buffers, which the matmuls read, written after the kernel
+    relaid = 1  # the tall matrix's update, laid out like its parameter before the kernel
+    prelude = plan.prelude.kernel_launches_per_step
+    assert report.kernel_launches_per_step == prelude + relaid + 1 + writes
+    assert "lays out 1 of their results like their params (1 launch(es))" in report.graph_code
+    picks = [op for op in part.program.ops if op.op == "pick"]
+    assert len(picks) == 1  # each lane's -lr * its shape's scale
+
+
+def test_a_for_loop_step_over_groups_with_their_own_hyperparameters_is_one_kernel():
+    # Each group's lr and momentum are scalars of their own: a lane reads its group's, as a
+    # number the host gathers per lane, so the lanes of both groups share one kernel.
+    def make(ps):
+        groups = [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05, "momentum": 0.5}]
+        return optim.SGD(groups, lr=1e-2, momentum=0.9, nesterov=True, foreach=False)
+
+    params, opt, reference, eager = _run(make)
+    _assert_close(params, opt, reference, eager, rtol=1e-6, atol=1e-7)
+    report = optcompile.explain(opt)
+    assert report.kernel_launches_per_step == 1 and report.graph_code.count("@triton.jit") == 1
+    assert _plan(opt).host  # (the lanes' numbers: one row of host values per lane)
 
 
 def test_a_grad_laid_out_unlike_its_param_runs_on_the_torch_backend_and_matches():
@@ -427,23 +460,25 @@ def test_uniform_host_arithmetic_agrees_with_per_lane_and_refuses_what_python_ca
     scalars = scalar_function(part.program, part.index)(inputs)
     lanes = len(group.lanes)
     views = {k: b.cpu().numpy() for k, b in group.small_buffers.items()}  # CPU or CUDA steps
-    per_lane = part._host_fn(views, scalars, lanes)
+    every, one_fn = part._host_fns[tuple(group.lanes)]
+    assert one_fn is not None
+    per_lane = every(views, scalars, lanes)
     one = {k: float(v[0]) for k, v in views.items()}
-    uniform = part._host_fn_uniform(one, scalars, 1)
+    uniform = one_fn(one, scalars, 1)
     for var in part.host_order:  # float32's 1 - 0.999 ** step loses ~1e-5 to cancellation
         np.testing.assert_allclose(per_lane[var], np.full(lanes, uniform[var]), rtol=5e-5)
-    assert part._uniform_host_values(views, scalars) == uniform  # what a call takes
+    assert part._uniform_host_values(one_fn, views, scalars) == uniform  # what a call takes
     uneven = {k: v.copy() for k, v in views.items()}
     for v in uneven.values():
         v[1] += 1
-    assert part._uniform_host_values(uneven, scalars) is None  # lanes differ: per lane
+    assert part._uniform_host_values(one_fn, uneven, scalars) is None  # lanes differ: per lane
     opt.param_groups[0]["betas"] = (1.0, 0.999)
     scalars = scalar_function(part.program, part.index)(entry.gather({"opt": opt}))
     with pytest.raises(ZeroDivisionError):
-        part._host_fn_uniform(one, scalars, 1)
-    assert part._uniform_host_values(views, scalars) is None
+        one_fn(one, scalars, 1)
+    assert part._uniform_host_values(one_fn, views, scalars) is None
     with np.errstate(all="ignore"):
-        per_lane = part._host_fn(views, scalars, lanes)
+        per_lane = every(views, scalars, lanes)
     assert any(np.isinf(per_lane[var]).all() for var in part.host_order)
 
 

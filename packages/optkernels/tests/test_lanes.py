@@ -155,3 +155,63 @@ def test_the_kernel_takes_per_item_ops_on_inputs_as_the_torch_backend_does():
     TorchPlan(gm)([*copies, *sums])
     for mine, theirs in zip(tensors, copies, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
+def _scaled_lr_graph(scales: list[float], sizes: list[int]) -> fx.GraphModule:
+    """A for-loop step whose lanes read different Python numbers: p = p + g * -(lr * s_i),
+    ``lr * s_i`` one scalar node per distinct s_i (Muon's lr scaled by each matrix's shape,
+    the same node for the lanes of one scale)."""
+    graph = fx.Graph()
+    ps = [_placeholder(graph, f"p{i}", torch.empty(n)) for i, n in enumerate(sizes)]
+    gs = [_placeholder(graph, f"g{i}", torch.empty(n)) for i, n in enumerate(sizes)]
+    lr = _placeholder(graph, "lr", 0.1)
+    alphas: dict[float, fx.Node] = {}
+    for p, g, s in zip(ps, gs, scales, strict=True):
+        if s not in alphas:
+            alphas[s] = graph.call_function(
+                operator.neg, (graph.call_function(operator.mul, (lr, s)),)
+            )
+        new_p = graph.call_function(aten.add.Tensor, (p, g), {"alpha": alphas[s]})
+        graph.call_function(aten.copy_.default, (p, new_p))
+    graph.output([])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_lanes_that_read_different_python_numbers_pick_theirs_from_the_scalars():
+    program = analyze(_scaled_lr_graph([1.0, 2.0, 1.0], [3, 5, 7]).graph)
+    (pick,) = [op for op in program.ops if op.op == "pick"]
+    refs = pick.args[0][1]  # one ref per lane: lanes 0 and 2 read the same scalar node
+    assert refs[0] == refs[2] != refs[1] and all(r[0] == "scalar" for r in refs)
+    (add,) = [op for op in program.ops if op.op == "add"]
+    assert ("alpha", ("lane", pick.out)) in add.kwargs
+
+
+def test_lanes_that_differ_in_more_than_a_number_are_refused():
+    # (the same ops on the same kinds of inputs, but one lane clamps from below, the other
+    # from above: a bound that is None is not a number a lane can pick)
+    graph = fx.Graph()
+    ps = [_placeholder(graph, f"p{i}", torch.empty(3)) for i in range(2)]
+    for p, bounds in zip(ps, [(0.0, None), (None, 0.0)], strict=True):
+        clamped = graph.call_function(aten.clamp.default, (p, *bounds))
+        graph.call_function(aten.copy_.default, (p, clamped))
+    graph.output([])
+    with pytest.raises(NotLanes, match="op sequences differ"):
+        analyze(graph)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+def test_the_kernel_reads_each_lanes_own_number_as_the_torch_backend_does():
+    from optkernels.triton_backend import TritonPlan
+
+    gm = _scaled_lr_graph([1.0, 2.0, 1.0, 3.0], SIZES)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen) for _ in range(2) for n in SIZES]
+    copies = [t.clone() for t in tensors]
+    plan = TritonPlan(gm)
+    assert plan.program is not None and plan.kernel_launches_per_step == 1
+    for lr in (0.1, 0.3):  # a new lr: each lane's number follows it
+        plan([*tensors, lr])
+        TorchPlan(gm)([*copies, lr])
+    assert plan.host  # the lanes' numbers come from the host, one row per lane
+    for mine, theirs in zip(tensors, copies, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)

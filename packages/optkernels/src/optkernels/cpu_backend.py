@@ -44,10 +44,11 @@ from optkernels.host import (
     host_function,
     host_reads,
     host_vars,
+    picks_differ,
     scalar_function,
 )
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
-from optkernels.layouts import layouts, with_prelude, write_back
+from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.reference import TorchBackend, TorchPlan, node_by_node
 from optkernels.split import Split, split_unfused
 
@@ -90,7 +91,11 @@ class _Part:
         host: dict[int, int | None] = {v: columns.get(v) for v in order}
         rounding = host_dtypes(program, order)
         self._host_fn = host_function(program, order, False, rounding)
-        self._host_fn_uniform = host_function(program, order, True, rounding)
+        self._host_fn_uniform = (  # (None where the lanes read different numbers by design)
+            None
+            if picks_differ(program, range(program.lanes))
+            else host_function(program, order, True, rounding)
+        )
         self.dynamic = [
             not all(n.meta.get("static_address", False) for n in column)
             for column in program.inputs
@@ -209,10 +214,11 @@ class _Part:
         program = self.program
         values = None
         first: dict[int, Any] = {}
-        if all(v.tobytes() == v[:1].tobytes() * len(v) for v in views.values()):
+        one = self._host_fn_uniform
+        if one is not None and all(v.tobytes() == v[:1].tobytes() * len(v) for v in views.values()):
             first = {k: v[:1].item() for k, v in views.items()}
             try:
-                values = self._host_fn_uniform(first, scalars, 1)
+                values = one(first, scalars, 1)
             except (ArithmeticError, ValueError):
                 values = None
         block = self.host_vals
@@ -322,6 +328,7 @@ class CpuPlan:
         launches = sum(len(part.functions) for part in self.parts)
         if self.prelude is not None and self.split is not None:
             launches += self.prelude.kernel_launches_per_step + (1 if self.split.writes else 0)
+            launches += relaid(self.layouts, self.split.main)
         return launches
 
     def guarded_addresses(self, indices: Collection[int]) -> None:

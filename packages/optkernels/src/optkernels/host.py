@@ -24,7 +24,7 @@ from torch import fx
 
 from optkernels.dtypes import OpDtypes, compute_dtype, op_dtypes
 from optkernels.lanes import LaneProgram, NotLanes
-from optkernels.numbers import ASSERT, HOST_ONLY, PYTHON_FUNCTIONS
+from optkernels.numbers import ASSERT, HOST_ONLY, PICK, PYTHON_FUNCTIONS
 
 
 def host_vars(program: LaneProgram) -> list[int]:
@@ -114,25 +114,31 @@ def python_floats(program: LaneProgram) -> bool:
 
 
 def needs_host(program: LaneProgram) -> bool:
-    """Whether ``program`` computes with values read with ``.item()`` from 0-dim inputs
-    (eager's own capturable=False path: its bias corrections and step sizes): Python
-    arithmetic on them, which only the host computes (numbers.py), or tensor arithmetic
-    with them on other 0-dim inputs (a Tensor beta: ``1 - beta1 ** step`` is a float32 op
-    on the CPU in eager), which the host computes as ATen does there (host_dtypes)."""
+    """Whether ``program`` has values only the host computes (numbers.py): Python arithmetic
+    on values read with ``.item()`` from 0-dim inputs (eager's own capturable=False path: its
+    bias corrections and step sizes), numbers that differ between lanes (PICK: Muon's lr per
+    shape), or tensor arithmetic with ``.item()`` values on other 0-dim inputs (a Tensor
+    beta: ``1 - beta1 ** step`` is a float32 op on the CPU in eager), which the host computes
+    as ATen does there (host_dtypes)."""
     if any(op.op in HOST_ONLY for op in program.ops):
         return True
     ops = {op.out: op for op in program.ops}
     return any(ops[v].op == "item" for v in host_vars(program))
 
 
+def _reads_items(program: LaneProgram) -> bool:
+    """Whether ``program`` does Python arithmetic on values read with ``.item()``."""
+    return any(op.op in HOST_ONLY and op.op != PICK for op in program.ops)
+
+
 def host_dtypes(program: LaneProgram, order: Sequence[int]) -> dict[int, OpDtypes] | None:
     """The dtypes the host rounds the tensor ops among ``order`` to, as ATen computes them
     on eager's 0-dim CPU tensors (``step += 1``, NAdam's ``mu_product *= mu``: float32), in
-    a program that computes eager's Python floats itself (``needs_host``: eager's own
+    a program that computes eager's Python floats itself (arithmetic on ``.item()``: eager's own
     capturable=False path); None elsewhere, where its tensor ops stand for those Python
     floats (the capturable path traced for a capturable=False step: all in double).
     Raises NotLanes if the lanes' 0-dim values differ in dtype."""
-    if not needs_host(program) or python_floats(program):
+    if not _reads_items(program) or python_floats(program):
         return None
     lanes = [op_dtypes(program, lane) for lane in range(program.lanes)]
     out = {}
@@ -155,11 +161,20 @@ def _compiled(code: str, kind: str) -> types.CodeType:
     return compile(code, filename, "exec")
 
 
+def picks_differ(program: LaneProgram, lanes: Sequence[int]) -> bool:
+    """Whether ``lanes`` read different numbers at one of ``program``'s PICK ops (Muon's lr
+    scaled per shape): then no one row of host values serves them all."""
+    return any(
+        len({op.args[0][1][lane] for lane in lanes}) > 1 for op in program.ops if op.op == PICK
+    )
+
+
 def host_function(
     program: LaneProgram,
     order: Sequence[int],
     uniform: bool = False,
     dtypes: dict[int, OpDtypes] | None = None,
+    lanes: Sequence[int] | None = None,
 ) -> HostFunction:
     """``f(small_inputs, scalars, lanes)``: the host vars ``order`` for every lane at once,
     as straight-line Python generated once (an interpreter loop cost ~0.7 µs an op).
@@ -185,7 +200,10 @@ def host_function(
     (numpy's vectorized power differs from Python's in the last bit) and the same errors
     (a ZeroDivisionError, an OverflowError: raised from the array path too). ``dtypes``
     (host_dtypes): round each tensor op's operands and result as ATen does on 0-dim CPU
-    tensors of those dtypes."""
+    tensors of those dtypes. ``lanes``: the program's lanes the function computes, in order
+    (default: all), which a PICK gathers its numbers for (uniform: lane ``lanes[0]``'s; see
+    picks_differ)."""
+    chosen = list(range(program.lanes)) if lanes is None else list(lanes)
     ops = {op.out: op for op in program.ops}
     table = _HOST_SCALAR if uniform else _HOST
     constants: list[Any] = []
@@ -244,6 +262,10 @@ def host_function(
                 if uniform
                 else f"_py_lanes({python}, lanes, {operands})"
             )
+        elif op.op == PICK:  # the number each lane reads, as the scalars hold it
+            refs = [op.args[0][1][lane] for lane in chosen[: 1 if uniform else None]]
+            numbers = ", ".join(f"float({ref(r)})" for r in refs)
+            value = numbers if uniform else f"np.array([{numbers}], dtype=np.float64)"
         elif op.op == ASSERT:
             check = "_check" if uniform else "_check_lanes"
             value = f"{check}({ref(op.args[0])}, {const(op.args[1][1])})"

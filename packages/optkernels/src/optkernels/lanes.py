@@ -19,7 +19,14 @@ import torch
 from torch import fx
 
 from optkernels.compressed import DEQUANTIZE, QUANTIZE
-from optkernels.numbers import ASSERT, PYTHON_OPS, is_assert, lane_numbers, scalar_constant
+from optkernels.numbers import (
+    ASSERT,
+    PICK,
+    PYTHON_OPS,
+    is_assert,
+    lane_numbers,
+    scalar_constant,
+)
 
 aten = torch.ops.aten
 
@@ -264,14 +271,13 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
     scalar_ref = {n: ("scalar", i) for i, n in enumerate(program.scalar_inputs)}
     scalar_ref.update({n: ("scalar", -1 - i) for i, n in enumerate(program.scalar_nodes)})
     signatures = [_signature(c, scalar_ref) for c in lanes]
-    if any(sig != signatures[0][0] for sig, _ in signatures):
-        raise NotLanes("the per-tensor op sequences differ between parameters")
+    per_lane = _per_lane_numbers([sig for sig, _ in signatures])
     inputs_per_lane = [placeholders for _, placeholders in signatures]
     for j in range(len(inputs_per_lane[0])):
         column = tuple(lane[j] for lane in inputs_per_lane)
         program.inputs.append(column)
         program.input_small.append(all(n.meta["val"].dim() == 0 for n in column))
-    _lower_component(program, lanes, inputs_per_lane[0], scalar_ref, numbers)
+    _lower_component(program, lanes, inputs_per_lane[0], scalar_ref, numbers, per_lane)
     _check_numels(program)
     return program
 
@@ -329,17 +335,66 @@ def _signature(
     return tuple(sig), placeholders
 
 
+def _per_lane_numbers(signatures: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """Where the lanes' signatures differ only in a Python number an op reads (Muon's lr,
+    scaled by each matrix's shape: ``lr * sqrt(max(1, rows / cols))``, a scalar node per
+    shape), the number each lane reads there: (op position, "args" or "kwargs", index or
+    name) -> one ref per lane, ("scalar", index) or ("const", number). Raises NotLanes
+    where they differ otherwise."""
+    first = signatures[0]
+    out: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    if all(sig == first for sig in signatures):  # (the usual case: one comparison a lane)
+        return out
+    if any(len(sig) != len(first) for sig in signatures):
+        raise NotLanes("the per-tensor op sequences differ between parameters")
+    for position, ops in enumerate(zip(*signatures, strict=True)):
+        if any(op[0] != ops[0][0] for op in ops):
+            raise NotLanes("the per-tensor op sequences differ between parameters")
+        for where, slot in (("args", 1), ("kwargs", 2)):
+            values = [op[slot] for op in ops]
+            if all(v == values[0] for v in values):
+                continue
+            if any(len(v) != len(values[0]) for v in values):
+                raise NotLanes("the per-tensor op sequences differ between parameters")
+            for j, refs in enumerate(zip(*values, strict=True)):
+                if all(r == refs[0] for r in refs):
+                    continue
+                if where == "kwargs":  # (("const", name), ref) pairs
+                    if any(r[0] != refs[0][0] for r in refs):
+                        raise NotLanes("the per-tensor op sequences differ between parameters")
+                    key, refs = refs[0][0][1], tuple(r[1] for r in refs)
+                else:
+                    key = j
+                if not all(_number_ref(r) for r in refs):
+                    raise NotLanes("the per-tensor op sequences differ between parameters")
+                out[(position, where, key)] = tuple(refs)
+    return out
+
+
+def _number_ref(ref: Any) -> bool:
+    """Whether a signature's ref is a Python number: a scalar of the step, a constant."""
+    if not isinstance(ref, tuple) or len(ref) != 2:
+        return False
+    kind, value = ref
+    if kind == "scalar":
+        return True
+    return kind == "const" and isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _lower_component(
     program: LaneProgram,
     lanes: list[list[fx.Node]],
     placeholders: list[fx.Node],
     scalar_ref: dict[fx.Node, Any],
     numbers: set[fx.Node],
+    per_lane: dict[tuple[Any, ...], tuple[Any, ...]],
 ) -> None:
     """Lane 0's component as the program; the other lanes' (same ops, by _signature) give
-    each op's per-lane result dtypes."""
+    each op's per-lane result dtypes, and the numbers they read where those differ
+    (``per_lane``: one PICK op for each)."""
     component = lanes[0]
     var_of: dict[fx.Node, int] = {}
+    picks: dict[tuple[Any, ...], int] = {}
 
     def emit(op: str, args: tuple[Any, ...], small: bool, dtypes: tuple[Any, ...] = ()) -> int:
         var = program.num_vars
@@ -364,6 +419,14 @@ def _lower_component(
             return ("const", a)
         raise NotLanes(f"argument {a!r} of a per-tensor op")
 
+    def lane_arg(position: int, where: str, key: Any, a: Any) -> Any:
+        refs = per_lane.get((position, where, key))
+        if refs is None:
+            return arg(a)
+        if refs not in picks:
+            picks[refs] = emit(PICK, (("const", refs),), True)
+        return ("lane", picks[refs])
+
     for position, node in enumerate(component):
         target = node.target
         if target is aten.copy_.default:
@@ -375,20 +438,23 @@ def _lower_component(
             program.writes.append((var_of[src], placeholders.index(dst)))
             continue
         if is_assert(node):
-            var_of[node] = emit(ASSERT, (arg(node.args[0]), ("const", str(node.args[1]))), True)
+            check = lane_arg(position, "args", 0, node.args[0])
+            var_of[node] = emit(ASSERT, (check, ("const", str(node.args[1]))), True)
             continue
+        args = tuple(lane_arg(position, "args", j, a) for j, a in enumerate(node.args))
         if node in numbers:
             if target not in PYTHON_OPS:
                 raise NotLanes(f"{node.name}: Python {target} on a value read with .item()")
-            var_of[node] = emit(PYTHON_OPS[target], tuple(arg(a) for a in node.args), True)
+            var_of[node] = emit(PYTHON_OPS[target], args, True)
             continue
         name = getattr(target, "__name__", "")
         base, _, overload = name.partition(".")
         if base not in _SINGLE:
             raise NotLanes(f"{target} is not an op the kernel generator knows")
-        args = tuple(arg(a) for a in node.args)
         kwargs = tuple(
-            (k, arg(v)) for k, v in sorted(node.kwargs.items()) if k not in _IGNORED_KWARGS
+            (k, lane_arg(position, "kwargs", k, v))
+            for k, v in sorted(node.kwargs.items())
+            if k not in _IGNORED_KWARGS
         )
         val = node.meta.get("val")
         small = base == "_local_scalar_dense" or (isinstance(val, torch.Tensor) and val.dim() == 0)

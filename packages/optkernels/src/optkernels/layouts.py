@@ -75,6 +75,18 @@ def layouts(
 Layouts = dict[int, tuple[tuple[int, ...], tuple[int, ...]]]
 
 
+def relaid(layouts: Layouts, gm: fx.GraphModule) -> int:
+    """How many of the prelude's results (inputs of ``gm``, the main graph) ``with_prelude``
+    copies into another layout each call, as the trace recorded them (a tall matrix's
+    update, which Muon's matmuls give transposed): one launch each."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return sum(
+        1
+        for i, (_, stride) in layouts.items()
+        if isinstance(vals[i], torch.Tensor) and tuple(vals[i].stride()) != stride
+    )
+
+
 def with_prelude(
     prelude: Any, layouts: Layouts, inputs: Sequence[Any]
 ) -> tuple[list[Any], tuple[torch.Tensor, ...]]:

@@ -6,7 +6,9 @@ one number per parameter, in double, by Python's own arithmetic. In a lane progr
 *lane numbers*: per-lane ops named ``py_<operator>`` that only the host computes (exactly as
 eager does: the same operators on the same Python floats), and that the kernels read as ATen
 reads a Python scalar. ``torch.tensor(1.0)`` made inside the step (a graph constant, 0-dim)
-is a per-lane constant of its dtype.
+is a per-lane constant of its dtype. A Python number that the step computes for each
+tensor from its shape (Muon's ``lr * sqrt(max(1, rows / cols))``) is one of the step's scalar
+values chosen per lane (``PICK``), which the host gathers for every lane.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ PYTHON_FUNCTIONS: dict[str, Callable[..., Any]] = {op: fn for fn, op in PYTHON_O
 # ``torch._check`` on a lane number (``bc ** 0.5`` checks ``bc >= 0``): the host raises
 # as the torch backend does where it fails.
 ASSERT = "assert"
-HOST_ONLY = frozenset({*PYTHON_FUNCTIONS, ASSERT})
+# One of the step's Python numbers per lane: ``(("const", refs),)`` with one ref per lane,
+# ("scalar", index) or ("const", number); the host gathers them (host.host_function).
+PICK = "pick"
+HOST_ONLY = frozenset({*PYTHON_FUNCTIONS, ASSERT, PICK})
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -32,16 +32,19 @@ from optkernels.foreach_kernel import (
 )
 from optkernels.host import (
     HOST_ROWS,
+    HostFunction,
     host_dtypes,
     host_function,
     host_reads,
     host_vars,
     needs_host,
+    picks_differ,
     python_floats,
     scalar_function,
 )
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
-from optkernels.layouts import layouts, with_prelude, write_back
+from optkernels.layouts import layouts, relaid, with_prelude, write_back
+from optkernels.numbers import HOST_ONLY, PICK
 from optkernels.reference import TorchPlan
 from optkernels.split import Split, split_unfused
 from optkernels.staging import Staging
@@ -202,11 +205,19 @@ class _Part:
         self.host_read = host_reads(program, self.host_order)
         columns = {v: j for j, v in enumerate(self.host_read)}
         host_cols = {v: columns.get(v) for v in self.host_order}
-        self._host_fn = self._host_fn_uniform = None
+        # Host mode: per group (its lanes), the host function for every lane and the one
+        # for lanes holding the same values (None where their PICKs differ: picks_differ).
+        self._host_fns: dict[tuple[int, ...], tuple[HostFunction, HostFunction | None]] = {}
         if host:
             rounding = host_dtypes(program, self.host_order)
-            self._host_fn = host_function(program, self.host_order, False, rounding)
-            self._host_fn_uniform = host_function(program, self.host_order, True, rounding)
+            for lanes in by_dtypes.values():
+                every = host_function(program, self.host_order, False, rounding, lanes)
+                one = (
+                    None
+                    if picks_differ(program, lanes)
+                    else host_function(program, self.host_order, True, rounding, lanes)
+                )
+                self._host_fns[tuple(lanes)] = (every, one)
         # An input column is static when the guards fix every lane's address (params, state).
         dynamic = [
             not all(n.meta.get("static_address", False) for n in column)
@@ -255,6 +266,8 @@ class _Part:
         needed = needs_host(program)
         on_cpu = small == {torch.device("cpu")} and numpy_dtypes
         on_host = on_cpu and (device.type != "cpu" or python_floats(program) or needed)
+        # (numbers the host makes from the scalars alone: Muon's lr scaled per shape)
+        on_host = on_host or (needed and not small)
         if self.host_small if self.host_small is not None else on_host:
             # Step counts of capturable=False optimizers stay on the CPU: what depends
             # only on them is computed there, for all lanes at once, each call.
@@ -265,10 +278,16 @@ class _Part:
                     return str(exc)
             self.host = True
         elif needed:
+            devices = ", ".join(sorted(map(str, small)))
+            if all(op.op == PICK for op in program.ops if op.op in HOST_ONLY):
+                return (
+                    "the step reads Python numbers that differ between parameters (per group "
+                    f"or per shape) beside 0-dim tensors on {devices}; the host computes the "
+                    "lanes' values only where those tensors are on the CPU"
+                )
             return (
-                "the step computes with values read with .item() from 0-dim tensors on "
-                f"{', '.join(sorted(map(str, small)))}; the host computes such values from "
-                "CPU tensors only"
+                f"the step computes with values read with .item() from 0-dim tensors on "
+                f"{devices}; the host computes such values from CPU tensors only"
             )
         return None
 
@@ -385,7 +404,8 @@ class _Part:
         # device tensors (tests): copies, written back with copy_.
         on_cpu = len(group.small_views) == len(buffers)
         views = group.small_views if on_cpu else {k: b.cpu().numpy() for k, b in buffers.items()}
-        values = self._uniform_host_values(views, scalar_values) if on_cpu else None
+        every, one = self._host_fns[tuple(group.lanes)]
+        values = self._uniform_host_values(one, views, scalar_values) if on_cpu else None
         if values is not None:  # one number per var: every lane's row is the same
             for var, k in program.writes:
                 if program.input_small[k]:
@@ -396,9 +416,8 @@ class _Part:
                 *[values[var] for var in self.host_read],
             ]
             return
-        assert self._host_fn is not None
         with np.errstate(all="ignore"):
-            values = self._host_fn(views, scalar_values, len(group.lanes))
+            values = every(views, scalar_values, len(group.lanes))
         for var, k in program.writes:
             if not program.input_small[k]:
                 continue
@@ -413,22 +432,25 @@ class _Part:
         for j, var in enumerate(self.host_read):
             rows[:, j] = values[var]
 
+    @staticmethod
     def _uniform_host_values(
-        self, views: dict[int, np.ndarray], scalar_values: list[float]
+        one: HostFunction | None, views: dict[int, np.ndarray], scalar_values: list[float]
     ) -> dict[int, Any] | None:
         """The host vars as one Python number each, when every lane holds the same values
         (the lanes' step counts advance together unless a param joined later or a state was
-        loaded), computed once with Python floats (host_function). None when the lanes
-        differ or that arithmetic raised; the caller then computes every lane."""
+        loaded), computed once with Python floats (``one``, host_function). None when the
+        lanes differ (``one`` is None where they read different numbers by construction)
+        or that arithmetic raised; the caller then computes every lane."""
+        if one is None:
+            return None
         first: dict[int, Any] = {}
         for k, view in views.items():
             head = view[:1]
             if view.tobytes() != head.tobytes() * len(view):  # bitwise: cheap, NaN-safe
                 return None
             first[k] = head.item()
-        assert self._host_fn_uniform is not None
         try:
-            return self._host_fn_uniform(first, scalar_values, 1)
+            return one(first, scalar_values, 1)
         except (ArithmeticError, ValueError):
             return None
 
@@ -604,6 +626,7 @@ class TritonPlan:
         launches = sum(part.launches for part in self.parts)
         if self.prelude is not None and self.split is not None:
             launches += self.prelude.kernel_launches_per_step + (1 if self.split.writes else 0)
+            launches += relaid(self.layouts, self.split.main)
         return launches
 
     def __call__(self, inputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
@@ -691,6 +714,11 @@ class TritonPlan:
                 f"# partly fused: {', '.join(ops)} not an op the kernel generator knows "
                 f"({len(self.split.unfused)} node(s)); the torch backend runs them and what "
                 f"they depend on first ({self.prelude.kernel_launches_per_step} launch(es))"
+                + (
+                    f", lays out {copies} of their results like their params ({copies} launch(es))"
+                    if (copies := relaid(self.layouts, self.split.main))
+                    else ""
+                )
                 + (
                     f", and copies {len(self.split.writes)} of their results into the "
                     "inputs after the kernels (1 launch)"
