@@ -148,3 +148,23 @@ def test_python_ops_are_not_scanned_for_devices():
     lerp = graph.call_function(torch.ops.aten.lerp.Tensor, (xs[1], xs[2], xs[0]))
     target = torch.ops.aten.lerp.Tensor
     assert _on_device(lerp, target) is not target  # a 0-dim CPU weight beside meta tensors
+
+
+def test_index_put_keeps_its_cpu_scalar_value():
+    """``sign[mask] = eta`` with a 0-dim CPU float32 eta into float64 on a device: ATen reads
+    the CPU value as a number in the destination's dtype; moved to the device first, the
+    kernel refuses the dtypes (found on CUDA by the differential test: Rprop, Tensor etas,
+    float64). The plan calls such an op as traced."""
+    from optkernels.reference import _on_device
+
+    graph = fx.Graph()
+    sign, mask, eta = (graph.placeholder(n) for n in ("sign", "mask", "eta"))
+    sign.meta["val"] = torch.zeros(3, dtype=torch.float64, device="meta")
+    mask.meta["val"] = torch.zeros(3, dtype=torch.bool, device="meta")
+    eta.meta["val"] = torch.tensor(1.2)
+    for target, args in (
+        (torch.ops.aten.index_put_.default, (sign, [mask], eta)),
+        (torch.ops.aten.masked_fill_.Tensor, (sign, mask, eta)),
+    ):
+        node = graph.call_function(target, args)
+        assert _on_device(node, target) is target

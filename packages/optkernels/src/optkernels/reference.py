@@ -87,10 +87,14 @@ def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 # Ops whose ATen kernels take a 0-dim CPU tensor with tensors on a device, as a scalar
-# (TensorIterator's binary and comparison ops; a foreach form falls back to them).
+# (TensorIterator's binary and comparison ops; a foreach form falls back to them; an
+# index_put_ / masked_fill_ of a CPU 0-dim value, which they read as a number in the
+# destination's dtype: moved to the device, a float32 value into a float64 tensor is
+# refused, "Index put requires the source and destination dtypes match" — Rprop's
+# ``sign[sign.gt(0)] = etaplus`` with a Tensor eta on float64 params).
 _TAKE_CPU_SCALARS = frozenset(
     {"add", "sub", "rsub", "mul", "div", "pow", "maximum", "minimum"}
-    | {"eq", "ne", "lt", "le", "gt", "ge", "copy", "_to_copy"}
+    | {"eq", "ne", "lt", "le", "gt", "ge", "copy", "_to_copy", "index_put", "masked_fill"}
 )
 
 
