@@ -202,6 +202,38 @@ def test_in_backward_with_compiled_autograd_from_the_dynamo_config_matches_eager
         )
 
 
+def test_a_backward_inside_a_compiled_function_runs_the_hooks_outside_dynamo():
+    # Without compiled autograd, the engine calls the hooks from the compiled function's
+    # frame (on the CPU, in this thread) while dynamo's frame callback is set: the update
+    # must not be traced by dynamo (it would be, frame by frame, without the disabled path).
+    from torch._dynamo.utils import counters
+
+    def train_compiled(in_backward: bool) -> tuple[dict[str, int], list[torch.Tensor]]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        opt = optcompile.compile(torch.optim.AdamW(model.parameters()), in_backward=in_backward)
+
+        @torch.compile(backend="eager")
+        def train(x: torch.Tensor) -> None:
+            model(x).pow(2).sum().backward()
+
+        inputs = torch.randn(4, 5, generator=torch.Generator().manual_seed(3))
+        for step in range(3):
+            train(inputs * step)
+            assert not in_backward or all(p.grad is None for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        return dict(counters["stats"]), [p.detach() for p in model.parameters()]
+
+    graphs, params = train_compiled(in_backward=True)
+    graphs_after, params_after = train_compiled(in_backward=False)
+    assert graphs == graphs_after  # dynamo traced the function's code only
+    for p, q in zip(params, params_after, strict=True):
+        torch.testing.assert_close(p, q)
+
+
 def test_under_compiled_autograd_a_bucket_left_incomplete_is_updated_by_step():
     # Compiled autograd runs no end-of-backward callback queued from a hook: a parameter
     # without a gradient leaves its bucket waiting until opt.step().

@@ -57,6 +57,34 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def autograd_hook(fn: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``fn`` as a tensor hook that dynamo never traces into, costing a plain call where
+    dynamo is not running.
+
+    Dynamo, tracing a graph that calls the hook (compiled autograd's backward graph), sees
+    it marked as skipped (``torch._dynamo.decorators.skip``: its frame is never compiled
+    and a call to it is a graph break), like a ``torch.compiler.disable``d function. At run
+    time, where dynamo's frame callback is set (the hook called from a compiled function's
+    frame: compiled autograd's graph, a backward inside ``torch.compile``), the call goes
+    through ``torch.compiler.disable``'s wrapper, so that dynamo compiles none of the
+    frames ``fn`` calls; elsewhere (eager autograd outside torch.compile: every hook of a
+    usual training loop) ``fn`` is called directly, without the wrapper's two switches of
+    the frame callback per call."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    from torch._dynamo.decorators import skip
+
+    disabled = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+
+    def hook(p: torch.Tensor) -> None:
+        if get_eval_frame_callback() is None:
+            fn(p)
+        else:
+            disabled(p)
+
+    skipped: Callable[[torch.Tensor], None] = skip(hook)
+    return skipped
+
+
 def in_compiled_autograd() -> bool:
     """Whether the running backward is torch's compiled autograd's graph."""
     from torch._dynamo import compiled_autograd

@@ -26,6 +26,7 @@ import threading
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
+from operator import is_
 from typing import Any
 
 import torch
@@ -65,8 +66,44 @@ class Bucket:
     params: list[torch.Tensor]
     view: torch.optim.Optimizer | None = None
     step: Callable[[dict[str, Any]], Any] | None = None  # the view's Compiled
-    groups: list[tuple[int, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    L: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"opt": view}
+    groups: list[Synced] = dataclasses.field(default_factory=list)
     arrived: int = 0  # gradients arrived in this backward
+
+
+@dataclasses.dataclass(eq=False)
+class Synced:
+    """A view's param group (``own``: the bucket's params, the other entries those of the
+    optimizer's group ``index``) and the values of both as last synced: an update compares
+    them by identity, in one C-level pass each, and copies entries only when one changed
+    (an LR scheduler's new lr, a step that wrote into its group)."""
+
+    index: int
+    own: dict[str, Any]
+    live_seen: tuple[Any, ...] = ()
+    own_seen: tuple[Any, ...] = ()
+
+    def pull(self, live: dict[str, Any]) -> None:
+        """Copy what changed in the optimizer's group into the view's."""
+        if len(live) == len(self.live_seen) and all(map(is_, live.values(), self.live_seen)):
+            return
+        own = self.own
+        for key, value in live.items():
+            if key != "params" and own.get(key, _MISSING) is not value:
+                own[key] = value
+        self.live_seen = tuple(live.values())
+        self.own_seen = tuple(own.values())
+
+    def push(self, live: dict[str, Any]) -> None:
+        """Copy what the step wrote into the view's group back into the optimizer's."""
+        own = self.own
+        if len(own) == len(self.own_seen) and all(map(is_, own.values(), self.own_seen)):
+            return
+        for key, value in own.items():
+            if key != "params" and live.get(key, _MISSING) is not value:
+                live[key] = value
+        self.live_seen = tuple(live.values())
+        self.own_seen = tuple(own.values())
 
 
 class InBackward:
@@ -102,7 +139,7 @@ class InBackward:
         self.detach()
         self.key = key
         ref = weakref.ref(self)
-        hook = torch.compiler.disable(lambda p: _arrived(ref, p))  # type: ignore[no-untyped-call]
+        hook = _torch_compat.autograd_hook(lambda p: _arrived(ref, p))
         for index, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 if id(p) in self.group_of:
@@ -199,29 +236,24 @@ class InBackward:
         bucket.arrived = 0
         view = bucket.view if bucket.view is not None else self.make_view(opt, bucket)
         assert bucket.step is not None
-        for index, own in bucket.groups:
-            live = opt.param_groups[index]
-            for key, value in live.items():
-                if key != "params" and own.get(key, _MISSING) is not value:
-                    own[key] = value
-        state = opt.state
+        live_groups = opt.param_groups
+        for synced in bucket.groups:
+            synced.pull(live_groups[synced.index])
+        state, own_state = opt.state, view.state
         for p in bucket.params:
             entry = state.get(p)
             if entry is None:
-                view.state.pop(p, None)  # cleared (load_state_dict without it)
-            elif view.state.get(p) is not entry:
-                view.state[p] = entry
-        bucket.step({"opt": view})
+                own_state.pop(p, None)  # cleared (load_state_dict without it)
+            elif own_state.get(p) is not entry:
+                own_state[p] = entry
+        bucket.step(bucket.L)
         for p in bucket.params:
-            entry = view.state.get(p)
+            entry = own_state.get(p)
             if entry is not None and state.get(p) is not entry:
-                state[p] = entry
+                state[p] = entry  # (state the step created)
             p.grad = None
-        for index, own in bucket.groups:  # what the step wrote into its group
-            live = opt.param_groups[index]
-            for key, value in own.items():
-                if key != "params" and live.get(key, _MISSING) is not value:
-                    live[key] = value
+        for synced in bucket.groups:  # what the step wrote into its group
+            synced.push(live_groups[synced.index])
 
     def make_view(self, opt: torch.optim.Optimizer, bucket: Bucket) -> torch.optim.Optimizer:
         """An optimizer of ``opt``'s class over the bucket's params, compiled on its own."""
@@ -237,16 +269,16 @@ class InBackward:
         for p in bucket.params:
             by_group.setdefault(self.group_of[id(p)], []).append(p)
         bucket.groups = [
-            (index, {**opt.param_groups[index], "params": params})
+            Synced(index, {**opt.param_groups[index], "params": params})
             for index, params in sorted(by_group.items())
         ]
-        view.param_groups = [group for _, group in bucket.groups]
+        view.param_groups = [synced.own for synced in bucket.groups]
         view.state = defaultdict(dict)
         compile_optimizer(view, self.options)
         number = self.buckets.index(bucket) if bucket in self.buckets else len(self.buckets)
         compiled = registered(view)
         compiled.name = f"{self.name} (bucket {number}: {len(bucket.params)} params)"
-        bucket.view, bucket.step = view, compiled
+        bucket.view, bucket.step, bucket.L = view, compiled, {"opt": view}
         return view
 
 

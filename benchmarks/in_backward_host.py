@@ -1,0 +1,506 @@
+"""Host time of the step inside backward, by part, and whether a part waits for the device.
+
+    python benchmarks/in_backward_host.py [--config gpt2] [--context 128] [--batch 1]
+                                          [--iters 30] [--reps 200] [--profile ROWS]
+
+The model and optimizer of benchmarks/in_backward.py (GPT-2 124M, bf16 autocast, AdamW in two
+param groups) compiled with ``in_backward=True`` (13 buckets at the default bucket size), and
+a copy compiled to step after backward. Reported, host microseconds (medians):
+
+- iterations: forward, backward and ``opt.step()`` of both, alternated iteration by
+  iteration in one process (a drifting host hits both alike): each phase's host time (no
+  synchronization inside) and the whole iteration's wall time (device synchronized); the
+  cyclic garbage collector's pauses during them;
+- inside backward: the in-backward iterations again, each hook timed where autograd calls
+  it: the backward's host time, the time spent in hooks (updates included) and in bucket
+  updates. Backward minus hooks, against the backward of the after-backward copy, is what
+  the hooks cost the engine beyond their own time (thread switches, the GIL);
+- per hook: one call of the post-accumulate-grad hook for a gradient whose bucket is not
+  complete (135 of GPT-2's 148 hooks), and of its body alone;
+- per bucket update: the whole update (what the hook of a bucket's last gradient runs), the
+  compiled step inside it (prologue, plan, replay) and the plan alone (on CUDA: the host
+  preparation and the graph launch); the rest is the update's own bookkeeping;
+- on CUDA, which parts wait for the device: each probe queues ~20 ms of device work
+  (``torch.cuda._sleep``), then times the part on the host; a part that returns only after
+  that work is done synchronizes the host with the device ("WAITS"). Probed: a hook, each
+  bucket update, each phase of an iteration of both optimizers;
+- ``--profile ROWS``: the in-backward iteration under torch.profiler (CPU and CUDA
+  activities): every ``cuda*Synchronize`` call with its count per iteration and the rows with
+  the most self CPU time; ``--cprofile ROWS``: cProfile of in-backward iterations.
+
+GPU (from the repository root; under 3 minutes on an H100):
+  PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
+      python benchmarks/in_backward_host.py --profile 25
+A CPU run (``--device cpu``: a narrow GPT-2 with the same 148 tensors, its gradients split
+into ``--buckets`` buckets, 13 by default) times the same host-side parts, CPU kernels in the
+plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import cProfile
+import gc
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import optcompile
+import torch
+from optcompile import backward
+
+sys.path.insert(0, str(Path(__file__).parent))
+import in_backward
+
+# GPT-2's 148 tensors at a width the CPU trains in milliseconds (layers, heads, width, vocab,
+# context): the same hooks and buckets, smaller kernels.
+CONFIGS = {**in_backward.CONFIGS, "gpt2-narrow": (12, 2, 64, 1024, 128)}
+SLEEP_S = 0.02  # device work queued before each probe
+PHASES = ("forward", "backward", "step")
+
+
+def build(args: argparse.Namespace) -> dict[str, Any]:
+    """The in-backward optimizer and an after-backward copy, each with its own model."""
+    layers, heads, width, vocab, context = CONFIGS[args.config]
+    torch.manual_seed(0)
+    model = in_backward.GPT(layers, heads, width, vocab, context).to(args.device)
+    after_model = copy.deepcopy(model)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    options: dict[str, Any] = {"backend": args.backend}
+    if args.buckets:
+        options["bucket_bytes"] = -(-grad_bytes // args.buckets)
+    kwargs: dict[str, Any] = {"lr": 6e-4, "betas": (0.9, 0.95)}
+    groups = in_backward.optimizer_groups
+    opt = optcompile.compile(
+        torch.optim.AdamW(groups(model), **kwargs), in_backward=True, **options
+    )
+    after = optcompile.compile(
+        torch.optim.AdamW(groups(after_model), **kwargs), backend=args.backend
+    )
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    tokens = torch.randint(0, vocab, (args.batch, min(args.context, context) + 1), generator=gen)
+    return {
+        "in-backward": (model, opt),
+        "after": (after_model, after),
+        "tokens": tokens.to(args.device),
+    }
+
+
+def phases(
+    model: torch.nn.Module,
+    opt: Any,
+    tokens: torch.Tensor,
+    device: str,
+    before: Callable[[int], None] | None = None,
+) -> list[float]:
+    """One iteration's host seconds: forward, backward, step (no sync inside); ``before(i)``
+    runs untimed before phase ``i``."""
+    times = []
+    for i in range(len(PHASES)):
+        if before is not None:
+            before(i)
+        start = time.perf_counter()
+        if i == 0:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+        elif i == 1:
+            loss.backward()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def gc_pauses(into: dict[str, list[float]], current: list[str]) -> Iterator[None]:
+    """Record each cyclic-GC pause (seconds) under the name in ``current[0]``."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            into.setdefault(current[0], []).append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def iterations(setup: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Both optimizers' iterations, alternated; medians of each phase and of the wall time."""
+    rows: dict[str, list[list[float]]] = {"in-backward": [], "after": []}
+    pauses: dict[str, list[float]] = {}
+    current = [""]
+    with gc_pauses(pauses, current):
+        for i in range(args.warmup + args.iters):
+            for name in rows:
+                model, opt = setup[name]
+                sync(args.device)
+                current[0] = name if i >= args.warmup else "warm-up"
+                start = time.perf_counter()
+                host = phases(model, opt, setup["tokens"], args.device)
+                sync(args.device)
+                if i >= args.warmup:
+                    rows[name].append([*host, time.perf_counter() - start])
+    out: dict[str, Any] = {}
+    for name, samples in rows.items():
+        columns = list(zip(*samples, strict=True))
+        keys = (*PHASES, "wall")
+        out[name] = {k: statistics.median(c) * 1e6 for k, c in zip(keys, columns, strict=True)}
+        gcs = pauses.get(name, [])
+        out[name]["gc"] = {"collections": len(gcs), "total_us": sum(gcs) * 1e6}
+    return out
+
+
+def inside_backward(
+    setup: dict[str, Any], state: backward.InBackward, args: argparse.Namespace
+) -> dict[str, float]:
+    """In-backward iterations with each hook and bucket update timed where it runs."""
+    model, opt = setup["in-backward"]
+    spent = {"hooks": 0.0, "updates": 0.0}
+    counts = {"hooks": 0, "updates": 0}
+
+    def timer(fn: Callable[..., Any], key: str) -> Callable[..., None]:
+        def timed(*a: Any) -> None:
+            start = time.perf_counter()
+            try:
+                fn(*a)
+            finally:
+                spent[key] += time.perf_counter() - start
+                counts[key] += 1
+
+        return timed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    originals = []
+    for p in params:
+        hooks = p._post_accumulate_grad_hooks  # type: ignore[attr-defined]
+        originals.append(dict(hooks))
+        for key, hook in hooks.items():
+            hooks[key] = timer(hook, "hooks")
+    state.update = timer(backward.InBackward.update.__get__(state), "updates")  # type: ignore[method-assign]
+    samples = []
+    try:
+        for _ in range(args.iters):
+            spent.update(hooks=0.0, updates=0.0)
+            counts.update(hooks=0, updates=0)
+            sync(args.device)
+            host = phases(model, opt, setup["tokens"], args.device)
+            sync(args.device)
+            samples.append(
+                (host[1], spent["hooks"], spent["updates"], counts["hooks"], counts["updates"])
+            )
+    finally:
+        del state.update
+        for p, hooks in zip(params, originals, strict=True):
+            p._post_accumulate_grad_hooks.update(hooks)  # type: ignore[attr-defined]
+    columns = list(zip(*samples, strict=True))
+    return {
+        "backward_us": statistics.median(columns[0]) * 1e6,
+        "hooks_us": statistics.median(columns[1]) * 1e6,
+        "updates_us": statistics.median(columns[2]) * 1e6,
+        "hooks": statistics.median(columns[3]),
+        "updates": statistics.median(columns[4]),
+    }
+
+
+def _median_us(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> float:
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def _hook_of(p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    hooks = p._post_accumulate_grad_hooks  # type: ignore[attr-defined]
+    return next(iter(hooks.values()))  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def mid_backward(state: backward.InBackward, bucket: backward.Bucket) -> Iterator[None]:
+    """As after a backward's first hook (which queued the end-of-backward callback)."""
+    state.callback_queued = True
+    try:
+        yield
+    finally:
+        state.callback_queued = False
+        bucket.arrived = 0
+
+
+def per_hook(state: backward.InBackward, reps: int) -> dict[str, float]:
+    """A hook for a gradient whose bucket stays incomplete, and its body alone."""
+    bucket = max(state.buckets, key=lambda b: len(b.params))
+    p = bucket.params[0]
+    hook, ref = _hook_of(p), weakref.ref(state)
+
+    def reset() -> None:
+        bucket.arrived = 0
+
+    with mid_backward(state, bucket):
+        return {
+            "hook": _median_us(lambda: hook(p), reps, reset),
+            "hook body": _median_us(lambda: backward._arrived(ref, p), reps, reset),
+        }
+
+
+def _giver(bucket: backward.Bucket, device: str) -> Callable[[], None]:
+    """A function that gives the bucket's params gradients (the update frees them)."""
+    grads = [torch.zeros_like(p) for p in bucket.params]
+
+    def give() -> None:
+        for p, g in zip(bucket.params, grads, strict=True):
+            p.grad = g
+        sync(device)
+
+    return give
+
+
+@contextlib.contextmanager
+def timed_parts(bucket: backward.Bucket, into: dict[str, list[float]]) -> Iterator[None]:
+    """Time the bucket's compiled step and its entries' plans while inside the block."""
+    step = bucket.step
+    assert step is not None
+    entries = [e.value for e in step.cache.entries]  # type: ignore[attr-defined]
+    plans = [e.plan for e in entries]
+
+    def timer(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        def timed(*a: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                into[key].append(time.perf_counter() - start)
+
+        return timed
+
+    bucket.step = timer(step, "compiled step")
+    for entry, plan in zip(entries, plans, strict=True):
+        entry.plan = timer(plan, "plan")
+    try:
+        yield
+    finally:
+        bucket.step = step
+        for entry, plan in zip(entries, plans, strict=True):
+            entry.plan = plan
+
+
+def per_bucket(state: backward.InBackward, reps: int, device: str) -> list[dict[str, Any]]:
+    """Each bucket's update, its compiled step and its plan (host µs, medians)."""
+    rows = []
+    for number, bucket in enumerate(state.buckets):
+        parts: dict[str, list[float]] = {"compiled step": [], "plan": []}
+        with timed_parts(bucket, parts):
+            whole = _median_us(lambda b=bucket: state.update(b), reps, _giver(bucket, device))
+        row: dict[str, Any] = {"bucket": number, "params": len(bucket.params), "update": whole}
+        row.update({k: statistics.median(v) * 1e6 for k, v in parts.items() if v})
+        rows.append(row)
+    return rows
+
+
+def sleep_cycles(seconds: float) -> int:
+    """Cycles of ``torch.cuda._sleep`` that keep the device busy for about ``seconds``."""
+    cycles = 1_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)  # (warm-up)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * seconds / (start.elapsed_time(end) / 1e3))
+
+
+def waits(fn: Callable[[], Any], cycles: int, before: Callable[[], Any] | None = None) -> Any:
+    """``fn``'s host seconds (and result) right after ~SLEEP_S of device work was queued."""
+    if before is not None:
+        before()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    start = time.perf_counter()
+    result = fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed, result
+
+
+def probe(setup: dict[str, Any], state: backward.InBackward) -> list[dict[str, Any]]:
+    """Which parts wait for queued device work (see the module)."""
+    cycles = sleep_cycles(SLEEP_S)
+    rows = []
+
+    def row(name: str, seconds: float) -> None:
+        rows.append({"part": name, "host_us": seconds * 1e6, "waits": seconds > SLEEP_S / 2})
+
+    bucket = max(state.buckets, key=lambda b: len(b.params))
+    p = bucket.params[0]
+    hook = _hook_of(p)
+    with mid_backward(state, bucket):
+        row("hook", waits(lambda: hook(p), cycles)[0])
+    for number, b in enumerate(state.buckets):
+        row(
+            f"bucket {number} update",
+            waits(lambda b=b: state.update(b), cycles, _giver(b, "cuda"))[0],
+        )
+    for name in ("in-backward", "after"):
+        model, opt = setup[name]
+        for k, phase in enumerate(PHASES):
+
+            def busy(i: int, k: int = k) -> None:
+                if i == k:
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(cycles)
+
+            host = phases(model, opt, setup["tokens"], "cuda", busy)
+            torch.cuda.synchronize()
+            row(f"{name}: {phase}", host[k])
+    return rows
+
+
+def torch_profile(setup: dict[str, Any], args: argparse.Namespace) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    model, opt = setup["in-backward"]
+    activities = [ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    iters = 5
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            phases(model, opt, setup["tokens"], args.device)
+        sync(args.device)
+    events = prof.key_averages()
+    syncs = [e for e in events if "Synchronize" in e.key]
+    lines = [f"torch.profiler, {iters} in-backward iterations:"]
+    lines += [f"  {e.key}: {e.count / iters:.1f} per iteration" for e in syncs] or [
+        "  no cuda*Synchronize call"
+    ]
+    lines.append(events.table(sort_by="self_cpu_time_total", row_limit=args.profile))
+    return "\n".join(lines)
+
+
+def c_profile(setup: dict[str, Any], args: argparse.Namespace) -> str:
+    model, opt = setup["in-backward"]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.iters):
+        phases(model, opt, setup["tokens"], args.device)
+    sync(args.device)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.cprofile)
+    return out.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--config", choices=sorted(CONFIGS))
+    parser.add_argument("--context", type=int, default=128, help="(at most the config's)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--buckets", type=int, help="split the grads into about this many")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=200, help="calls per bucket timing")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="ROWS")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.config is None:
+        args.config = "gpt2" if args.device == "cuda" else "gpt2-narrow"
+    if args.buckets is None and args.device != "cuda":
+        args.buckets = 13  # GPT-2's count on the GPU at the default 25 MiB
+    from optguard import native
+
+    native.start(wait=True)  # the steady state (it builds in the background otherwise)
+    setup = build(args)
+    result: dict[str, Any] = {"args": vars(args), "torch": torch.__version__}
+    result["tokens"] = setup["tokens"].shape[1] - 1
+    result["iterations"] = iterations(setup, args)
+    _, opt = setup["in-backward"]
+    state = backward._STATES[opt]
+    result["buckets"] = len(state.buckets)
+    result["inside_backward"] = inside_backward(setup, state, args)
+    result["per_hook"] = per_hook(state, args.reps * 10)
+    result["per_bucket"] = per_bucket(state, args.reps, args.device)
+    if args.device == "cuda":
+        result["probe"] = probe(setup, state)
+    print(report(result), flush=True)
+    if args.profile:
+        print(torch_profile(setup, args))
+    if args.cprofile:
+        print(c_profile(setup, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def report(result: dict[str, Any]) -> str:
+    a = result["args"]
+    device = torch.cuda.get_device_name() if a["device"] == "cuda" else "cpu"
+    lines = [
+        f"{device}; torch {result['torch']}; {a['config']} batch {a['batch']} x {result['tokens']}"
+        f" tokens; {result['buckets']} buckets; backend {a['backend']}; medians of {a['iters']}",
+        "",
+        "| optimizer | forward | backward | step | iteration (wall) | GC pauses |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, row in result["iterations"].items():
+        cells = " | ".join(f"{row[k]:,.0f} µs" for k in (*PHASES, "wall"))
+        gcs = row["gc"]
+        lines.append(f"| {name} | {cells} | {gcs['collections']} in {gcs['total_us']:,.0f} µs |")
+    inside, after = result["inside_backward"], result["iterations"]["after"]
+    rest = inside["backward_us"] - inside["hooks_us"]
+    lines += [
+        "",
+        f"Inside backward (in-backward, hooks timed): backward {inside['backward_us']:,.0f} µs, "
+        f"in {inside['hooks']:.0f} hooks {inside['hooks_us']:,.0f} µs, of which "
+        f"{inside['updates']:.0f} bucket updates {inside['updates_us']:,.0f} µs; backward "
+        f"without the hooks {rest:,.0f} µs (the after-backward copy's backward: "
+        f"{after['backward']:,.0f} µs)",
+    ]
+    hook = result["per_hook"]
+    lines += [
+        "",
+        f"Per hook: {hook['hook']:.2f} µs (its body alone: {hook['hook body']:.2f} µs)",
+        "",
+        "| bucket | params | update | compiled step | plan | update's own |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["per_bucket"]:
+        own = r["update"] - r.get("compiled step", 0.0)
+        lines.append(
+            f"| {r['bucket']} | {r['params']} | {r['update']:.1f} µs "
+            f"| {r.get('compiled step', 0.0):.1f} µs | {r.get('plan', 0.0):.1f} µs "
+            f"| {own:.1f} µs |"
+        )
+    total = sum(r["update"] for r in result["per_bucket"])
+    lines.append(f"\nAll bucket updates, each timed alone: {total:,.0f} µs per iteration")
+    for r in result.get("probe", []):
+        verdict = "WAITS for the device" if r["waits"] else "does not wait"
+        lines.append(f"probe: {r['part']}: {r['host_us']:,.0f} µs host, {verdict}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
