@@ -1,8 +1,9 @@
-"""The sharded benchmark scripts run end to end on the CPU (gloo), so they do not rot before
-the GPU machines run them: benchmarks/sharded_step.py (world size 1, in one process) and
-benchmarks/fsdp_train.py (torchrun, world size 2), each in its --smoke mode (a tiny model, a
-few steps; they raise if optcompile falls back or retraces, or if the compiled and eager runs
-or the checkpoint round trip differ)."""
+"""Benchmark scripts run end to end on the CPU, so they do not rot before the GPU machines
+run them: the sharded ones on gloo, benchmarks/sharded_step.py (world size 1, in one process)
+and benchmarks/fsdp_train.py (torchrun, world size 2), each in its --smoke mode (a tiny model,
+a few steps; they raise if optcompile falls back or retraces, or if the compiled and eager runs
+or the checkpoint round trip differ); benchmarks/first_call.py and
+benchmarks/in_backward_host.py on a tiny case."""
 
 from __future__ import annotations
 
@@ -91,3 +92,28 @@ def test_first_call_benchmark_times_each_phase_in_a_fresh_process(tmp_path: Path
         assert result["phases"][phase] > 0, phase
     assert result["check_code_lines"] < 200  # the params' guards are one loop
     assert "| tiny-200-adamw | 200 |" in out.read_text()
+
+
+def test_in_backward_host_benchmark_times_hooks_and_bucket_updates(tmp_path: Path) -> None:
+    js = tmp_path / "result.json"
+    script = str(BENCHMARKS / "in_backward_host.py")
+    args = ["--device", "cpu", "--config", "tiny", "--buckets", "3", "--backend", "torch"]
+    args += ["--iters", "2", "--warmup", "1", "--reps", "3", "--json", str(js)]
+    done = subprocess.run(
+        [sys.executable, script, *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(js.read_text())
+    params = sum(r["params"] for r in result["per_bucket"])
+    assert result["buckets"] == len(result["per_bucket"]) == 3
+    inside = result["inside_backward"]
+    # every hooked param's hook ran inside backward, and each bucket's update once
+    assert inside["hooks"] == params and inside["updates"] == 3
+    assert 0 < inside["updates_us"] <= inside["hooks_us"] < inside["backward_us"]
+    assert all(r["plan"] < r["compiled step"] < r["update"] for r in result["per_bucket"])
+    assert result["per_hook"]["hook"] > 0 and "Per hook:" in done.stdout
