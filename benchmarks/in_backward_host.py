@@ -1,7 +1,8 @@
 """Host time of the step inside backward, by part, and whether a part waits for the device.
 
     python benchmarks/in_backward_host.py [--config gpt2] [--context 128] [--batch 1]
-                                          [--iters 30] [--reps 200] [--profile ROWS]
+                                          [--iters 30] [--reps 200] [--sweep 1,4,40]
+                                          [--profile ROWS] [--cprofile ROWS]
 
 The model and optimizer of benchmarks/in_backward.py (GPT-2 124M, bf16 autocast, AdamW in two
 param groups) compiled with ``in_backward=True`` (13 buckets at the default bucket size), and
@@ -10,7 +11,8 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
 - iterations: forward, backward and ``opt.step()`` of both, alternated iteration by
   iteration in one process (a drifting host hits both alike): each phase's host time (no
   synchronization inside) and the whole iteration's wall time (device synchronized); the
-  cyclic garbage collector's pauses during them;
+  cyclic garbage collector's pauses during them. ``--sweep`` adds in-backward copies with
+  other bucket counts: the iteration's time against the count is what one bucket costs;
 - inside backward: the in-backward iterations again, each hook timed where autograd calls
   it: the backward's host time, the time spent in hooks (updates included) and in bucket
   updates. Backward minus hooks, against the backward of the after-backward copy, is what
@@ -30,7 +32,7 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
 
 GPU (from the repository root; under 3 minutes on an H100):
   PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
-      python benchmarks/in_backward_host.py --profile 25
+      python benchmarks/in_backward_host.py --sweep 1,4,40 --profile 25
 A CPU run (``--device cpu``: a narrow GPT-2 with the same 148 tensors, its gradients split
 into ``--buckets`` buckets, 13 by default) times the same host-side parts, CPU kernels in the
 plan.
@@ -69,30 +71,30 @@ PHASES = ("forward", "backward", "step")
 
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
-    """The in-backward optimizer and an after-backward copy, each with its own model."""
+    """The in-backward optimizer and an after-backward copy, each with its own model (and
+    one more in-backward copy per ``--sweep`` bucket count)."""
     layers, heads, width, vocab, context = CONFIGS[args.config]
     torch.manual_seed(0)
     model = in_backward.GPT(layers, heads, width, vocab, context).to(args.device)
-    after_model = copy.deepcopy(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    options: dict[str, Any] = {"backend": args.backend}
-    if args.buckets:
-        options["bucket_bytes"] = -(-grad_bytes // args.buckets)
     kwargs: dict[str, Any] = {"lr": 6e-4, "betas": (0.9, 0.95)}
-    groups = in_backward.optimizer_groups
-    opt = optcompile.compile(
-        torch.optim.AdamW(groups(model), **kwargs), in_backward=True, **options
-    )
-    after = optcompile.compile(
-        torch.optim.AdamW(groups(after_model), **kwargs), backend=args.backend
-    )
+
+    def compiled(m: torch.nn.Module, buckets: int | None, in_backward_: bool) -> Any:
+        options: dict[str, Any] = {"backend": args.backend, "in_backward": in_backward_}
+        if buckets:
+            options["bucket_bytes"] = -(-grad_bytes // buckets)
+        opt = torch.optim.AdamW(in_backward.optimizer_groups(m), **kwargs)
+        return optcompile.compile(opt, **options)
+
+    after_model = copy.deepcopy(model)
+    variants = {"after": (after_model, compiled(after_model, None, False))}
+    variants["in-backward"] = (model, compiled(model, args.buckets, True))
+    for count in args.sweep:
+        copied = copy.deepcopy(after_model)
+        variants[f"in-backward, {count} bucket(s) asked"] = (copied, compiled(copied, count, True))
     gen = torch.Generator(device="cpu").manual_seed(1)
     tokens = torch.randint(0, vocab, (args.batch, min(args.context, context) + 1), generator=gen)
-    return {
-        "in-backward": (model, opt),
-        "after": (after_model, after),
-        "tokens": tokens.to(args.device),
-    }
+    return {"variants": variants, "tokens": tokens.to(args.device)}
 
 
 def phases(
@@ -146,13 +148,13 @@ def gc_pauses(into: dict[str, list[float]], current: list[str]) -> Iterator[None
 
 def iterations(setup: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Both optimizers' iterations, alternated; medians of each phase and of the wall time."""
-    rows: dict[str, list[list[float]]] = {"in-backward": [], "after": []}
+    rows: dict[str, list[list[float]]] = {name: [] for name in setup["variants"]}
     pauses: dict[str, list[float]] = {}
     current = [""]
     with gc_pauses(pauses, current):
         for i in range(args.warmup + args.iters):
             for name in rows:
-                model, opt = setup[name]
+                model, opt = setup["variants"][name]
                 sync(args.device)
                 current[0] = name if i >= args.warmup else "warm-up"
                 start = time.perf_counter()
@@ -167,6 +169,8 @@ def iterations(setup: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         out[name] = {k: statistics.median(c) * 1e6 for k, c in zip(keys, columns, strict=True)}
         gcs = pauses.get(name, [])
         out[name]["gc"] = {"collections": len(gcs), "total_us": sum(gcs) * 1e6}
+        opt = setup["variants"][name][1]
+        out[name]["buckets"] = len(backward.buckets(opt))
     return out
 
 
@@ -174,7 +178,7 @@ def inside_backward(
     setup: dict[str, Any], state: backward.InBackward, args: argparse.Namespace
 ) -> dict[str, float]:
     """In-backward iterations with each hook and bucket update timed where it runs."""
-    model, opt = setup["in-backward"]
+    model, opt = setup["variants"]["in-backward"]
     spent = {"hooks": 0.0, "updates": 0.0}
     counts = {"hooks": 0, "updates": 0}
 
@@ -363,7 +367,7 @@ def probe(setup: dict[str, Any], state: backward.InBackward) -> list[dict[str, A
             waits(lambda b=b: state.update(b), cycles, _giver(b, "cuda"))[0],
         )
     for name in ("in-backward", "after"):
-        model, opt = setup[name]
+        model, opt = setup["variants"][name]
         for k, phase in enumerate(PHASES):
 
             def busy(i: int, k: int = k) -> None:
@@ -380,7 +384,7 @@ def probe(setup: dict[str, Any], state: backward.InBackward) -> list[dict[str, A
 def torch_profile(setup: dict[str, Any], args: argparse.Namespace) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    model, opt = setup["in-backward"]
+    model, opt = setup["variants"]["in-backward"]
     activities = [ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -400,7 +404,7 @@ def torch_profile(setup: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def c_profile(setup: dict[str, Any], args: argparse.Namespace) -> str:
-    model, opt = setup["in-backward"]
+    model, opt = setup["variants"]["in-backward"]
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.iters):
@@ -420,6 +424,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--buckets", type=int, help="split the grads into about this many")
+    parser.add_argument(
+        "--sweep",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[],
+        help="more in-backward copies with about these many buckets each (e.g. 1,4,40): "
+        "the iteration's time against the bucket count is the cost of one bucket",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--reps", type=int, default=200, help="calls per bucket timing")
@@ -438,7 +449,7 @@ def main() -> None:
     result: dict[str, Any] = {"args": vars(args), "torch": torch.__version__}
     result["tokens"] = setup["tokens"].shape[1] - 1
     result["iterations"] = iterations(setup, args)
-    _, opt = setup["in-backward"]
+    _, opt = setup["variants"]["in-backward"]
     state = backward._STATES[opt]
     result["buckets"] = len(state.buckets)
     result["inside_backward"] = inside_backward(setup, state, args)
@@ -462,13 +473,16 @@ def report(result: dict[str, Any]) -> str:
         f"{device}; torch {result['torch']}; {a['config']} batch {a['batch']} x {result['tokens']}"
         f" tokens; {result['buckets']} buckets; backend {a['backend']}; medians of {a['iters']}",
         "",
-        "| optimizer | forward | backward | step | iteration (wall) | GC pauses |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| optimizer | buckets | forward | backward | step | iteration (wall) | GC pauses |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, row in result["iterations"].items():
         cells = " | ".join(f"{row[k]:,.0f} µs" for k in (*PHASES, "wall"))
         gcs = row["gc"]
-        lines.append(f"| {name} | {cells} | {gcs['collections']} in {gcs['total_us']:,.0f} µs |")
+        lines.append(
+            f"| {name} | {row['buckets']} | {cells} "
+            f"| {gcs['collections']} in {gcs['total_us']:,.0f} µs |"
+        )
     inside, after = result["inside_backward"], result["iterations"]["after"]
     rest = inside["backward_us"] - inside["hooks_us"]
     lines += [
