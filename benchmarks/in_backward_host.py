@@ -174,13 +174,13 @@ def iterations(setup: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     return out
 
 
-def inside_backward(
-    setup: dict[str, Any], state: backward.InBackward, args: argparse.Namespace
-) -> dict[str, float]:
-    """In-backward iterations with each hook and bucket update timed where it runs."""
-    model, opt = setup["variants"]["in-backward"]
-    spent = {"hooks": 0.0, "updates": 0.0}
-    counts = {"hooks": 0, "updates": 0}
+@contextlib.contextmanager
+def timed_hooks(
+    model: torch.nn.Module, state: backward.InBackward
+) -> Iterator[dict[str, list[float]]]:
+    """Inside the block, each call of the model's hooks and of the bucket updates is timed
+    where autograd makes it: ``{"hooks": [...], "updates": [...]}`` (seconds, appended)."""
+    spent: dict[str, list[float]] = {"hooks": [], "updates": []}
 
     def timer(fn: Callable[..., Any], key: str) -> Callable[..., None]:
         def timed(*a: Any) -> None:
@@ -188,8 +188,7 @@ def inside_backward(
             try:
                 fn(*a)
             finally:
-                spent[key] += time.perf_counter() - start
-                counts[key] += 1
+                spent[key].append(time.perf_counter() - start)
 
         return timed
 
@@ -200,22 +199,29 @@ def inside_backward(
         originals.append(dict(hooks))
         for key, hook in hooks.items():
             hooks[key] = timer(hook, "hooks")
-    state.update = timer(backward.InBackward.update.__get__(state), "updates")  # type: ignore[method-assign]
-    samples = []
+    update = backward.InBackward.update.__get__(state)
+    state.update = timer(update, "updates")  # type: ignore[method-assign]
     try:
-        for _ in range(args.iters):
-            spent.update(hooks=0.0, updates=0.0)
-            counts.update(hooks=0, updates=0)
-            sync(args.device)
-            host = phases(model, opt, setup["tokens"], args.device)
-            sync(args.device)
-            samples.append(
-                (host[1], spent["hooks"], spent["updates"], counts["hooks"], counts["updates"])
-            )
+        yield spent
     finally:
         del state.update
         for p, hooks in zip(params, originals, strict=True):
             p._post_accumulate_grad_hooks.update(hooks)  # type: ignore[attr-defined]
+
+
+def inside_backward(
+    setup: dict[str, Any], state: backward.InBackward, args: argparse.Namespace
+) -> dict[str, float]:
+    """In-backward iterations with each hook and bucket update timed where it runs."""
+    model, opt = setup["variants"]["in-backward"]
+    samples = []
+    for _ in range(args.iters):
+        with timed_hooks(model, state) as spent:
+            sync(args.device)
+            host = phases(model, opt, setup["tokens"], args.device)
+            sync(args.device)
+        hooks, updates = spent["hooks"], spent["updates"]
+        samples.append((host[1], sum(hooks), sum(updates), len(hooks), len(updates)))
     columns = list(zip(*samples, strict=True))
     return {
         "backward_us": statistics.median(columns[0]) * 1e6,
@@ -375,10 +381,19 @@ def probe(setup: dict[str, Any], state: backward.InBackward) -> list[dict[str, A
                     torch.cuda.synchronize()
                     torch.cuda._sleep(cycles)
 
-            host = phases(model, opt, setup["tokens"], "cuda", busy)
-            torch.cuda.synchronize()
+            with timed_hooks(model, state) if name == "in-backward" else _nothing() as spent:
+                host = phases(model, opt, setup["tokens"], "cuda", busy)
+                torch.cuda.synchronize()
             row(f"{name}: {phase}", host[k])
+            if spent is not None and phase == "backward":
+                longest = max(spent["updates"], default=0.0)
+                row(f"{name}: the longest bucket update in that backward", longest)
     return rows
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
 
 
 def torch_profile(setup: dict[str, Any], args: argparse.Namespace) -> str:
