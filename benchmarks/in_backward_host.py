@@ -325,6 +325,11 @@ def per_bucket(state: backward.InBackward, reps: int, device: str) -> list[dict[
             whole = _median_us(lambda b=bucket: state.update(b), reps, _giver(bucket, device))
         row: dict[str, Any] = {"bucket": number, "params": len(bucket.params), "update": whole}
         row.update({k: statistics.median(v) * 1e6 for k, v in parts.items() if v})
+        compiled: Any = bucket.step
+        entries = [e.value for e in compiled.cache.entries]
+        # (a bucket retraced, or its prologue off its fast tier, would show in its times)
+        row["traces"] = compiled.stats.traces
+        row["fast_hits"] = sum(e.prologue.fast_hits for e in entries)
         rows.append(row)
     return rows
 
@@ -513,15 +518,15 @@ def report(result: dict[str, Any]) -> str:
         "",
         f"Per hook: {hook['hook']:.2f} µs (its body alone: {hook['hook body']:.2f} µs)",
         "",
-        "| bucket | params | update | compiled step | plan | update's own |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| bucket | params | update | compiled step | plan | update's own | traces, fast hits |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["per_bucket"]:
         own = r["update"] - r.get("compiled step", 0.0)
         lines.append(
             f"| {r['bucket']} | {r['params']} | {r['update']:.1f} µs "
             f"| {r.get('compiled step', 0.0):.1f} µs | {r.get('plan', 0.0):.1f} µs "
-            f"| {own:.1f} µs |"
+            f"| {own:.1f} µs | {r['traces']}, {r['fast_hits']} |"
         )
     total = sum(r["update"] for r in result["per_bucket"])
     lines.append(f"\nAll bucket updates, each timed alone: {total:,.0f} µs per iteration")

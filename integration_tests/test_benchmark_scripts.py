@@ -116,4 +116,6 @@ def test_in_backward_host_benchmark_times_hooks_and_bucket_updates(tmp_path: Pat
     assert inside["hooks"] == params and inside["updates"] == 3
     assert 0 < inside["updates_us"] <= inside["hooks_us"] < inside["backward_us"]
     assert all(r["plan"] < r["compiled step"] < r["update"] for r in result["per_bucket"])
+    # timed outside backward (grad mode on), the updates hit the entries traced inside it
+    assert all(r["traces"] == 1 and r["fast_hits"] > 3 for r in result["per_bucket"])
     assert result["per_hook"]["hook"] > 0 and "Per hook:" in done.stdout
