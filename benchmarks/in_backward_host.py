@@ -401,7 +401,12 @@ def _nothing() -> Iterator[None]:
     yield None
 
 
+OUR_PACKAGES = ("optcompile/", "optguard/", "optkernels/", "optcudagraph/", "optsidefx/")
+
+
 def torch_profile(setup: dict[str, Any], args: argparse.Namespace) -> str:
+    """torch.profiler over in-backward iterations, with Python stacks: its tracer also sees
+    the autograd device thread (it exists by now), where the hooks and updates run."""
     from torch.profiler import ProfilerActivity, profile
 
     model, opt = setup["variants"]["in-backward"]
@@ -409,16 +414,24 @@ def torch_profile(setup: dict[str, Any], args: argparse.Namespace) -> str:
     if args.device == "cuda":
         activities.append(ProfilerActivity.CUDA)
     iters = 5
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=True) as prof:
         for _ in range(iters):
             phases(model, opt, setup["tokens"], args.device)
         sync(args.device)
     events = prof.key_averages()
     syncs = [e for e in events if "Synchronize" in e.key]
-    lines = [f"torch.profiler, {iters} in-backward iterations:"]
+    lines = [f"torch.profiler, {iters} in-backward iterations (Python stacks on):"]
     lines += [f"  {e.key}: {e.count / iters:.1f} per iteration" for e in syncs] or [
         "  no cuda*Synchronize call"
     ]
+    ours = [e for e in events if any(name in e.key for name in OUR_PACKAGES)]
+    ours.sort(key=lambda e: e.cpu_time_total, reverse=True)
+    lines.append("optcompile's Python functions, per iteration (total, self, calls):")
+    for e in ours[: args.profile]:
+        lines.append(
+            f"  {e.cpu_time_total / iters:10,.0f} µs {e.self_cpu_time_total / iters:10,.0f} µs "
+            f"{e.count / iters:6.1f}  {e.key}"
+        )
     lines.append(events.table(sort_by="self_cpu_time_total", row_limit=args.profile))
     return "\n".join(lines)
 
