@@ -22,6 +22,9 @@ Usage (GPU machine, from the repository root):
       python benchmarks/in_backward.py --json benchmarks/results/in_backward_h100.json \\
       --out benchmarks/results/in_backward_h100.md
 A CPU smoke run: python benchmarks/in_backward.py --config tiny --device cpu --iters 2 --batches 2
+``--rounds N`` runs each variant N times, interleaved (a host's speed drifts between processes
+by several ms at these sizes); ``benchmarks/in_backward_host.py`` takes the in-backward
+iteration apart on the host, in one process.
 """
 
 from __future__ import annotations
@@ -203,24 +206,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_all(args: argparse.Namespace) -> None:
-    rows = []
-    for batch in args.batches.split(","):
-        for variant in args.variants.split(","):
-            command = [sys.executable, __file__, "--variant", variant, "--device", args.device]
-            command += ["--config", args.config, "--batch", batch]
-            if args.context:
-                command += ["--context", str(args.context)]
-            command += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
-            done = subprocess.run(command, capture_output=True, text=True)
-            lines = done.stdout.strip().splitlines()
-            if done.returncode != 0 or not lines:
-                error = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-                row = {"variant": variant, "batch": int(batch), "error": error}
-            else:
-                row = json.loads(lines[-1])
-            rows.append(row)
-            shown = {k: v for k, v in row.items() if k != "iteration_s_all"}
-            print(json.dumps(shown), flush=True)
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for _ in range(args.rounds):  # (rounds interleave the variants: host drift hits all)
+        for batch in args.batches.split(","):
+            for variant in args.variants.split(","):
+                row = run_one(args, variant, batch)
+                runs.setdefault((int(batch), variant), []).append(row)
+                shown = {k: v for k, v in row.items() if k != "iteration_s_all"}
+                print(json.dumps(shown), flush=True)
+    rows = [merged(found) for found in runs.values()]
     meta = {
         "command": "python benchmarks/in_backward.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
@@ -231,6 +225,7 @@ def run_all(args: argparse.Namespace) -> None:
         "context": args.context or CONFIGS[args.config][4],
         "warmup": args.warmup,
         "iters": args.iters,
+        "rounds": args.rounds,
     }
     try:
         import triton
@@ -246,6 +241,37 @@ def run_all(args: argparse.Namespace) -> None:
         Path(args.out).write_text(text)
 
 
+def run_one(args: argparse.Namespace, variant: str, batch: str) -> dict[str, Any]:
+    """One variant at one batch size, in a fresh process."""
+    command = [sys.executable, __file__, "--variant", variant, "--device", args.device]
+    command += ["--config", args.config, "--batch", batch]
+    if args.context:
+        command += ["--context", str(args.context)]
+    command += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        error = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return {"variant": variant, "batch": int(batch), "error": error}
+    row: dict[str, Any] = json.loads(lines[-1])
+    return row
+
+
+def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from a variant's rounds: the median of their medians (each round's kept),
+    the highest peak; the rest from the first round."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    row = dict(ok[0])
+    if len(runs) > 1:
+        row["iteration_s_rounds"] = [r["iteration_s"] for r in ok]
+        row["iteration_s"] = statistics.median(row["iteration_s_rounds"])
+        peaks = [r["peak_bytes"] for r in ok if r.get("peak_bytes") is not None]
+        row["peak_bytes"] = max(peaks) if peaks else None
+    return row
+
+
 def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     ok = {r["variant"]: r for r in rows if "error" not in r}
     lines = [
@@ -255,7 +281,13 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"torch {meta['torch']}, Triton {meta['triton']}, Python {meta['python']}; "
         f"config {meta['config']}, batches {meta['batches']} of {meta['context']} tokens, "
         f"bf16 autocast, fp32 params, AdamW; {meta['warmup']} warm-up iterations, "
-        f"median of {meta['iters']}.",
+        f"median of {meta['iters']}"
+        + (
+            f"; each variant run in {meta['rounds']} rounds, interleaved (the median of the "
+            "rounds' medians; each round's in the notes)."
+            if meta.get("rounds", 1) > 1
+            else "."
+        ),
         "",
         "| batch | variant | iteration ms | first iteration s | peak MiB "
         "| peak - optcompile's MiB | losses (first, last) | notes |",
@@ -277,6 +309,9 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             notes.append(f"{len(r['buckets'])} buckets, {r['traces']} traces")
         if r.get("fallback"):
             notes.append(f"fallback: {r['fallback']}")
+        if r.get("iteration_s_rounds"):
+            each = ", ".join(f"{t * 1e3:,.1f}" for t in r["iteration_s_rounds"])
+            notes.append(f"rounds: {each} ms")
         if r.get("cudagraphs"):
             notes.append(f"CUDA graphs: {r['cudagraphs']}")
         losses = r["losses"]
@@ -311,6 +346,13 @@ def main() -> None:
         type=int,
         help="tokens per sequence (default: the config's context, 1024 for gpt2); shorter "
         "sequences shrink the activations, so the peak moves to the step",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every variant this many times, interleaved, each in a fresh process (the "
+        "host's speed drifts between processes: the median of the rounds' medians)",
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
