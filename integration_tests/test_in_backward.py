@@ -402,6 +402,32 @@ def test_state_dict_round_trip_continues_like_eager():
     assert opt.state_dict()["param_groups"] == eager.state_dict()["param_groups"]
 
 
+def test_changes_to_groups_and_state_between_backwards_reach_the_next_update():
+    # A bucket's view syncs with the optimizer only where something changed since its last
+    # update (compared by identity): each kind of change must still arrive.
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+
+    def change(step: int, o: torch.optim.Optimizer, m: torch.nn.Module) -> None:
+        if step == 2:  # the whole state cleared
+            o.state.clear()
+        elif step == 3:  # one param's state entry replaced, another's removed
+            entry = o.state[m.norm.weight]
+            o.state[m.norm.weight] = {**entry, "exp_avg": torch.ones_like(entry["exp_avg"])}
+            del o.state[m.pos]
+        elif step == 4:  # group options written directly
+            o.param_groups[0]["weight_decay"] = 0.5
+            o.param_groups[1]["lr"] = 1e-2
+
+    for step in range(6):
+        change(step, opt, model)
+        change(step, eager, reference)
+        model(batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        eager_iteration(reference, eager, step)
+        assert_same(model, opt, reference, eager)
+
+
 def test_explain_lists_the_buckets_and_counts_their_traces():
     model, opt, _, _ = make_pair("AdamW", bucket_bytes=4096)
     assert "the first backward learns them" in str(optcompile.explain(opt))

@@ -25,7 +25,7 @@ import dataclasses
 import threading
 import weakref
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from operator import is_
 from typing import Any
 
@@ -68,6 +68,7 @@ class Bucket:
     step: Callable[[dict[str, Any]], Any] | None = None  # the view's Compiled
     L: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"opt": view}
     groups: list[Synced] = dataclasses.field(default_factory=list)
+    entries: list[Any] = dataclasses.field(default_factory=list)  # the view's state, by param
     arrived: int = 0  # gradients arrived in this backward
 
 
@@ -85,7 +86,7 @@ class Synced:
 
     def pull(self, live: dict[str, Any]) -> None:
         """Copy what changed in the optimizer's group into the view's."""
-        if len(live) == len(self.live_seen) and all(map(is_, live.values(), self.live_seen)):
+        if _same(live.values(), self.live_seen):
             return
         own = self.own
         for key, value in live.items():
@@ -97,7 +98,7 @@ class Synced:
     def push(self, live: dict[str, Any]) -> None:
         """Copy what the step wrote into the view's group back into the optimizer's."""
         own = self.own
-        if len(own) == len(self.own_seen) and all(map(is_, own.values(), self.own_seen)):
+        if _same(own.values(), self.own_seen):
             return
         for key, value in own.items():
             if key != "params" and live.get(key, _MISSING) is not value:
@@ -239,18 +240,24 @@ class InBackward:
         live_groups = opt.param_groups
         for synced in bucket.groups:
             synced.pull(live_groups[synced.index])
-        state, own_state = opt.state, view.state
-        for p in bucket.params:
-            entry = state.get(p)
-            if entry is None:
-                own_state.pop(p, None)  # cleared (load_state_dict without it)
-            elif own_state.get(p) is not entry:
-                own_state[p] = entry
+        # The view's state holds the optimizer's own per-param entries: synced entry by
+        # entry only where one differs from what the view held after its last update.
+        state, own_state, params = opt.state, view.state, bucket.params
+        entries = list(map(state.get, params))
+        if not _same(entries, bucket.entries):
+            for p, entry in zip(params, entries, strict=True):
+                if entry is None:
+                    own_state.pop(p, None)  # cleared (load_state_dict without it)
+                elif own_state.get(p) is not entry:
+                    own_state[p] = entry
         bucket.step(bucket.L)
-        for p in bucket.params:
-            entry = own_state.get(p)
-            if entry is not None and state.get(p) is not entry:
-                state[p] = entry  # (state the step created)
+        held = list(map(own_state.get, params))
+        if not _same(held, entries):
+            for p, entry in zip(params, held, strict=True):
+                if entry is not None and state.get(p) is not entry:
+                    state[p] = entry  # (state the step created)
+        bucket.entries = held
+        for p in params:
             p.grad = None
         for synced in bucket.groups:  # what the step wrote into its group
             synced.push(live_groups[synced.index])
@@ -283,6 +290,11 @@ class InBackward:
 
 
 _MISSING = object()
+
+
+def _same(values: Collection[Any], seen: Collection[Any]) -> bool:
+    """Whether ``values`` are the very objects of ``seen``, in order (one C-level pass)."""
+    return len(values) == len(seen) and all(map(is_, values, seen))
 
 
 def _arrived(ref: weakref.ref[InBackward], p: torch.Tensor) -> None:
