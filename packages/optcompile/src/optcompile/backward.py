@@ -7,8 +7,12 @@ bucket's update as soon as all of its gradients are there. A bucket's update is 
 optimizer's own step over a *view*: an optimizer of the same class whose param groups hold
 only the bucket's params (the group's other entries copied from the live group before each
 update, so LR schedules apply) and whose state holds the very per-param state dicts of the
-optimizer. The view is a compiled optimizer of its own: traced once, guarded, one fused
-launch (one CUDA graph where graphs are on). Each gradient is set to None after its update.
+optimizer (both compared by identity with what the view held after its last update, and
+copied only where they differ). The view is a compiled optimizer of its own: traced once,
+guarded, one fused launch (one CUDA graph where graphs are on). Each gradient is set to
+None after its update.
+
+Hooks cost a plain Python call where dynamo is not running (``_torch_compat.autograd_hook``).
 
 The end of a backward (eager autograd: a callback queued on the engine) updates what a
 bucket left: a bucket with parameters that got no gradient this time, gradients kept by
