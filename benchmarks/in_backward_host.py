@@ -21,7 +21,8 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
   complete (135 of GPT-2's 148 hooks), and of its body alone;
 - per bucket update: the whole update (what the hook of a bucket's last gradient runs), the
   compiled step inside it (prologue, plan, replay) and the plan alone (on CUDA: the host
-  preparation and the graph launch); the rest is the update's own bookkeeping;
+  preparation, also shown alone, and the graph launch); the rest is the update's own
+  bookkeeping;
 - on CUDA, which parts wait for the device: each probe queues ~20 ms of device work
   (``torch.cuda._sleep``), then times the part on the host; a part that returns only after
   that work is done synchronizes the host with the device ("WAITS"). Probed: a hook, each
@@ -306,21 +307,27 @@ def timed_parts(bucket: backward.Bucket, into: dict[str, list[float]]) -> Iterat
         return timed
 
     bucket.step = timer(step, "compiled step")
+    # A CUDA-graphed plan: its host preparation (the rest of it is the graph's launch).
+    graphed = [p.plan for p in plans if getattr(p, "graphed", None) is not None]
     for entry, plan in zip(entries, plans, strict=True):
         entry.plan = timer(plan, "plan")
+    for inner in graphed:
+        inner.prepare = timer(inner.prepare, "prepare")
     try:
         yield
     finally:
         bucket.step = step
         for entry, plan in zip(entries, plans, strict=True):
             entry.plan = plan
+        for inner in graphed:
+            del inner.prepare
 
 
 def per_bucket(state: backward.InBackward, reps: int, device: str) -> list[dict[str, Any]]:
     """Each bucket's update, its compiled step and its plan (host µs, medians)."""
     rows = []
     for number, bucket in enumerate(state.buckets):
-        parts: dict[str, list[float]] = {"compiled step": [], "plan": []}
+        parts: dict[str, list[float]] = {"compiled step": [], "plan": [], "prepare": []}
         with timed_parts(bucket, parts):
             whole = _median_us(lambda b=bucket: state.update(b), reps, _giver(bucket, device))
         row: dict[str, Any] = {"bucket": number, "params": len(bucket.params), "update": whole}
@@ -531,14 +538,16 @@ def report(result: dict[str, Any]) -> str:
         "",
         f"Per hook: {hook['hook']:.2f} µs (its body alone: {hook['hook body']:.2f} µs)",
         "",
-        "| bucket | params | update | compiled step | plan | update's own | traces, fast hits |",
+        "| bucket | params | update | compiled step | plan (its prepare) | update's own "
+        "| traces, fast hits |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["per_bucket"]:
         own = r["update"] - r.get("compiled step", 0.0)
+        prepare = f" ({r['prepare']:.1f} µs)" if "prepare" in r else ""
         lines.append(
             f"| {r['bucket']} | {r['params']} | {r['update']:.1f} µs "
-            f"| {r.get('compiled step', 0.0):.1f} µs | {r.get('plan', 0.0):.1f} µs "
+            f"| {r.get('compiled step', 0.0):.1f} µs | {r.get('plan', 0.0):.1f} µs{prepare} "
             f"| {own:.1f} µs | {r['traces']}, {r['fast_hits']} |"
         )
     total = sum(r["update"] for r in result["per_bucket"])
