@@ -120,15 +120,16 @@ def needs_host(program: LaneProgram) -> bool:
     shape), or tensor arithmetic with ``.item()`` values on other 0-dim inputs (a Tensor
     beta: ``1 - beta1 ** step`` is a float32 op on the CPU in eager), which the host computes
     as ATen does there (host_dtypes)."""
-    if any(op.op in HOST_ONLY for op in program.ops):
-        return True
-    ops = {op.out: op for op in program.ops}
-    return any(ops[v].op == "item" for v in host_vars(program))
+    return any(op.op == PICK for op in program.ops) or _reads_items(program)
 
 
 def _reads_items(program: LaneProgram) -> bool:
-    """Whether ``program`` does Python arithmetic on values read with ``.item()``."""
-    return any(op.op in HOST_ONLY and op.op != PICK for op in program.ops)
+    """Whether ``program`` computes with values read with ``.item()``: Python arithmetic on
+    them, or tensor arithmetic with them on other 0-dim inputs (not a PICK alone)."""
+    if any(op.op in HOST_ONLY and op.op != PICK for op in program.ops):
+        return True
+    ops = {op.out: op for op in program.ops}
+    return any(ops[v].op == "item" for v in host_vars(program))
 
 
 def host_dtypes(program: LaneProgram, order: Sequence[int]) -> dict[int, OpDtypes] | None:
