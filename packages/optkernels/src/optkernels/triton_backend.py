@@ -201,17 +201,19 @@ class _Part:
         self.host = needs_host(program)
         self.host_order: list[int] = []  # the vars computed on the host (host mode)
         self.host_read: list[int] = []  # those the kernels read: the host_vals columns
-        self._build(program, self.host)
-
-    def _build(self, program: LaneProgram, host: bool = False) -> None:
         # One kernel per dtype signature: the inputs' dtypes and what each op computes in
         # and returns (they differ between lanes of one input dtype where a 0-dim float16
-        # parameter's ops promote to float32: dtypes.op_dtypes).
-        by_dtypes: dict[tuple[Any, ...], list[int]] = {}
+        # parameter's ops promote to float32: dtypes.op_dtypes). (Found once: a part is
+        # built again in host mode by check_devices.)
+        self._by_dtypes: dict[tuple[Any, ...], list[int]] = {}
         for lane in range(program.lanes):
             dtypes = tuple(nodes[lane].meta["val"].dtype for nodes in program.inputs)
             ops = tuple(sorted(op_dtypes(program, lane).items()))
-            by_dtypes.setdefault((dtypes, ops), []).append(lane)
+            self._by_dtypes.setdefault((dtypes, ops), []).append(lane)
+        self._build(self.host)
+
+    def _build(self, host: bool = False) -> None:
+        program = self.program
         self.host_order = host_vars(program) if host else []
         self.host_read = host_reads(program, self.host_order)
         columns = {v: j for j, v in enumerate(self.host_read)}
@@ -221,7 +223,7 @@ class _Part:
         self._host_fns: dict[tuple[int, ...], tuple[HostFunction, HostFunction | None]] = {}
         if host:
             rounding = host_dtypes(program, self.host_order)
-            for lanes in by_dtypes.values():
+            for lanes in self._by_dtypes.values():
                 every = host_function(program, self.host_order, False, rounding, lanes)
                 one = (
                     None
@@ -236,7 +238,7 @@ class _Part:
         ]
         self.groups = [
             _Group(program, lanes, d, self.index, dynamic, host_cols, self.guarded)
-            for (d, _), lanes in by_dtypes.items()
+            for (d, _), lanes in self._by_dtypes.items()
         ]
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
         # (each group's kernel, and its copy of the 0-dim results where the kernel makes them)
@@ -284,7 +286,7 @@ class _Part:
             # only on them is computed there, for all lanes at once, each call.
             if not self.host:
                 try:
-                    self._build(program, host=True)
+                    self._build(host=True)
                 except (NotLanes, KernelError) as exc:
                     return str(exc)
             self.host = True
