@@ -90,3 +90,20 @@ def test_a_launch_signature_has_the_jits_argument_types():
     assert _triton_compat.launch_signature(fn, args) == ("*i64", "i32", "*fp64", "constexpr")
     one = (args[0], 1, args[2])  # (the JIT specializes an int argument equal to 1)
     assert _triton_compat.launch_signature(fn, one) == ("*i64", "constexpr", "*fp64", "constexpr")
+
+
+def test_a_first_launch_whose_launcher_was_not_prefetched_is_logged(monkeypatch, caplog):
+    monkeypatch.setattr(_triton_compat, "_prefetched", {("*i64", "constexpr")})
+
+    def foreach_float32() -> None:  # (a kernel, as far as the message goes)
+        pass
+
+    def launch(*types: str) -> _triton_compat._Launch:
+        specialization = [(t, None) for t in types]
+        return _triton_compat._Launch(0, None, None, {}, None, specialization, None)
+
+    with caplog.at_level("INFO", logger="optcompile.kernels"):
+        _triton_compat._check_prefetched(foreach_float32, launch("*i64", "constexpr"))
+        assert caplog.records == []
+        _triton_compat._check_prefetched(foreach_float32, launch("*fp32", "constexpr"))
+    assert "foreach_float32: no launcher prefetched" in caplog.text
