@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 
 import pytest
@@ -112,3 +113,20 @@ def test_a_plan_whose_kernels_run_never_prepares_its_torch_backend_plan():
     plan([p_value, g_value])
     assert plan.parts and "reference" not in vars(plan)
     assert torch.equal(p_value.cpu(), torch.zeros(5))
+
+
+def test_python_arithmetic_on_a_value_read_with_item_is_checked_with_a_nonzero_value():
+    """A Tensor beta read with ``.item()`` outside the step counts' ops, divided into in
+    Python, then used with them: the check gives every ``.item()`` 1.0 and runs the Python
+    arithmetic from it (its node's traced value is 0.0, a division by zero)."""
+    graph = fx.Graph()
+    p, step, beta = (graph.placeholder(n) for n in ("p", "step", "beta"))
+    p.meta["val"], beta.meta["val"] = torch.ones(3), torch.tensor(0.9)
+    step.meta.update(val=torch.tensor(1.0), python_float=True)
+    item = graph.call_function(aten._local_scalar_dense.default, (beta,))
+    inverse = graph.call_function(operator.truediv, (1.0, item))
+    item.meta["val"], inverse.meta["val"] = 0.0, 0.0  # (what the tracer records: the type)
+    power = graph.call_function(aten.pow.Scalar, (inverse, step))
+    graph.call_function(aten.copy_.default, (p, graph.call_function(aten.mul.Tensor, (p, power))))
+    graph.output([])
+    assert _python_floats_in_double(fx.GraphModule(torch.nn.Module(), graph)).code.count("float64")

@@ -545,7 +545,8 @@ def _takes_double(gm: fx.GraphModule, graph: fx.Graph, names: Collection[str]) -
     the meta device, and a constant is read as a meta tensor (a real CUDA tensor beside
     meta ones made the check fail on a GPU, and the torch backend then computed eager's
     Python floats from float32 step counts: RAdam's for-loop 1e-6 relative off eager on an
-    H100). An ``.item()`` gives 1.0: its value does not matter here."""
+    H100). An ``.item()`` gives 1.0 (its value does not matter here, but Python arithmetic
+    on it must not divide by zero), and so does the arithmetic computing from it."""
     cone = {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
     for node in graph.nodes:
         if node.op == "call_function" and any(a in cone for a in node.all_input_nodes):
@@ -554,13 +555,14 @@ def _takes_double(gm: fx.GraphModule, graph: fx.Graph, names: Collection[str]) -
 
     def value(node: fx.Node) -> Any:
         if node not in computed:
-            val = node.meta.get("val")
-            if node in cone or val is None:
+            val: Any = node.meta.get("val")
+            listed = isinstance(val, list | tuple)
+            vals = val if listed else (val,)
+            if node not in cone and all(isinstance(v, torch.Tensor) for v in vals):
+                metas = [_meta_like(v) for v in vals]
+                computed[node] = metas if listed else metas[0]
+            else:  # (a Python number's node has its type's 0 as its value: run it)
                 computed[node] = run(node)
-            elif isinstance(val, list | tuple):
-                computed[node] = [_meta_like(v) for v in val]
-            else:
-                computed[node] = _meta_like(val)
         return computed[node]
 
     def run(node: fx.Node) -> Any:
