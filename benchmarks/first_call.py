@@ -3,8 +3,9 @@
 Usage (from the repo root, PYTHONPATH naming packages/*/src):
     python benchmarks/first_call.py [--cases gpt2-adamw tiny-200-adamw ...] [--device cpu]
         [--machine "CPU dev machine"] [--out benchmarks/results/first_call_cpu.md]
-    python benchmarks/first_call.py --device cuda --machine "H100" \
-        --out benchmarks/results/first_call_h100.md        # on the GPU machine
+        [--warm] [--repeat N] [--profile DIR]
+    python benchmarks/first_call.py --device cuda --cases gpt2-adamw --warm --repeat 3 \
+        --machine "H100" --profile prof --out benchmarks/results/first_call_h100.md   # GPU
 
 Each case runs in a fresh Python process whose caches are empty temporary directories
 (``OPTCOMPILE_CACHE_DIR``, ``OPTKERNELS_CACHE_DIR``, ``OPTGUARD_CACHE_DIR``,
@@ -12,7 +13,14 @@ Each case runs in a fresh Python process whose caches are empty temporary direct
 previous run compiled is reused: the optguard C++ module (an install-time build, ``python -m
 optguard build``) is not found either, and the Python checks run. The child builds the
 optimizer, then times its first ``step()`` and, inside it, these phases (each exclusive of
-the phases nested in it, so they add up to at most the total; "other" is the rest):
+the phases nested in it, so they add up to at most the total; "other" is the rest).
+``--warm`` runs each case a second time in another fresh process on the first one's caches
+(what a user's second run of the same script does); ``--repeat N`` runs each N times (a
+table row per run); ``--profile DIR`` adds one more cold and warm run of each case under
+cProfile (the main thread only: background threads are not attributed to it) and writes
+their statistics to ``DIR/first_call_<case>_<cold|warm>.txt``. Each JSON line also gives
+the background threads' spans (Triton's self-hash, its runtime modules' C builds; seconds
+from the first step's start) and, as a phase, how long the first launch waited for them:
 
   state init      the optimizer's ``_init_group`` run for real before the trace
   trace           recording the step into an ATen graph (opttrace)
@@ -22,6 +30,7 @@ the phases nested in it, so they add up to at most the total; "other" is the res
   kernel source   generating Triton or C source
   C compile       building (or loading) the C kernels (CPU backend)
   Triton compile  a kernel's first launch (compile, or load from the cache, and run)
+  Triton wait     the first launch waiting for the background threads (self-hash, runtime)
   graph capture   CUDA graph recording (optcudagraph)
   replay codegen  the side-effect replay code (optsidefx)
   run             the plan's run and the replay, outside the phases above
@@ -36,10 +45,13 @@ Writes a markdown table (``--out``) and prints one JSON line per case.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import json
 import os
 import platform
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -60,6 +72,7 @@ PHASES = [
     "kernel source",
     "C compile",
     "Triton compile",
+    "Triton wait",
     "graph capture",
     "replay codegen",
     "run",
@@ -145,6 +158,8 @@ def _patch_phases(timer: Timer) -> None:
     except ImportError:
         return
     timer.patch(optkernels._triton_compat.Kernel, "_first", "Triton compile")
+    timer.patch(optkernels._triton_compat, "_await_runtime", "Triton wait")
+    timer.patch(optkernels._triton_compat, "_await_triton_key", "Triton wait")
     timer.patch(optcudagraph.tree.Graphed, "_record", "graph capture")
 
 
@@ -181,29 +196,60 @@ def _optimizer(kind: str, params: list[Any]) -> Any:
     raise SystemExit(f"unknown optimizer {kind!r}")
 
 
-def run_case(case: str, device: str) -> dict[str, Any]:
-    """Time the first and second step of ``case`` in this (fresh) process."""
+def _record_background() -> dict[str, list[float]]:
+    """Wall-clock spans of optkernels' background threads (started by ``compile()``), as
+    perf_counter values by thread name; to be called before the optimizer is compiled."""
+    spans: dict[str, list[float]] = {}
+    try:
+        from optkernels import _triton_compat
+    except ImportError:
+        return spans
+    quietly = _triton_compat._quietly
+
+    def timed(fn: Callable[[], Any]) -> None:
+        import threading
+
+        span = spans[threading.current_thread().name] = [time.perf_counter(), float("nan")]
+        try:
+            quietly(fn)
+        finally:
+            span[1] = time.perf_counter()
+
+    _triton_compat._quietly = timed  # type: ignore[assignment]
+    return spans
+
+
+def run_case(case: str, device: str, profile: str | None = None) -> dict[str, Any]:
+    """Time the first and second step of ``case`` in this (fresh) process; ``profile``: a
+    file to write the first step's cProfile statistics to (main thread)."""
     import optcompile
     import torch
 
     params, kind = _params(case, device)
+    background = _record_background()
     opt = optcompile.compile(_optimizer(kind, params))
     timer = Timer()
     _patch_phases(timer)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    profiler = cProfile.Profile() if profile else None
     start, cpu = time.perf_counter(), _cpu()
+    if profiler is not None:
+        profiler.enable()
     opt.step()
     sync()
     first, first_cpu = time.perf_counter() - start, _cpu() - cpu
+    if profiler is not None:
+        profiler.disable()
+        _write_profile(profiler, profile, f"{case}: first step {first:.3f} s under cProfile")
     phases = {k: round(v, 4) for k, v in timer.seconds.items()}
     phases["other"] = round(first - sum(timer.seconds.values()), 4)
     cpu_phases = {k: round(v, 4) for k, v in timer.cpu.items()}
     cpu_phases["other"] = round(first_cpu - sum(timer.cpu.values()), 4)
     check_code = optcompile.explain(opt).check_code  # (before the fast tier's is added)
-    start = time.perf_counter()
+    second_start = time.perf_counter()
     opt.step()
     sync()
-    second = time.perf_counter() - start
+    second = time.perf_counter() - second_start
     report = optcompile.explain(opt)
     return {
         "case": case,
@@ -213,6 +259,9 @@ def run_case(case: str, device: str) -> dict[str, Any]:
         "second_s": round(second, 4),
         "phases": phases,
         "cpu_phases": cpu_phases,
+        "background": {
+            name: [round(a - start, 4), round(b - start, 4)] for name, (a, b) in background.items()
+        },
         "traces": report.traces,
         "backend": report.backend,
         "graph_ops": report.graph_ops,
@@ -221,53 +270,43 @@ def run_case(case: str, device: str) -> dict[str, Any]:
     }
 
 
+def _write_profile(profiler: cProfile.Profile, path: str | None, title: str) -> None:
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    Path(str(path)).write_text(f"# {title}\n{text.getvalue()}")
+
+
 # -- the Triton compile of GPT-2's kernels, offline (no GPU needed) -------------------------
 
-_KERNEL_SIGNATURE = {
-    "ptrs": "*i64",
-    "dptrs": "*i64",
-    "numels": "*i64",
-    "blk_lane": "*i32",
-    "blk_start": "*i64",
-    "scalars": "*fp64",
-    "small_out": "*fp64",
-    "host_vals": "*fp64",
-    "BLOCK": "constexpr",
-}
-_SMALL_SIGNATURE = {
-    "ptrs": "*i64",
-    "dptrs": "*i64",
-    "small_out": "*fp64",
-    "n_lanes": "i32",
-    "BLOCK": "constexpr",
-}
 
-
-def triton_offline(arch: int, prefetch: bool) -> dict[str, Any]:
+def triton_offline(arch: int, capturable: bool) -> dict[str, Any]:
     """What the GPU's first call does before its first launch, on this CPU: trace AdamW
-    (foreach, capturable: the Triton backend's path) over GPT-2 124M's shapes, build the
-    prologue, lower to Triton kernels; then compile each generated kernel for an
-    ``sm_<arch>`` target with Triton's compiler (as the first launch would), timing each.
-    ``prefetch``: Triton's self-hash starts in the background first, as the Triton backend
-    starts it when a compiled optimizer is made on a machine with a cold kernel cache."""
+    (foreach; the Triton backend traces its capturable path) over GPT-2 124M's shapes,
+    build the prologue, lower to Triton kernels; then compile each generated kernel for an
+    ``sm_<arch>`` target with Triton's compiler (as the first launch would), timing each
+    and its ptxas stage. Triton's self-hash starts in the background first, as the backend
+    starts it on a cold cache. ``capturable=False`` (``gpt2-adamw``: torch's default) keeps
+    the step counts on the CPU: on a GPU the plan then computes what depends on them on the
+    host, with its own kernel (``_Part.check_devices``), which is the one compiled here."""
     import optguard
     import torch
     import triton
     from optkernels import _triton_compat
-    from optkernels.triton_backend import TritonPlan
+    from optkernels.triton_backend import LAUNCH_SIGNATURES, TritonPlan
     from opttrace import trace_step
     from opttrace.optimizer import init_state
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     params, _ = _params("gpt2-adamw", "cpu")
-    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True, capturable=True)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True, capturable=capturable)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     init_state(opt)  # (the state's allocation, as eager's first step: not timed below)
     seconds["state init (as eager's first step)"] = time.perf_counter() - start
-    if prefetch:  # (after the CPU's slow state init, which on a GPU takes no time)
-        _triton_compat.prefetch_triton_key()
+    _triton_compat.prefetch_triton_key()  # (after the CPU's slow state init)
     start = time.perf_counter()
     traced = trace_step(opt, capturable=True)
     seconds["trace"] = time.perf_counter() - start
@@ -275,23 +314,26 @@ def triton_offline(arch: int, prefetch: bool) -> dict[str, Any]:
     optguard.Prologue(traced.guards, traced.input_sources, pin=True)
     seconds["guards"] = time.perf_counter() - start
     start = time.perf_counter()
-    plan = TritonPlan(traced.graph_module)  # (the backend object wants a GPU)
+    plan = TritonPlan(traced.graph_module, host_small=not capturable)  # (no GPU needed)
+    for part in plan.parts:
+        if part.host_small and not part.host:  # (what check_devices does on the GPU)
+            part._build(host=True)
     seconds["lowering and kernel source"] = time.perf_counter() - start
     start = time.perf_counter()
-    if prefetch:
-        _triton_compat._await_triton_key()
-    else:
-        _triton_compat._triton_key_function()()  # type: ignore[misc]
-    seconds["Triton self-hash (its wait, if prefetched)"] = time.perf_counter() - start
+    _triton_compat._await_triton_key()
+    seconds["Triton self-hash (its wait)"] = time.perf_counter() - start
     target = GPUTarget("cuda", arch, 32)
+    stages = _time_stages()
     kernels = []
     for part in plan.parts:
         for group in part.groups:
-            launches = [(group.kernel.fn, _KERNEL_SIGNATURE, group.block, group.num_warps)]
+            launches = [(group.kernel.fn, LAUNCH_SIGNATURES[0], group.block, group.num_warps)]
             if group.small_kernel is not None:
-                launches.append((group.small_kernel.fn, _SMALL_SIGNATURE, 256, 4))
-            for fn, signature, block, warps in launches:
+                launches.append((group.small_kernel.fn, LAUNCH_SIGNATURES[1], 256, 4))
+            for fn, types, block, warps in launches:
+                signature = dict(zip(fn.arg_names, types, strict=True))
                 source = ASTSource(fn=fn, signature=signature, constexprs={"BLOCK": block})
+                stages.clear()
                 start = time.perf_counter()
                 compiled = triton.compile(source, target=target, options={"num_warps": warps})
                 spent = time.perf_counter() - start
@@ -301,6 +343,8 @@ def triton_offline(arch: int, prefetch: bool) -> dict[str, Any]:
                         "name": fn.__name__,
                         "source_lines": len(fn.src.splitlines()),
                         "compile_s": round(spent, 4),
+                        "ptxas_s": round(stages.get("cubin", float("nan")), 4),
+                        "stages_s": {k: round(v, 4) for k, v in stages.items()},
                         "ptx_lines": len(ptx.splitlines()),
                         "vector_loads": ptx.count("ld.global.v4"),
                         "block": block,
@@ -309,7 +353,7 @@ def triton_offline(arch: int, prefetch: bool) -> dict[str, Any]:
                 )
     return {
         "arch": arch,
-        "prefetch": prefetch,
+        "capturable": capturable,
         "params": len(params),
         "graph_ops": sum(1 for n in traced.graph.nodes if n.op == "call_function"),
         "phases": {k: round(v, 4) for k, v in seconds.items()},
@@ -318,18 +362,49 @@ def triton_offline(arch: int, prefetch: bool) -> dict[str, Any]:
     }
 
 
+def _time_stages() -> dict[str, float]:
+    """Seconds of each stage (ttir, ttgir, llir, ptx, cubin: ptxas) of the CUDA backend's
+    next compiles, by stage name (the AST's code generation comes before them)."""
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    seconds: dict[str, float] = {}
+    add_stages = CUDABackend.add_stages
+
+    def timed_stages(self: Any, stages: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        add_stages(self, stages, *args, **kwargs)
+        for name, stage in list(stages.items()):
+            stages[name] = _timed_stage(stage, name, seconds)
+
+    CUDABackend.add_stages = timed_stages
+    return seconds
+
+
+def _timed_stage(stage: Any, name: str, seconds: dict[str, float]) -> Any:
+    def timed(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return stage(*args)
+        finally:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+    return timed
+
+
 def _triton_table(results: list[dict[str, Any]]) -> str:
     result = results[0]
     lines = [
         "",
-        f"## GPT-2 124M AdamW (foreach, capturable): Triton compile for sm_{result['arch']}, "
-        "offline",
+        f"## GPT-2 124M AdamW (foreach): Triton compile for sm_{result['arch']}, offline",
         "",
         f"Command: `python benchmarks/first_call.py --triton-offline {result['arch']}` "
         f"(Triton {result['triton']}, on this CPU: the compile to PTX and cubin needs no "
         "GPU). The same trace, prologue and lowering the GPU's first call runs, on CPU "
         f"tensors of GPT-2's shapes ({result['params']} tensors, {result['graph_ops']} graph "
-        "ops), then `triton.compile` of each generated kernel as its first launch would.",
+        "ops), then `triton.compile` of each generated kernel as its first launch would; "
+        "Triton's self-hash prefetched. capturable=False (torch's default, `gpt2-adamw`): "
+        "the step counts stay on the CPU, the host computes what depends on them and the "
+        "GPU runs one kernel. Not here: the C compiler's builds of Triton's runtime "
+        "modules (they need libcuda; on a GPU they run in background threads).",
         "",
         "| phase | " + " | ".join(_variant(r) for r in results) + " |",
         "| --- |" + " --- |" * len(results),
@@ -337,19 +412,22 @@ def _triton_table(results: list[dict[str, Any]]) -> str:
             f"| {k} | " + " | ".join(f"{r['phases'][k]:.3f}" for r in results) + " |"
             for k in result["phases"]
         ),
-        f"| Triton compile, {len(result['kernels'])} kernels | "
+        "| Triton compile, its kernels | "
         + " | ".join(f"{sum(k['compile_s'] for k in r['kernels']):.3f}" for r in results)
         + " |",
         "| total after the state init | "
         + " | ".join(f"{_after_init(r):.3f}" for r in results)
         + " |",
         "",
-        "| kernel | source lines | BLOCK | warps | compile s | PTX lines | ld.global.v4 |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| variant | kernel | source lines | BLOCK | warps | compile s | of which ptxas s "
+        "| PTX lines | ld.global.v4 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(
-            f"| {k['name']} | {k['source_lines']} | {k['block']} | {k['num_warps']} "
-            f"| {k['compile_s']:.3f} | {k['ptx_lines']} | {k['vector_loads']} |"
-            for k in result["kernels"]
+            f"| {_variant(r)} | {k['name']} | {k['source_lines']} | {k['block']} "
+            f"| {k['num_warps']} | {k['compile_s']:.3f} | {k['ptxas_s']:.3f} "
+            f"| {k['ptx_lines']} | {k['vector_loads']} |"
+            for r in results
+            for k in r["kernels"]
         ),
         "",
     ]
@@ -357,7 +435,7 @@ def _triton_table(results: list[dict[str, Any]]) -> str:
 
 
 def _variant(result: dict[str, Any]) -> str:
-    return "s, self-hash prefetched" if result["prefetch"] else "s"
+    return f"capturable={result['capturable']}"
 
 
 def _after_init(result: dict[str, Any]) -> float:
@@ -369,7 +447,17 @@ def _after_init(result: dict[str, Any]) -> float:
 # -- the parent: one fresh process per case ----------------------------------------------
 
 
-def run_fresh(case: str, device: str, triton: str | None = None) -> dict[str, Any]:
+def run_fresh(
+    case: str,
+    device: str,
+    triton: str | None = None,
+    warm: bool = False,
+    profile: str | None = None,
+) -> list[dict[str, Any]]:
+    """``case`` in a fresh process with empty caches (its result, labelled "cold"); with
+    ``warm``, then in a second one on the caches the first left ("warm"). ``profile``: a
+    folder for their cProfile statistics."""
+    results = []
     with tempfile.TemporaryDirectory(prefix="first_call_") as tmp:
         env = dict(os.environ)
         for var, sub in (
@@ -380,21 +468,21 @@ def run_fresh(case: str, device: str, triton: str | None = None) -> dict[str, An
         ):
             env[var] = os.path.join(tmp, sub)
         env.pop("OPTCOMPILE_NATIVE", None)  # never build the C++ checks inside the timing
-        command = [sys.executable, __file__, "--child", case, "--device", device]
-        if triton is not None:
-            env.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
-            command = [sys.executable, __file__, "--triton-child", triton]
-        done = subprocess.run(
-            command,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    if done.returncode != 0:
-        raise SystemExit(f"{case} failed:\n{done.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+        for caches in ("cold", "warm") if warm else ("cold",):
+            command = [sys.executable, __file__, "--child", case, "--device", device]
+            if profile is not None:
+                path = os.path.join(profile, f"first_call_{case}_{caches}.txt")
+                command += ["--profile", path]
+            if triton is not None:
+                env.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
+                command = [sys.executable, __file__, "--triton-child", triton]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"{case} ({caches}) failed:\n{done.stderr[-4000:]}")
+            result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+            result["caches"] = caches
+            results.append(result)
+    return results
 
 
 def _revision() -> str:
@@ -418,6 +506,7 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
     ]
     head = [
         "case",
+        "caches",
         "params",
         "first call s",
         "its CPU s",
@@ -429,6 +518,7 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
     for r in results:
         cells = [
             r["case"],
+            r["caches"],
             str(r["params"]),
             f"{r['first_s']:.3f}",
             f"{r['first_cpu_s']:.3f}",
@@ -437,6 +527,13 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             f"{r['second_s']:.4f}",
         ]
         rows.append("| " + " | ".join(cells) + " |")
+    wall = [p for p in [*PHASES, "other"] if any(abs(r["phases"][p]) >= 0.0005 for r in results)]
+    wall_head = ["case", "caches", "first call s", *(f"{p} s" for p in wall)]
+    wall_rows = []
+    for r in results:
+        cells = [r["case"], r["caches"], f"{r['first_s']:.3f}"]
+        cells += [f"{r['phases'][p]:.3f}" for p in wall]
+        wall_rows.append("| " + " | ".join(cells) + " |")
     versions = f"Python {platform.python_version()}, torch {torch.__version__}"
     try:
         import triton
@@ -455,17 +552,26 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             f"average {load:.2f} at start  ",
             f"Versions: {versions}; source {_revision()}  ",
             "Each case in a fresh process with empty optcompile/optkernels/Triton caches "
+            '("cold"; "warm": another fresh process on the caches the cold one left) '
             "(the optguard C++ module not built); phases are exclusive (see the script's "
             'docstring). Tiny params are 4x4 float32. "first call s" is wall time; "its CPU '
             's", the ms per param and the phases are CPU seconds (all threads, and the C '
             "compiler's; on a shared, loaded machine the steadier numbers; wall phases are "
-            "in the JSON). The "
+            "below). The "
             "2nd call (wall) builds the guards' fast tier, or retraces where the first step "
             "created state (SGD's momentum buffers).",
             "",
             "| " + " | ".join(head) + " |",
             "| " + " | ".join("---" for _ in head) + " |",
             *rows,
+            "",
+            "The same runs' phases in wall seconds (the main thread's; background threads "
+            'overlap them: the JSON lines give their spans, "Triton wait" what the first '
+            "launch waited for them):",
+            "",
+            "| " + " | ".join(wall_head) + " |",
+            "| " + " | ".join("---" for _ in wall_head) + " |",
+            *wall_rows,
             "",
         ]
     )
@@ -478,6 +584,16 @@ def main() -> None:
     parser.add_argument("--machine", default="CPU dev machine")
     parser.add_argument("--out", default=None, help="markdown table (default: print only)")
     parser.add_argument(
+        "--warm", action="store_true", help="also each case again on the caches it left"
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each case")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="one more run of each case under cProfile, its statistics written to DIR",
+    )
+    parser.add_argument(
         "--triton-offline",
         type=int,
         default=None,
@@ -488,22 +604,29 @@ def main() -> None:
     parser.add_argument("--triton-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_case(args.child, args.device)), flush=True)
+        print(json.dumps(run_case(args.child, args.device, args.profile)), flush=True)
         return
     if args.triton_child is not None:
-        arch, _, prefetch = args.triton_child.partition(":")
-        print(json.dumps(triton_offline(int(arch), prefetch == "prefetch")), flush=True)
+        arch, _, variant = args.triton_child.partition(":")
+        print(json.dumps(triton_offline(int(arch), variant == "capturable")), flush=True)
         return
     load = os.getloadavg()[0]
     results = []
     for case in args.cases:
-        results.append(run_fresh(case, args.device))
-        print(json.dumps(results[-1]), flush=True)
+        for _ in range(args.repeat):
+            for result in run_fresh(case, args.device, warm=args.warm):
+                results.append(result)
+                print(json.dumps(result), flush=True)
+    if args.profile is not None:
+        os.makedirs(args.profile, exist_ok=True)
+        for case in args.cases:
+            run_fresh(case, args.device, warm=args.warm, profile=args.profile)
     table = _table(results, args, load)
     if args.triton_offline is not None:
         offline = [
-            run_fresh("gpt2-adamw", "cpu", f"{args.triton_offline}{variant}")
-            for variant in ("", ":prefetch")
+            result
+            for variant in ("", ":capturable")
+            for result in run_fresh("gpt2-adamw", "cpu", f"{args.triton_offline}{variant}")
         ]
         print(json.dumps(offline), flush=True)
         table += _triton_table(offline)

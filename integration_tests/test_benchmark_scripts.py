@@ -77,8 +77,9 @@ def test_first_call_benchmark_times_each_phase_in_a_fresh_process(tmp_path: Path
     # (its timers patch the functions each phase runs: this keeps their names current)
     out = tmp_path / "first_call.md"
     script = str(BENCHMARKS / "first_call.py")
+    command = [sys.executable, script, "--cases", "tiny-200-adamw", "--out", str(out)]
     done = subprocess.run(
-        [sys.executable, script, "--cases", "tiny-200-adamw", "--out", str(out)],
+        [*command, "--warm", "--profile", str(tmp_path / "profile")],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
@@ -86,12 +87,19 @@ def test_first_call_benchmark_times_each_phase_in_a_fresh_process(tmp_path: Path
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[0])
-    assert result["params"] == 200 and result["traces"] == 1 and result["fallback"] is None
-    for phase in ("trace", "guards", "families", "run"):
-        assert result["phases"][phase] > 0, phase
-    assert result["check_code_lines"] < 200  # the params' guards are one loop
-    assert "| tiny-200-adamw | 200 |" in out.read_text()
+    cold, warm = (json.loads(line) for line in done.stdout.strip().splitlines()[:2])
+    assert (cold["caches"], warm["caches"]) == ("cold", "warm")
+    for result in cold, warm:
+        assert result["params"] == 200 and result["traces"] == 1 and result["fallback"] is None
+        for phase in ("trace", "guards", "families", "run"):
+            assert result["phases"][phase] > 0, phase
+        assert result["check_code_lines"] < 200  # the params' guards are one loop
+    assert cold["phases"]["C compile"] > warm["phases"]["C compile"]  # (built, then loaded)
+    table = out.read_text()
+    assert "| tiny-200-adamw | cold | 200 |" in table and "| tiny-200-adamw | warm | 200 |" in table
+    for caches in ("cold", "warm"):
+        profile = (tmp_path / "profile" / f"first_call_tiny-200-adamw_{caches}.txt").read_text()
+        assert "under cProfile" in profile and "trace_step" in profile
 
 
 def test_in_backward_host_benchmark_times_hooks_and_bucket_updates(tmp_path: Path) -> None:

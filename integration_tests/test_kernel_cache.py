@@ -22,10 +22,10 @@ pytestmark = pytest.mark.skipif(
 
 CHILD = textwrap.dedent(
     """
-    import json, os, time
+    import json, os, threading, time
     import torch
     from triton.compiler import compiler
-    from triton.runtime import cache as triton_cache
+    from triton.runtime import build as triton_build, cache as triton_cache
 
     compiles = []
     make_ir = compiler.ASTSource.make_ir
@@ -35,6 +35,14 @@ CHILD = textwrap.dedent(
         return make_ir(self, *args, **kwargs)
 
     compiler.ASTSource.make_ir = counting
+    c_builds = []  # the threads that ran the C compiler for Triton's runtime modules
+    c_build = triton_build._build
+
+    def recording(*args, **kwargs):
+        c_builds.append(threading.current_thread().name)
+        return c_build(*args, **kwargs)
+
+    triton_build._build = recording
     import optcompile
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,6 +59,7 @@ CHILD = textwrap.dedent(
         torch.cuda.synchronize()
     print(json.dumps({
         "compiles": compiles,
+        "c_builds": c_builds,
         "files": sorted(os.listdir(os.environ["OPTKERNELS_CACHE_DIR"])),
         "first_step_s": time.perf_counter() - start,
         "self_hashes": triton_cache.triton_key.cache_info().misses,
@@ -82,6 +91,12 @@ def test_a_second_process_reuses_the_generated_kernels(tmp_path):
         assert first["compiles"], "the first process should have run the Triton compiler"
         assert second["compiles"] == [], f"recompiled: {second['compiles']}"
         assert first["self_hashes"] == 1 and second["self_hashes"] == 0
+        # A cold cache: Triton's runtime modules were built ahead, in the background threads
+        # the backend started (_triton_compat.prefetch_runtime), none at the first launch.
+        assert first["c_builds"], "Triton built no runtime module in a cold cache?"
+        background = [n.startswith("optkernels-triton-runtime-") for n in first["c_builds"]]
+        assert all(background), first["c_builds"]
+        assert second["c_builds"] == []
         # And a fresh cache folder compiles again (the check above can fail).
         third = _child(tmp_path / "fresh")
         assert third["compiles"]

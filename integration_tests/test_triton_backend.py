@@ -17,8 +17,9 @@ import opttrace
 import pytest
 import torch
 from optcompile.api import _OPTIMIZERS
+from optkernels._triton_compat import launch_signature
 from optkernels.host import scalar_function
-from optkernels.triton_backend import TritonPlan
+from optkernels.triton_backend import LAUNCH_SIGNATURES, TritonPlan
 from step_optimizers import (
     ClippedAdam,
     DecayMatricesOnly,
@@ -616,3 +617,25 @@ def test_rprop_sign_test_per_lane_dtype_matches_eager(dtypes, shapes):
         assert code.startswith("# not fused (its tensors live on several devices")
     exact = {"rtol": 0, "atol": 0} if DEVICE == "cpu" else {"rtol": 1.6e-2, "atol": 1e-5}
     _assert_close(params, opt, reference, eager, **exact)
+
+
+@pytest.mark.parametrize("capturable", [True, False], ids=["steps on device", "steps on host"])
+def test_kernel_arguments_have_the_types_whose_launchers_are_built_ahead(capturable):
+    """A cold first call on CUDA has Triton build the launchers of ``LAUNCH_SIGNATURES`` in
+    the background (_triton_compat.prefetch_runtime): the kernels' launches must have those
+    argument types, or Triton builds theirs in the foreground (the small kernel, which
+    copies out 0-dim results, runs where the host does not compute them)."""
+    params = [torch.nn.Parameter(torch.ones(s, device=DEVICE)) for s in SHAPES]
+    adamw = optim.AdamW(params, lr=1e-2, foreach=True, capturable=capturable)
+    opt = optcompile.compile(adamw, backend="triton")
+    for _ in range(2):  # (the first call creates the state; the second traces the steady step)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    entry = _OPTIMIZERS[opt].cache.entries[0].value
+    plan = TritonPlan(entry.traced.graph_module)
+    plan(entry.gather({"opt": opt}))
+    assert plan.host is not capturable
+    calls = [call for part in plan.parts for call in part.kernel_calls()]
+    found = {launch_signature(kernel.fn, args) for kernel, _, args, _ in calls}
+    assert found == set(LAUNCH_SIGNATURES[: 1 if plan.host else 2])

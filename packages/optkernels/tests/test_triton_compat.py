@@ -51,3 +51,59 @@ def test_the_cache_counts_as_cold_until_a_kernel_record_is_there(tmp_path, monke
     assert not kernels_recorded()  # a source written, never launched
     (tmp_path / "src" / "k_0123.foreach_float32.json").write_text("{}")
     assert kernels_recorded()
+
+
+def test_the_runtime_modules_are_built_in_background_threads_once(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(_triton_compat, "_runtime_threads", [])
+    monkeypatch.setattr(_triton_compat, "_prefetched", set())
+    built: list[tuple[str, object]] = []
+
+    def record(what: object) -> None:
+        built.append((threading.current_thread().name, what))
+
+    monkeypatch.setattr(_triton_compat, "_build_driver", lambda: record("driver"))
+    monkeypatch.setattr(_triton_compat, "_build_launcher", record)
+    signatures = [("*i64", "constexpr"), ("*fp64", "i32", "constexpr")]
+    _triton_compat.prefetch_runtime(signatures)
+    _triton_compat.prefetch_runtime(signatures)  # (once per process)
+    _triton_compat._await_runtime()
+    assert sorted((what for _, what in built), key=str) == sorted(["driver", *signatures], key=str)
+    assert all(name.startswith("optkernels-triton-runtime-") for name, _ in built)
+    assert _triton_compat._prefetched == set(signatures)
+
+
+def test_no_runtime_is_built_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_triton_compat, "_runtime_threads", [])
+    _triton_compat.prefetch_runtime([("*i64",)])
+    assert _triton_compat._runtime_threads == []
+    _triton_compat._await_runtime()  # nothing to wait for
+
+
+def test_a_launch_signature_has_the_jits_argument_types():
+    import torch
+
+    source = "def k(ptrs, n, values, BLOCK):\n    pass\n"
+    fn = type("Fn", (), {"arg_names": ["ptrs", "n", "values", "BLOCK"], "src": source})
+    args = (torch.zeros(2, dtype=torch.int64), 7, torch.zeros(1, dtype=torch.float64))
+    assert _triton_compat.launch_signature(fn, args) == ("*i64", "i32", "*fp64", "constexpr")
+    one = (args[0], 1, args[2])  # (the JIT specializes an int argument equal to 1)
+    assert _triton_compat.launch_signature(fn, one) == ("*i64", "constexpr", "*fp64", "constexpr")
+
+
+def test_a_first_launch_whose_launcher_was_not_prefetched_is_logged(monkeypatch, caplog):
+    monkeypatch.setattr(_triton_compat, "_prefetched", {("*i64", "constexpr")})
+
+    def foreach_float32() -> None:  # (a kernel, as far as the message goes)
+        pass
+
+    def launch(*types: str) -> _triton_compat._Launch:
+        specialization = [(t, None) for t in types]
+        return _triton_compat._Launch(0, None, None, {}, None, specialization, None)
+
+    with caplog.at_level("INFO", logger="optcompile.kernels"):
+        _triton_compat._check_prefetched(foreach_float32, launch("*i64", "constexpr"))
+        assert caplog.records == []
+        _triton_compat._check_prefetched(foreach_float32, launch("*fp32", "constexpr"))
+    assert "foreach_float32: no launcher prefetched" in caplog.text

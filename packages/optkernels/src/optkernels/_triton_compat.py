@@ -19,12 +19,16 @@ the caller does before its first step, overlap it; the first compile waits for i
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("optcompile.kernels")
 
 # What a Triton version whose JIT internals differ from the ones used below raises here.
 _MISMATCH = (AttributeError, KeyError, TypeError, ValueError, IndexError)
@@ -45,10 +49,13 @@ class Kernel:
         return lambda *args, **kwargs: self._first(grid, args, kwargs)
 
     def _first(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        _await_runtime()  # (binding uses Triton's driver: built there, or being built)
         try:
             launch = _bind(self.fn, args, kwargs)
         except _MISMATCH:
             launch = None
+        if launch is not None and _runtime_threads:
+            _check_prefetched(self.fn, launch)
         seeded = launch is not None and _seed(self.fn, self.record, launch)
         if not seeded:
             _await_triton_key()  # (Triton compiles: its key is computed, or being computed)
@@ -173,3 +180,79 @@ def _quietly(fn: Callable[[], Any]) -> None:
 def _await_triton_key() -> None:
     if _key_thread is not None:
         _key_thread.join()
+
+
+_runtime_threads: list[threading.Thread] = []
+_prefetched: set[tuple[str, ...]] = set()
+
+
+def prefetch_runtime(signatures: Sequence[tuple[str, ...]]) -> None:
+    """Build Triton's CUDA driver utilities and the launchers of kernels whose arguments have
+    the types ``signatures`` (as ``launch_signature`` gives them), and import its compiler,
+    in background threads; see the module docstring. Once per process; never under the
+    interpreter."""
+    if _runtime_threads or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    _prefetched.update(signatures)
+    launchers = [functools.partial(_build_launcher, s) for s in signatures]
+    jobs = [_build_driver, *launchers, _import_compiler]
+    for i, job in enumerate(jobs):
+        name = f"optkernels-triton-runtime-{i}"
+        thread = threading.Thread(target=_quietly, args=(job,), name=name, daemon=True)
+        thread.start()
+        _runtime_threads.append(thread)
+
+
+def _build_driver() -> None:
+    from triton.runtime.driver import driver
+
+    driver.active  # noqa: B018 (its first use builds the driver's C utilities)
+
+
+def _import_compiler() -> None:
+    """The modules the first compile imports (Triton's code generator, ~0.06 s): here while
+    the main thread traces, which the first launch then waits for anyway."""
+    import triton.compiler.code_generator  # noqa: F401
+
+
+def _build_launcher(signature: tuple[str, ...]) -> None:
+    """What Triton 3.6's ``CudaLauncher`` builds for a kernel of ``signature`` (its module
+    is cached by its source, which only the argument types shape). Later versions launch
+    every kernel through one module of the driver's: nothing to build."""
+    from triton.backends.nvidia import driver as cuda
+
+    make_launcher = getattr(cuda, "make_launcher", None)
+    if make_launcher is None:
+        return
+    cuda.compile_module_from_src(
+        src=make_launcher({}, dict(enumerate(signature)), None),
+        name="__triton_launcher",
+        library_dirs=cuda.library_dirs(),
+        include_dirs=cuda.include_dirs,
+        libraries=cuda.libraries,
+    )
+
+
+def _await_runtime() -> None:
+    for thread in _runtime_threads:
+        thread.join()
+
+
+def launch_signature(fn: Any, args: Sequence[Any]) -> tuple[str, ...]:
+    """The argument types Triton's JIT gives a launch of ``fn`` with the positional ``args``
+    (its other parameters being constexprs given by keyword): what a launcher is built for."""
+    from triton.runtime.jit import mangle_type
+
+    rest = fn.arg_names[len(args) :]
+    return (*(mangle_type(a, True) for a in args), *("constexpr" for _ in rest))
+
+
+def _check_prefetched(fn: Any, launch: _Launch) -> None:
+    """Say so when a first launch's signature was not among those prefetched (Triton 3.6
+    then builds its launcher in the foreground)."""
+    try:
+        signature = tuple(kind for kind, _ in launch.specialization)
+    except _MISMATCH:
+        return
+    if signature not in _prefetched:
+        log.info("%s: no launcher prefetched for its signature %s", fn.__name__, signature)

@@ -9,16 +9,17 @@ inside the same plan. ``describe()`` says which.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import fx
 
-from optkernels._triton_compat import prefetch_triton_key
+from optkernels._triton_compat import Kernel, prefetch_runtime, prefetch_triton_key
 from optkernels.addresses import AddressCheck
 from optkernels.compressed import BLOCK as INT8_BLOCK
 from optkernels.dtypes import op_dtypes
@@ -50,6 +51,16 @@ from optkernels.split import Split, split_unfused
 from optkernels.staging import Staging
 
 log = logging.getLogger("optcompile.kernels")
+
+
+# The argument types of ``_Part.kernel_calls``, as Triton's JIT specializes them: the kernel's,
+# then the small kernel's over more than one lane. Triton 3.6 compiles a C launcher per
+# signature on a cold cache; a compiled optimizer's backend has it built in the background
+# before its first call needs it (_triton_compat.prefetch_runtime).
+LAUNCH_SIGNATURES = (
+    ("*i64", "*i64", "*i64", "*i32", "*i64", "*fp64", "*fp64", "*fp64", "constexpr"),
+    ("*i64", "*i64", "*fp64", "i32", "constexpr"),
+)
 
 
 def triton_usable() -> str | None:
@@ -190,17 +201,19 @@ class _Part:
         self.host = needs_host(program)
         self.host_order: list[int] = []  # the vars computed on the host (host mode)
         self.host_read: list[int] = []  # those the kernels read: the host_vals columns
-        self._build(program, self.host)
-
-    def _build(self, program: LaneProgram, host: bool = False) -> None:
         # One kernel per dtype signature: the inputs' dtypes and what each op computes in
         # and returns (they differ between lanes of one input dtype where a 0-dim float16
-        # parameter's ops promote to float32: dtypes.op_dtypes).
-        by_dtypes: dict[tuple[Any, ...], list[int]] = {}
+        # parameter's ops promote to float32: dtypes.op_dtypes). (Found once: a part is
+        # built again in host mode by check_devices.)
+        self._by_dtypes: dict[tuple[Any, ...], list[int]] = {}
         for lane in range(program.lanes):
             dtypes = tuple(nodes[lane].meta["val"].dtype for nodes in program.inputs)
             ops = tuple(sorted(op_dtypes(program, lane).items()))
-            by_dtypes.setdefault((dtypes, ops), []).append(lane)
+            self._by_dtypes.setdefault((dtypes, ops), []).append(lane)
+        self._build(self.host)
+
+    def _build(self, host: bool = False) -> None:
+        program = self.program
         self.host_order = host_vars(program) if host else []
         self.host_read = host_reads(program, self.host_order)
         columns = {v: j for j, v in enumerate(self.host_read)}
@@ -210,7 +223,7 @@ class _Part:
         self._host_fns: dict[tuple[int, ...], tuple[HostFunction, HostFunction | None]] = {}
         if host:
             rounding = host_dtypes(program, self.host_order)
-            for lanes in by_dtypes.values():
+            for lanes in self._by_dtypes.values():
                 every = host_function(program, self.host_order, False, rounding, lanes)
                 one = (
                     None
@@ -225,7 +238,7 @@ class _Part:
         ]
         self.groups = [
             _Group(program, lanes, d, self.index, dynamic, host_cols, self.guarded)
-            for (d, _), lanes in by_dtypes.items()
+            for (d, _), lanes in self._by_dtypes.items()
         ]
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
         # (each group's kernel, and its copy of the 0-dim results where the kernel makes them)
@@ -273,7 +286,7 @@ class _Part:
             # only on them is computed there, for all lanes at once, each call.
             if not self.host:
                 try:
-                    self._build(program, host=True)
+                    self._build(host=True)
                 except (NotLanes, KernelError) as exc:
                     return str(exc)
             self.host = True
@@ -348,25 +361,22 @@ class _Part:
 
     def launch(self) -> None:
         """The device side of a call: the kernels, reading only the prepared buffers."""
+        for kernel, grid, args, options in self.kernel_calls():
+            kernel[grid](*args, **options)
+
+    def kernel_calls(self) -> Iterator[tuple[Kernel, tuple[int], tuple[Any, ...], dict[str, int]]]:
+        """Each kernel launch of a call: the kernel, its grid, its positional arguments (of
+        ``LAUNCH_SIGNATURES``' types) and its keyword ones (constexprs, launch options)."""
         for g, group in enumerate(self.groups):
             numels, blk_lane, blk_start = self._tables[g]
-            group.kernel[(blk_lane.numel(),)](
-                group.ptrs,
-                group.dptrs,
-                numels,
-                blk_lane,
-                blk_start,
-                self.scalars,
-                group.small_out,
-                group.host_vals if self.host else self.scalars,
-                BLOCK=group.block,
-                num_warps=group.num_warps,
-            )
+            values = group.host_vals if self.host else self.scalars
+            args = (group.ptrs, group.dptrs, numels, blk_lane, blk_start, self.scalars)
+            options = {"BLOCK": group.block, "num_warps": group.num_warps}
+            yield group.kernel, (blk_lane.numel(),), (*args, group.small_out, values), options
             if group.small_kernel is not None:
                 n = len(group.lanes)
-                group.small_kernel[(triton_cdiv(n, 256),)](
-                    group.ptrs, group.dptrs, group.small_out, n, BLOCK=256
-                )
+                small = (group.ptrs, group.dptrs, group.small_out, n)
+                yield group.small_kernel, (triton_cdiv(n, 256),), small, {"BLOCK": 256}
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the kernels read or write directly (the rest they reach through
@@ -497,9 +507,9 @@ def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` for the torch backend when the kernels do not take it: the 0-dim inputs eager
     reads as Python floats (placeholder meta ``python_float``: step counts) read in float64,
     as the host computes them for the kernels (a copy of the graph; ``gm`` where there are
-    none). Written back in their dtype by the graph's copy_, as before. Run once on meta
-    tensors first: ``gm`` where an op refuses the wider dtype (a ``lerp`` whose weight is
-    computed from a step count)."""
+    none). Written back in their dtype by the graph's copy_, as before. The ops computing
+    from them run once on meta tensors first: ``gm`` where one refuses the wider dtype (a
+    ``lerp`` whose weight is computed from a step count)."""
     marked = [
         n
         for n in gm.graph.nodes
@@ -521,34 +531,60 @@ def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
         for user in list(node.users):
             if user is not wide and user.target is not copy_:
                 user.replace_input_with(node, wide)
-    widened = fx.GraphModule(gm, graph)
-    try:
-        metas = [_meta_like(n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
-        with torch.no_grad():
-            _MetaRun(widened).run(*metas)
-    except Exception:  # (any op refusing it: the graph as traced)
+    if not _takes_double(gm, graph, names):
         return gm
-    return widened
+    return fx.GraphModule(gm, graph)
 
 
-class _MetaRun(fx.Interpreter):
-    """Runs a graph on meta tensors to see that every op takes its dtypes (an ``.item()``
-    gives 1.0: its value does not matter here). Every tensor is a meta one: an op that
-    makes a tensor on a device (``torch.where``'s scalar, ``scalar_tensor(..., device=
-    'cuda:0')``) makes it on the meta device, and a constant is read as a meta tensor (a
-    real CUDA tensor beside meta ones made the run fail on a GPU, and the torch backend
-    then computed eager's Python floats from float32 step counts: RAdam's for-loop 1e-6
-    relative off eager on an H100)."""
+def _takes_double(gm: fx.GraphModule, graph: fx.Graph, names: Collection[str]) -> bool:
+    """Whether every op computing from the placeholders ``names`` of ``graph`` (a copy of
+    ``gm``'s) takes their widened values. Those ops alone run, on meta tensors; the values
+    they read from the others are as traced (``meta["val"]``, which ran them), or run too
+    where a node has none. Every tensor is a meta one: an op that makes a tensor on a
+    device (``torch.where``'s scalar, ``scalar_tensor(..., device='cuda:0')``) makes it on
+    the meta device, and a constant is read as a meta tensor (a real CUDA tensor beside
+    meta ones made the check fail on a GPU, and the torch backend then computed eager's
+    Python floats from float32 step counts: RAdam's for-loop 1e-6 relative off eager on an
+    H100). An ``.item()`` gives 1.0 (its value does not matter here, but Python arithmetic
+    on it must not divide by zero), and so does the arithmetic computing from it."""
+    cone = {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in cone for a in node.all_input_nodes):
+            cone.add(node)
+    computed: dict[fx.Node, Any] = {}
 
-    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target is torch.ops.aten._local_scalar_dense.default:
+    def value(node: fx.Node) -> Any:
+        if node not in computed:
+            val: Any = node.meta.get("val")
+            listed = isinstance(val, list | tuple)
+            vals = val if listed else (val,)
+            if node not in cone and all(isinstance(v, torch.Tensor) for v in vals):
+                metas = [_meta_like(v) for v in vals]
+                computed[node] = metas if listed else metas[0]
+            else:  # (a Python number's node has its type's 0 as its value: run it)
+                computed[node] = run(node)
+        return computed[node]
+
+    def run(node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            return _meta_like(node.meta.get("val"))
+        if node.op == "get_attr":
+            return _meta_like(getattr(gm, str(node.target)))
+        if node.target is torch.ops.aten._local_scalar_dense.default:
             return 1.0
+        args, kwargs = fx.map_arg((node.args, node.kwargs), value)
         if "device" in kwargs:
             kwargs = {**kwargs, "device": torch.device("meta")}
-        return super().call_function(target, args, kwargs)
+        return node.target(*args, **kwargs)  # type: ignore[operator]
 
-    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
-        return _meta_like(super().get_attr(target, args, kwargs))
+    try:
+        with torch.no_grad():
+            for node in graph.nodes:
+                if node in cone:
+                    value(node)
+    except Exception:  # (an op refusing the wider dtype)
+        return False
+    return True
 
 
 def _meta_like(val: Any) -> Any:
@@ -567,7 +603,6 @@ class TritonPlan:
         """``host_small``: compute what depends only on 0-dim inputs on the host (None:
         exactly when those inputs live on the CPU and the rest on a device)."""
         self.gm = gm
-        self.reference = TorchPlan(_python_floats_in_double(gm))
         self.num_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         self.parts: list[_Part] = []
         self.reason: str | None = None
@@ -594,6 +629,13 @@ class TritonPlan:
                     "the step computes with tensor values read as Python numbers (.item())"
                     f": {self.reason}"
                 )
+
+    @functools.cached_property
+    def reference(self) -> TorchPlan:
+        """The torch backend's plan of the whole graph: what runs when the kernels do not
+        (made on first use: a plan whose kernels run never needs it, and preparing it
+        walks every node)."""
+        return TorchPlan(_python_floats_in_double(self.gm))
 
     def _lower(self, gm: fx.GraphModule, host_small: bool | None) -> list[_Part]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -759,8 +801,10 @@ class TritonBackend:
         reason = triton_usable()
         if reason is not None:
             raise BackendError(f"backend='triton' cannot run here: {reason}")
-        if not kernels_recorded():
-            prefetch_triton_key()  # a cold cache: the first call will compile
+        if not kernels_recorded():  # a cold cache: the first call will compile
+            prefetch_triton_key()
+            if torch.cuda.is_available():
+                prefetch_runtime(LAUNCH_SIGNATURES)
 
     def compile(self, gm: fx.GraphModule) -> TritonPlan:
         plan = TritonPlan(gm)
