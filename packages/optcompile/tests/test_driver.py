@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import optcompile
+import pytest
+import torch
+from optcompile.driver import newest
+from optcompile.optimizer import registered
+from optcompile.testing import set_grads, small_model
+
+
+@pytest.fixture
+def no_collections() -> Iterator[None]:
+    """The collector off (no collection moves objects between generations meanwhile)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _in_generation(obj: object, generation: int) -> bool:
+    return any(o is obj for o in gc.get_objects(generation=generation))
+
+
+def _compiled_step() -> tuple[torch.optim.Optimizer, object]:
+    model = small_model()
+    set_grads(model, 0)
+    opt = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt.step()
+    entry = newest(registered(opt))
+    assert entry is not None
+    return opt, next(iter(entry.traced.graph.nodes))
+
+
+def test_what_a_miss_builds_lands_in_the_oldest_generation(no_collections):
+    _, node = _compiled_step()
+    assert _in_generation(node, 2)
+    assert not _in_generation(node, 0) and not _in_generation(node, 1)
+
+
+def test_objects_frozen_by_the_user_stay_frozen(no_collections):
+    marker = [[]]  # a container the collector tracks
+    gc.freeze()
+    try:
+        _, node = _compiled_step()
+        assert not any(_in_generation(marker, g) for g in range(3))  # still frozen
+        assert _in_generation(node, 0)  # (nothing moved)
+    finally:
+        gc.unfreeze()
