@@ -235,3 +235,25 @@ def test_in_place_powers_record_the_overload_with_the_same_arguments(write):
     write(expected)
     _run(traced, x)
     torch.testing.assert_close(x, expected)
+
+
+def test_recorded_nodes_have_unique_names_and_the_graph_lints():
+    def step(x, y):
+        for _ in range(3):
+            x.mul_(y).add_(1)  # the same stems again and again
+
+    traced = trace(step, {"x": torch.ones(3), "y": torch.full((3,), 2.0)})
+    names = [n.name for n in traced.graph.nodes]
+    assert len(set(names)) == len(names)
+    traced.graph.lint()  # users, insert order, names: as fx's create_node makes them
+    later = traced.graph.create_node("call_function", aten.mul.Tensor, name="mul")
+    assert later.name not in names
+    x = torch.ones(3)
+    _run(traced, x, torch.full((3,), 2.0))
+    torch.testing.assert_close(x, torch.full((3,), 15.0))
+
+
+def test_the_dispatch_mode_runs_without_dynamo_s_disable_wrapper():
+    from opttrace.recorder import Recorder
+
+    assert Recorder.__dict__["__torch_dispatch__"].__qualname__ == "Recorder.__torch_dispatch__"

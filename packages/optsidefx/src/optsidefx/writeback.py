@@ -6,7 +6,8 @@ straight into the input's memory: a fused kernel writes the parameter once, no e
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from optguard import Source
@@ -17,9 +18,15 @@ from optsidefx.ledger import Effect, TensorWrite
 
 
 def append_writebacks(
-    graph: fx.Graph, effects: Sequence[Effect], placeholders: Mapping[Source, fx.Node]
+    graph: fx.Graph,
+    effects: Sequence[Effect],
+    placeholders: Mapping[Source, fx.Node],
+    call: Callable[[Any, tuple[Any, ...]], fx.Node] | None = None,
 ) -> list[fx.Node]:
-    """Insert ``aten.copy_(input, new_value)`` before the output for each TensorWrite."""
+    """Insert ``aten.copy_(input, new_value)`` before the output for each TensorWrite.
+    ``call(target, args)`` appends a call node at the insert point (default:
+    ``graph.call_function``; a tracer passes its own, cheaper per node)."""
+    call = graph.call_function if call is None else call
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     added = []
     with graph.inserting_before(output):
@@ -31,7 +38,7 @@ def append_writebacks(
                 raise SideEffectError(
                     f"{e.target.name()} was written in place but is no graph input"
                 )
-            node = graph.call_function(torch.ops.aten.copy_.default, (target, e.value))
+            node = call(torch.ops.aten.copy_.default, (target, e.value))
             node.meta["val"] = target.meta.get("val")
             added.append(node)
     return added

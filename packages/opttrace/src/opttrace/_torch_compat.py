@@ -16,7 +16,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from opttrace.meta import Spec
 from opttrace.patches import patched
 
-DispatchMode = TorchDispatchMode
+
+class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """torch's dispatch mode base, without the ``torch._disable_dynamo`` wrapper it puts
+    around a subclass's ``__torch_dispatch__`` (a trace never runs under torch.compile,
+    and the wrapper costs two Python frames per recorded op)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+def append_call(
+    graph: fx.Graph, stem: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> fx.Node:
+    """A ``call_function`` node of ``target`` over ``args``/``kwargs`` at the graph's insert point,
+    named after ``stem`` (made unique), as ``graph.create_node`` makes it, less what a
+    recorder need not pay for on each of its nodes: the pytree scan of the arguments for
+    stray SymInts and the node's ``__setattr__`` bookkeeping when its arguments are set
+    after creation. The graph must have no owning module yet (no creation hooks)."""
+    namespace = graph._graph_namespace
+    name = namespace.create_name(stem, None)
+    node = fx.Node(graph, name, "call_function", target, args, kwargs)
+    namespace.associate_name_with_obj(name, node)
+    graph._insert(node)
+    graph._find_nodes_lookup_table.insert(node)
+    graph._len += 1
+    return node
 
 
 def make_wrapper_tensor(cls: type, spec: Spec, device: torch.device, requires_grad: bool) -> Any:

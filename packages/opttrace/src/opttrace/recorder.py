@@ -16,6 +16,7 @@ that node.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -198,17 +199,13 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         return node
 
     def call(self, target: Any, args: tuple[Any, ...], kwargs: Any = None) -> fx.Node:
-        """Append a ``call_function`` node. Arguments are set after creation: fx's
-        ``create_node`` scans them with pytree (for stray SymInts), which for the
-        thousands of nodes of a large step costs more than everything else it does."""
+        """Append a ``call_function`` node (not through fx's ``create_node``: its checks
+        of each node's arguments cost more than everything else it does, for the
+        hundreds of thousands of nodes of a large step)."""
         name = _NAMES.get(target)
         if name is None:
             name = _NAMES[target] = self.graph._target_to_str(target)
-        node = self.graph.create_node("call_function", target, name=name)
-        node.args = args
-        if kwargs:
-            node.kwargs = kwargs
-        return node
+        return compat.append_call(self.graph, name, target, args, kwargs or {})
 
     def assert_true(self, node: ScalarNode, where: str) -> None:
         """A runtime check in the graph that a scalar condition holds (``torch._check``)."""
@@ -644,6 +641,9 @@ def _device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device:
         return device
     if isinstance(device, str):
         return torch.device(device)
+    first = args[0] if args else None
+    if type(first) is TracedTensor and (first.dim() > 0 or first.device.type != "cpu"):
+        return first.device  # (the common case: the first tensor found below)
     fallback = None
     for a in (*args, *kwargs.values()):
         for t in a if isinstance(a, list | tuple) else (a,):
@@ -655,7 +655,14 @@ def _device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device:
 
 
 def _lookup(func: Any, args: Sequence[Any], kwargs: dict[str, Any], name: str) -> Any:
+    i = _position(func, name)
+    return kwargs[name] if name in kwargs or i >= len(args) else args[i]
+
+
+@functools.cache
+def _position(func: Any, name: str) -> int:
+    """The position of the argument ``name`` in ``func``'s schema."""
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == name:
-            return kwargs[name] if name in kwargs or i >= len(args) else args[i]
+            return i
     raise TraceError(f"{func} has no argument {name!r}")

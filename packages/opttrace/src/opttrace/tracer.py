@@ -182,7 +182,7 @@ def _record(
     sources = [n.meta["source"] for n in placeholders]
     by_source = dict(zip(sources, placeholders, strict=True))
     writes = [e for e in ctx.ledger.effects if isinstance(e, TensorWrite)]
-    append_writebacks(graph, writes, by_source)
+    append_writebacks(graph, writes, by_source, recorder.call)
     _eliminate_dead_code(graph)
     kept = _drop_unused_inputs(graph, placeholders, sources)
     gm = lazy_graph_module(_constants_module(recorder.constants), graph)
