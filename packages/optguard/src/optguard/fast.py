@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -70,7 +70,6 @@ from optguard.sources import (
     Locals,
     LocalSource,
     Source,
-    ancestors,
 )
 
 
@@ -165,12 +164,13 @@ def build_fast_check(
     tier then gathers them itself, fetching only what its checks do not pin."""
     if not compat.available():
         return None
+    keyed_ancestor = _KeyedAncestors()
     keyed_sources = [
         keyed
         for g in guards
         if not isinstance(g, DataPtrGuard)
         for s in g.sources()
-        if (keyed := _keyed_ancestor(s)) is not None
+        if (keyed := keyed_ancestor(s)) is not None
     ]
     states = {keyed.base: None for keyed in keyed_sources}
     keys = {keyed.key: None for keyed in keyed_sources}
@@ -194,7 +194,8 @@ def build_fast_check(
             continue
         if isinstance(guard, NoneGuard) and not guard.is_none and guard.source in matched:
             continue  # a tensor match fails on None
-        if _under_state(guard) or (guard.source in listed and len(guard.sources()) == 1):
+        under_state = all(keyed_ancestor(s) is not None for s in guard.sources())
+        if under_state or (guard.source in listed and len(guard.sources()) == 1):
             continue  # under the state's dict versions; in its list's native check
         if not builder.add(guard):
             residual.append(guard)
@@ -364,18 +365,37 @@ def _pinned_sources(
             return isinstance(entry, KeyedSource) and pinned(entry)
         return False
 
-    seen = {s for g in guards for source in g.sources() for s in ancestors(source)}
+    seen: set[Source] = set()
+    for g in guards:
+        for source in g.sources():
+            while source not in seen:  # (its ancestors are, once one of them is)
+                seen.add(source)
+                if not isinstance(source, AttrSource | ItemSource | KeyedSource):
+                    break
+                source = source.base
     return frozenset(s for s in seen if pinned(s))
 
 
-def _under_state(guard: Guard) -> bool:
-    """Whether every source ``guard`` reads lies inside an optimizer's state, whose dict
-    versions say on a hit that nothing there changed since the full check passed."""
-    return all(_keyed_ancestor(s) is not None for s in guard.sources())
+class _KeyedAncestors:
+    """The innermost entry of an optimizer's state (a KeyedSource) that a source lies in,
+    or None; memoized along the path (10,000 params' sources share their ancestors). A
+    guard whose sources all lie in one is under the state's dict versions, which say on a
+    hit that nothing there changed since the full check passed."""
 
+    def __init__(self) -> None:
+        self.found: dict[Source, KeyedSource | None] = {}
 
-def _keyed_ancestor(source: Source) -> KeyedSource | None:
-    return next((s for s in ancestors(source) if isinstance(s, KeyedSource)), None)
+    def __call__(self, source: Source) -> KeyedSource | None:
+        known = self.found.get(source, source)  # (a source is never its own ancestor)
+        if known is not source:
+            return cast(KeyedSource | None, known)
+        found: KeyedSource | None = None
+        if isinstance(source, KeyedSource):
+            found = source
+        elif isinstance(source, AttrSource | ItemSource):
+            found = self(source.base)
+        self.found[source] = found
+        return found
 
 
 class _TreeBuilder:
