@@ -190,21 +190,25 @@ def _parts(graph: fx.Graph, numbers: set[fx.Node]) -> list[set[fx.Node]]:
     # Parts over the same number of tensors stay one program (a group's step increments are
     # not connected to its update but belong to the same lanes): one kernel per group size.
     by_lanes: dict[int, set[fx.Node]] = {}
-    for component in _components(graph, numbers):
+    for component in _components(graph, numbers, _scalar_nodes(graph)):
         part = set(component)
         by_lanes.setdefault(_lane_count(part), set()).update(part)
     return list(by_lanes.values())
 
 
-def _components(graph: fx.Graph, numbers: set[fx.Node]) -> list[list[fx.Node]]:
+def _components(
+    graph: fx.Graph, numbers: set[fx.Node], scalars: frozenset[fx.Node]
+) -> list[list[fx.Node]]:
     """The tensor ops of ``graph`` grouped by the tensors and lists they share (Python
     scalars and 0-dim constants, which every op may read, do not connect them; Python
-    arithmetic on a tensor's value, ``numbers``, does); each group in graph order."""
-
-    def shared(n: fx.Node) -> bool:
-        return (_is_scalar(n) and n not in numbers) or scalar_constant(n) is not None
-
-    ops = [n for n in graph.nodes if n.op == "call_function" and not shared(n)]
+    arithmetic on a tensor's value, ``numbers``, does); each group in graph order.
+    ``scalars``: the graph's Python scalars (``_scalar_nodes``)."""
+    shared = {
+        n
+        for n in graph.nodes
+        if (n in scalars and n not in numbers) or scalar_constant(n) is not None
+    }
+    ops = [n for n in graph.nodes if n.op == "call_function" and n not in shared]
     parent: dict[fx.Node, fx.Node] = {n: n for n in graph.nodes}
 
     def find(n: fx.Node) -> fx.Node:
@@ -215,7 +219,7 @@ def _components(graph: fx.Graph, numbers: set[fx.Node]) -> list[list[fx.Node]]:
 
     for node in ops:
         for arg in node.all_input_nodes:
-            if not shared(arg):
+            if arg not in shared:
                 parent[find(arg)] = find(node)
     components: dict[fx.Node, list[fx.Node]] = {}
     for node in ops:
@@ -236,6 +240,12 @@ def _is_foreach(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", "").startswith(
         "_foreach_"
     )
+
+
+def _scalar_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
+    """The nodes of ``graph`` that are Python scalars (``_is_scalar``), found once: the
+    analysis of a large step asks about each node many times."""
+    return frozenset(n for n in graph.nodes if _is_scalar(n))
 
 
 def _is_scalar(node: Any) -> bool:
@@ -260,11 +270,12 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
     # (Python arithmetic on a value read with .item() from a lane's tensor is per lane: it
     # joins that lane's component)
     numbers = lane_numbers(graph)
-    components = _components(graph, numbers)
+    scalar_nodes = _scalar_nodes(graph)
+    components = _components(graph, numbers, scalar_nodes)
     if not components:
         raise NotLanes("the graph has no tensor ops")
-    lanes = _lanes_from_components(components)
-    scalars = [n for n in nodes if _is_scalar(n) and n not in numbers]
+    lanes = _lanes_from_components(components, scalar_nodes)
+    scalars = [n for n in nodes if n in scalar_nodes and n not in numbers]
     program = LaneProgram(lanes=len(lanes))
     program.scalar_inputs = [n for n in scalars if n.op == "placeholder"]
     program.scalar_nodes = [n for n in scalars if n.op == "call_function"]
@@ -282,12 +293,14 @@ def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
     return program
 
 
-def _lanes_from_components(components: list[list[fx.Node]]) -> list[list[fx.Node]]:
+def _lanes_from_components(
+    components: list[list[fx.Node]], scalars: frozenset[fx.Node]
+) -> list[list[fx.Node]]:
     """Components with the same signature are one family (e.g. the parameter updates, and
     separately the step-count increments); the i-th member of every family is lane i."""
     families: dict[Any, list[list[fx.Node]]] = {}
     for component in components:
-        families.setdefault(_shape_key(component), []).append(component)
+        families.setdefault(_shape_key(component, scalars), []).append(component)
     counts = {len(members) for members in families.values()}
     if len(counts) != 1:
         raise NotLanes("the per-tensor op sequences differ between parameters")
@@ -295,10 +308,10 @@ def _lanes_from_components(components: list[list[fx.Node]]) -> list[list[fx.Node
     return [[n for members in families.values() for n in members[i]] for i in range(count)]
 
 
-def _shape_key(component: list[fx.Node]) -> Any:
+def _shape_key(component: list[fx.Node], scalars: frozenset[fx.Node]) -> Any:
     """A component's op sequence without its scalar inputs' identities (they are shared)."""
     return tuple(
-        (n.target, tuple("s" if _is_scalar(a) else "t" for a in n.all_input_nodes))
+        (n.target, tuple("s" if a in scalars else "t" for a in n.all_input_nodes))
         for n in component
     )
 
@@ -308,16 +321,14 @@ def _signature(
 ) -> tuple[tuple[Any, ...], list[fx.Node]]:
     """What a component computes, with its own nodes and inputs numbered by first use."""
     local: dict[fx.Node, int] = {}
-    placeholders: list[fx.Node] = []
+    placeholders: dict[fx.Node, int] = {}  # (in order of first use)
 
     def ref(a: Any) -> Any:
         if isinstance(a, fx.Node):
             if a in scalar_ref:
                 return scalar_ref[a]
             if a.op == "placeholder":
-                if a not in placeholders:
-                    placeholders.append(a)
-                return ("input", placeholders.index(a))
+                return ("input", placeholders.setdefault(a, len(placeholders)))
             constant = scalar_constant(a)
             if constant is not None:
                 return ("constant", *constant)
@@ -332,7 +343,7 @@ def _signature(
     for i, node in enumerate(component):
         local[node] = i
         sig.append((node.target, ref(tuple(node.args)), ref(tuple(sorted(node.kwargs.items())))))
-    return tuple(sig), placeholders
+    return tuple(sig), list(placeholders)
 
 
 def _per_lane_numbers(signatures: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
