@@ -252,9 +252,15 @@ _NOT_IDENT = re.compile(r"[^0-9a-zA-Z]+")
 
 
 def variable_name(source: Source) -> str:
-    """An identifier for a source: ``L['opt'].param_groups[0]`` -> ``opt_param_groups_0``."""
+    """An identifier for a source: ``L['opt'].param_groups[0]`` -> ``opt_param_groups_0``
+    (kept on the source once computed, like its name: generated guards ask again and
+    again)."""
+    cached = source.__dict__.get("_variable_name")
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
     text = source.name().replace("L[", "[")
     ident = _NOT_IDENT.sub("_", text).strip("_")
     if not ident or ident[0].isdigit():
         ident = f"v_{ident}"
+    source.__dict__["_variable_name"] = ident
     return ident
