@@ -27,17 +27,23 @@ class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return False
 
 
-def append_call(
-    graph: fx.Graph, stem: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+def append_node(
+    graph: fx.Graph,
+    op: str,
+    stem: str,
+    target: Any = None,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
 ) -> fx.Node:
-    """A ``call_function`` node of ``target`` over ``args``/``kwargs`` at the graph's insert point,
-    named after ``stem`` (made unique), as ``graph.create_node`` makes it, less what a
-    recorder need not pay for on each of its nodes: the pytree scan of the arguments for
-    stray SymInts and the node's ``__setattr__`` bookkeeping when its arguments are set
-    after creation. The graph must have no owning module yet (no creation hooks)."""
+    """A node at the graph's insert point, named after ``stem`` (made unique), as
+    ``graph.create_node`` makes it, less what a recorder need not pay for on each of its
+    nodes: the pytree scan of the arguments for stray SymInts and the node's
+    ``__setattr__`` bookkeeping when its arguments are set after creation. A placeholder's
+    target is ``stem``. The graph must have no owning module yet (no creation hooks)."""
     namespace = graph._graph_namespace
     name = namespace.create_name(stem, None)
-    node = fx.Node(graph, name, "call_function", target, args, kwargs)
+    target = stem if op == "placeholder" else target
+    node = fx.Node(graph, name, op, target, args, {} if kwargs is None else kwargs)
     namespace.associate_name_with_obj(name, node)
     graph._insert(node)
     graph._find_nodes_lookup_table.insert(node)

@@ -46,6 +46,13 @@ def contiguous_stride(shape: Shape) -> Shape:
     return tuple(reversed(stride))
 
 
+@functools.lru_cache(maxsize=4096)
+def contiguous_spec(shape: Shape, dtype: torch.dtype) -> Spec:
+    """The Spec of a contiguous tensor (one shared object per shape and dtype: a Spec is
+    immutable, and a pointwise op's result asks for one each time)."""
+    return Spec(shape, contiguous_stride(shape), dtype)
+
+
 def spec_of(t: torch.Tensor) -> Spec:
     return Spec(tuple(t.shape), tuple(t.stride()), t.dtype)
 
@@ -116,7 +123,7 @@ def _key(values: Any, common: Shape | None) -> Any:
 
 def _with_shape(out: Any, shape: Shape) -> Any:
     if isinstance(out, Spec):
-        return Spec(shape, contiguous_stride(shape), out.dtype) if out.shape else out
+        return contiguous_spec(shape, out.dtype) if out.shape else out
     if isinstance(out, list | tuple):
         return type(out)(_with_shape(o, shape) for o in out)
     return out

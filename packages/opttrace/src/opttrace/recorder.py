@@ -52,6 +52,7 @@ class TracedTensor(torch.Tensor):
     _node: fx.Node | None
     _item: tuple[fx.Node, int] | None  # (list node, index) for foreach outputs
     _spec: Spec
+    _device: torch.device  # (as ``device``, without a call into torch per op)
     # Aliasing: tensors sharing all of one value (detach, alias) share one list; a partial
     # view (slice, select, reshape) knows its base and goes stale when the base is written.
     _aliases: list[TracedTensor] | None
@@ -76,6 +77,7 @@ class TracedTensor(torch.Tensor):
         t._node = None
         t._item = None
         t._spec = spec
+        t._device = device
         t._aliases = None
         t._view_of = None
         t._view_chain = ()
@@ -184,7 +186,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         else:
             where = self.graph.inserting_after(self._last_placeholder)
         with where:
-            node = self._last_placeholder = self.graph.placeholder(name)
+            node = self._last_placeholder = compat.append_node(self.graph, "placeholder", name)
         node.meta["val"] = val
         node.meta["source"] = source
         return node
@@ -205,7 +207,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         name = _NAMES.get(target)
         if name is None:
             name = _NAMES[target] = self.graph._target_to_str(target)
-        return compat.append_call(self.graph, name, target, args, kwargs or {})
+        return compat.append_node(self.graph, "call_function", name, target, args, kwargs or {})
 
     def assert_true(self, node: ScalarNode, where: str) -> None:
         """A runtime check in the graph that a scalar condition holds (``torch._check``)."""
@@ -642,8 +644,8 @@ def _device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device:
     if isinstance(device, str):
         return torch.device(device)
     first = args[0] if args else None
-    if type(first) is TracedTensor and (first.dim() > 0 or first.device.type != "cpu"):
-        return first.device  # (the common case: the first tensor found below)
+    if type(first) is TracedTensor and (first._spec.shape or first._device.type != "cpu"):
+        return first._device  # (the common case: the first tensor found below)
     fallback = None
     for a in (*args, *kwargs.values()):
         for t in a if isinstance(a, list | tuple) else (a,):
