@@ -229,3 +229,16 @@ def test_predicate_guard_evaluates_numpy_values_whose_repr_is_not_python():
     guard = PredicateGuard(LocalSource("wd"), "({0} != 0.0)", True)
     assert guard.holds((numpy.float64(0.1),)) and not guard.holds((numpy.float64(0.0),))
     assert guard.changed((numpy.float64(0.0),)) == "(L['wd'] != 0.0) changed (True -> False)"
+
+
+def test_guards_of_one_kind_share_a_compiled_test_and_each_tests_its_own_constant():
+    from optguard import DataPtrGuard
+    from optguard.guards import _COMPILED
+
+    a, b = torch.zeros(3), torch.zeros(3)
+    guard_a = DataPtrGuard(LocalSource("a"), a.data_ptr())
+    guard_b = DataPtrGuard(LocalSource("b"), b.data_ptr())
+    assert guard_a.holds(a) and not guard_a.holds(b)
+    compiled = len(_COMPILED)
+    assert guard_b.holds(b) and not guard_b.holds(a)
+    assert len(_COMPILED) == compiled  # (the second reused the first's code)

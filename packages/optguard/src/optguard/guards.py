@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,10 @@ class Guard:
 
 
 _TESTS: dict[Guard, Callable[[Any], Any]] = {}
+# The compiled ``def test`` per test text: guards of one kind differ in their constants
+# (bound by name in each test's namespace), so 10,000 params' tests compile a few texts
+# (a miss's reason tests guards one by one until one fails).
+_COMPILED: dict[str, types.CodeType] = {}
 
 
 def _single_test(guard: Guard) -> Callable[[Any], Any]:
@@ -66,8 +71,12 @@ def _single_test(guard: Guard) -> Callable[[Any], Any]:
     if fn is None:
         code = SourceCode()
         expr = guard.test("value", code)
+        compiled = _COMPILED.get(expr)
+        if compiled is None:
+            text = f"def test(value):\n    return {expr}\n"
+            compiled = _COMPILED[expr] = compile(text, "<guard test>", "exec")
         namespace = dict(code.constants)
-        exec(f"def test(value):\n    return {expr}\n", namespace)
+        exec(compiled, namespace)
         fn = _TESTS[guard] = namespace["test"]
     return fn
 
