@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import random
 import types
 
 import pytest
@@ -257,3 +258,18 @@ def test_the_dispatch_mode_runs_without_dynamo_s_disable_wrapper():
     from opttrace.recorder import Recorder
 
     assert Recorder.__dict__["__torch_dispatch__"].__qualname__ == "Recorder.__torch_dispatch__"
+
+
+def test_appended_nodes_are_named_as_fx_names_them():
+    from opttrace import _torch_compat as compat
+    from torch import fx
+
+    stems = ["mul_tensor", "abs", "x_1", "x", "mul_tensor_2", "if", "x_y", "mul_tensor_1"]
+    rng = random.Random(0)
+    for _ in range(20):
+        ours, theirs = fx.Graph(), fx.Graph()
+        for stem in rng.choices(stems, k=40):
+            compat.append_node(ours, "call_function", stem, aten.relu.default)
+            theirs.create_node("call_function", aten.relu.default, name=stem)
+        assert [n.name for n in ours.nodes] == [n.name for n in theirs.nodes]
+        ours.lint()

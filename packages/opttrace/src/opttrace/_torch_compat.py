@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,23 @@ class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return False
 
 
+_PLAIN_STEMS: dict[str, bool] = {}
+
+
+def _plain_stem(stem: str) -> bool:
+    """Whether fx names ``stem`` as it is: an identifier not ending in ``_<digits>`` (which
+    fx reads as a count), remembered for the few stems of recorded ops (not placeholders'
+    names, each used once)."""
+    plain = _PLAIN_STEMS.get(stem)
+    if plain is None:
+        plain = bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stem)) and not re.search(
+            r"_\d+$", stem
+        )
+        if len(_PLAIN_STEMS) < 4096:
+            _PLAIN_STEMS[stem] = plain
+    return plain
+
+
 def append_node(
     graph: fx.Graph,
     op: str,
@@ -41,7 +59,20 @@ def append_node(
     ``__setattr__`` bookkeeping when its arguments are set after creation. A placeholder's
     target is ``stem``. The graph must have no owning module yet (no creation hooks)."""
     namespace = graph._graph_namespace
-    name = namespace.create_name(stem, None)
+    used = op == "call_function" and _plain_stem(stem) and stem in namespace._used_names
+    last = namespace._base_count.get(stem) if used else None
+    if last is None:
+        name = namespace.create_name(stem, None)
+    else:
+        # What create_name does for a stem already taken (a node per parameter of each
+        # op), without matching and cleaning the stem again each time.
+        num = last + 1
+        name = f"{stem}_{num}"
+        while name in namespace._used_names:
+            num += 1
+            name = f"{stem}_{num}"
+        namespace._used_names.add(name)
+        namespace._base_count[stem] = num
     target = stem if op == "placeholder" else target
     node = fx.Node(graph, name, op, target, args, {} if kwargs is None else kwargs)
     namespace.associate_name_with_obj(name, node)

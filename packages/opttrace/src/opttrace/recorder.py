@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ aten = torch.ops.aten
 
 _SCALAR_TYPES = {True: float, False: int}
 _NAMES: dict[Any, str] = {}  # node name stem per call target
+_NOT_IDENT = re.compile("[^0-9a-zA-Z_]+")
 # View ops whose output, when it has its input's shape and strides, is all of its input.
 _FULL_ALIAS = {aten.alias.default, aten.detach.default, aten.view.default, aten.expand.default}
 
@@ -206,7 +208,8 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         hundreds of thousands of nodes of a large step)."""
         name = _NAMES.get(target)
         if name is None:
-            name = _NAMES[target] = self.graph._target_to_str(target)
+            # (an identifier already: fx would otherwise clean ``mul.tensor`` per node)
+            name = _NAMES[target] = _NOT_IDENT.sub("_", self.graph._target_to_str(target))
         return compat.append_node(self.graph, "call_function", name, target, args, kwargs or {})
 
     def assert_true(self, node: ScalarNode, where: str) -> None:
