@@ -35,7 +35,7 @@ from optkernels.c_kernel import (
     library_source,
 )
 from optkernels.c_norms import with_c_norms
-from optkernels.dtypes import op_dtypes
+from optkernels.dtypes import lanes_by_dtypes
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError
 from optkernels.host import (
@@ -100,11 +100,7 @@ class _Part:
             not all(n.meta.get("static_address", False) for n in column)
             for column in program.inputs
         ]
-        by_dtypes: dict[tuple[Any, ...], list[int]] = {}
-        for lane in range(program.lanes):
-            dtypes = tuple(nodes[lane].meta["val"].dtype for nodes in program.inputs)
-            ops = tuple(sorted(op_dtypes(program, lane).items()))
-            by_dtypes.setdefault((dtypes, ops), []).append(lane)
+        by_dtypes = lanes_by_dtypes(program)
         self.groups = [(dtypes, lanes) for (dtypes, _), lanes in by_dtypes.items()]
         self.sources = [
             kernel_source(program, dtypes, f"k{g}", host, self.dynamic, lanes[0])

@@ -13,6 +13,7 @@ share a kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +36,40 @@ class OpDtypes:
 
     common: torch.dtype
     result: torch.dtype | None
+
+
+def lanes_by_dtypes(program: LaneProgram) -> dict[tuple[Any, ...], list[int]]:
+    """The lanes of ``program`` by their inputs' dtypes and what each op computes in and
+    returns (``op_dtypes``, sorted by var): one kernel per group."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for lane, ops in enumerate(op_dtypes_by_lane(program)):
+        dtypes = tuple(column[lane].meta["val"].dtype for column in program.inputs)
+        groups.setdefault((dtypes, tuple(sorted(ops.items()))), []).append(lane)
+    return groups
+
+
+def op_dtypes_by_lane(program: LaneProgram) -> list[dict[int, OpDtypes]]:
+    """``op_dtypes`` of every lane, computed once per distinct lane (10,000 parameters of
+    a few dtypes need a few, not 10,000; equal lanes share one dict: do not modify)."""
+    known: dict[tuple[Any, ...], dict[int, OpDtypes]] = {}
+    out = []
+    for lane in range(program.lanes):
+        key = _lane_key(program, lane)
+        found = known.get(key)
+        if found is None:
+            found = known[key] = op_dtypes(program, lane)
+        out.append(found)
+    return out
+
+
+def _lane_key(program: LaneProgram, lane: int) -> tuple[Any, ...]:
+    """Everything ``op_dtypes`` reads of lane ``lane``."""
+    inputs = []
+    for column in program.inputs:
+        node = column[lane]
+        val = node.meta["val"]
+        inputs.append((val.dtype, node.meta.get("dequantized", (None, val.dtype))[1], val.dim()))
+    return tuple(inputs), tuple(op.dtype(lane) for op in program.ops)
 
 
 def op_dtypes(program: LaneProgram, lane: int) -> dict[int, OpDtypes]:

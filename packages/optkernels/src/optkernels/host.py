@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from optkernels.dtypes import OpDtypes, compute_dtype, op_dtypes
+from optkernels.dtypes import OpDtypes, compute_dtype, op_dtypes_by_lane
 from optkernels.lanes import LaneProgram, NotLanes
 from optkernels.numbers import ASSERT, HOST_ONLY, PICK, PYTHON_FUNCTIONS
 
@@ -141,7 +141,7 @@ def host_dtypes(program: LaneProgram, order: Sequence[int]) -> dict[int, OpDtype
     Raises NotLanes if the lanes' 0-dim values differ in dtype."""
     if not _reads_items(program) or python_floats(program):
         return None
-    lanes = [op_dtypes(program, lane) for lane in range(program.lanes)]
+    lanes = op_dtypes_by_lane(program)
     out = {}
     for var in order:
         found = {lane[var] for lane in lanes}

@@ -22,7 +22,7 @@ from torch import fx
 from optkernels._triton_compat import Kernel, prefetch_runtime, prefetch_triton_key
 from optkernels.addresses import AddressCheck
 from optkernels.compressed import BLOCK as INT8_BLOCK
-from optkernels.dtypes import op_dtypes
+from optkernels.dtypes import lanes_by_dtypes
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import (
     KernelError,
@@ -205,11 +205,7 @@ class _Part:
         # and returns (they differ between lanes of one input dtype where a 0-dim float16
         # parameter's ops promote to float32: dtypes.op_dtypes). (Found once: a part is
         # built again in host mode by check_devices.)
-        self._by_dtypes: dict[tuple[Any, ...], list[int]] = {}
-        for lane in range(program.lanes):
-            dtypes = tuple(nodes[lane].meta["val"].dtype for nodes in program.inputs)
-            ops = tuple(sorted(op_dtypes(program, lane).items()))
-            self._by_dtypes.setdefault((dtypes, ops), []).append(lane)
+        self._by_dtypes = lanes_by_dtypes(program)
         self._build(self.host)
 
     def _build(self, host: bool = False) -> None:
