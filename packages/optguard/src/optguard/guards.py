@@ -7,6 +7,7 @@ fails ("keys changed (148 entries -> 0)").
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import sys
@@ -66,18 +67,64 @@ _TESTS: dict[Guard, Callable[[Any], Any]] = {}
 _COMPILED: dict[str, types.CodeType] = {}
 
 
+# Tests by what they depend on: a guard's fields but its source (a TensorMatchGuard of
+# 10,000 params of one shape has one test, rendered once).
+_TESTS_OF_KIND: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
+
+
 def _single_test(guard: Guard) -> Callable[[Any], Any]:
     fn = _TESTS.get(guard)
+    if fn is not None:
+        return fn
+    kind = _kind_of(guard)
+    fn = _TESTS_OF_KIND.get(kind) if kind is not None else None
     if fn is None:
-        code = SourceCode()
-        expr = guard.test("value", code)
-        compiled = _COMPILED.get(expr)
-        if compiled is None:
-            text = f"def test(value):\n    return {expr}\n"
-            compiled = _COMPILED[expr] = compile(text, "<guard test>", "exec")
-        namespace = dict(code.constants)
-        exec(compiled, namespace)
-        fn = _TESTS[guard] = namespace["test"]
+        fn = _compiled_test(guard)
+        if kind is not None:
+            _bounded(_TESTS_OF_KIND)[kind] = fn
+    _bounded(_TESTS)[guard] = fn
+    return fn
+
+
+def _bounded(cache: dict[Any, Any]) -> dict[Any, Any]:
+    """``cache``, emptied when it has grown past what a few large optimizers need (guards
+    are evaluated one by one only to explain a miss)."""
+    if len(cache) >= 200_000:
+        cache.clear()
+    return cache
+
+
+def _kind_of(guard: Guard) -> tuple[Any, ...] | None:
+    """The guard's type and its fields but ``source``, or None where another field holds a
+    Source (its test names that source) or a field is not hashable."""
+    values = []
+    for f in dataclasses.fields(guard):
+        if f.name == "source":
+            continue
+        value = getattr(guard, f.name)
+        if isinstance(value, Source) or (
+            isinstance(value, tuple) and any(isinstance(v, Source) for v in value)
+        ):
+            return None
+        values.append(value)
+    kind = (type(guard), *values)
+    try:
+        hash(kind)
+    except TypeError:
+        return None
+    return kind
+
+
+def _compiled_test(guard: Guard) -> Callable[[Any], Any]:
+    code = SourceCode()
+    expr = guard.test("value", code)
+    compiled = _COMPILED.get(expr)
+    if compiled is None:
+        text = f"def test(value):\n    return {expr}\n"
+        compiled = _bounded(_COMPILED)[expr] = compile(text, "<guard test>", "exec")
+    namespace = dict(code.constants)
+    exec(compiled, namespace)
+    fn: Callable[[Any], Any] = namespace["test"]
     return fn
 
 
