@@ -165,13 +165,11 @@ def build_fast_check(
     if not compat.available():
         return None
     keyed_ancestor = _KeyedAncestors()
-    keyed_sources = [
-        keyed
+    keyed_of = [  # per guard (but addresses): the state entry each of its sources lies in
+        () if isinstance(g, DataPtrGuard) else [keyed_ancestor(s) for s in g.sources()]
         for g in guards
-        if not isinstance(g, DataPtrGuard)
-        for s in g.sources()
-        if (keyed := keyed_ancestor(s)) is not None
     ]
+    keyed_sources = [keyed for found in keyed_of for keyed in found if keyed is not None]
     states = {keyed.base: None for keyed in keyed_sources}
     keys = {keyed.key: None for keyed in keyed_sources}
     module = native.start()
@@ -187,14 +185,14 @@ def build_fast_check(
         if module is not None
         else (set(), set(), set())
     )
-    for guard in guards:
+    for guard, keyed in zip(guards, keyed_of, strict=True):
         if isinstance(guard, DataPtrGuard):
             if guard.source not in addressed:  # else in its list's native check
                 addresses.append(guard)  # once the pinned sources are known (below)
             continue
         if isinstance(guard, NoneGuard) and not guard.is_none and guard.source in matched:
             continue  # a tensor match fails on None
-        under_state = all(keyed_ancestor(s) is not None for s in guard.sources())
+        under_state = all(k is not None for k in keyed)
         if under_state or (guard.source in listed and len(guard.sources()) == 1):
             continue  # under the state's dict versions; in its list's native check
         if not builder.add(guard):
@@ -355,15 +353,22 @@ def _pinned_sources(
 ) -> frozenset[Source]:
     """The guarded sources whose values a hit of the fast tier fixes (see the module)."""
 
+    known: dict[Source, bool] = {}
+
     def pinned(source: Source) -> bool:
-        if source in identical:
-            return True
-        if isinstance(source, KeyedSource):  # an entry of a versioned dict, pinned key
-            return source.base in versioned and pinned(source.key)
-        if isinstance(source, ItemSource) and isinstance(source.key, str):
-            entry = source.base  # the entry's own version is armed too
-            return isinstance(entry, KeyedSource) and pinned(entry)
-        return False
+        found = known.get(source)
+        if found is None:
+            if source in identical:
+                found = True
+            elif isinstance(source, KeyedSource):  # an entry of a versioned dict, pinned key
+                found = source.base in versioned and pinned(source.key)
+            elif isinstance(source, ItemSource) and isinstance(source.key, str):
+                entry = source.base  # the entry's own version is armed too
+                found = isinstance(entry, KeyedSource) and pinned(entry)
+            else:
+                found = False
+            known[source] = found
+        return found
 
     seen: set[Source] = set()
     for g in guards:
@@ -386,8 +391,8 @@ class _KeyedAncestors:
         self.found: dict[Source, KeyedSource | None] = {}
 
     def __call__(self, source: Source) -> KeyedSource | None:
-        known = self.found.get(source, source)  # (a source is never its own ancestor)
-        if known is not source:
+        known = self.found.get(source, _UNKNOWN)
+        if known is not _UNKNOWN:
             return cast(KeyedSource | None, known)
         found: KeyedSource | None = None
         if isinstance(source, KeyedSource):
@@ -396,6 +401,9 @@ class _KeyedAncestors:
             found = self(source.base)
         self.found[source] = found
         return found
+
+
+_UNKNOWN: Any = object()
 
 
 class _TreeBuilder:
