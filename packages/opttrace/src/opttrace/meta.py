@@ -75,7 +75,11 @@ def infer(
     if pointwise is None:
         pointwise = torch.Tag.pointwise in func.tags
     common = _common_contiguous_shape(args, kwargs) if pointwise else None
-    key = (func, _key(args, common), _key(tuple(kwargs.items()), common))
+    key = (
+        func,
+        tuple([_key(a, common) for a in args]),
+        tuple([(k, _key(v, common)) for k, v in kwargs.items()]) if kwargs else (),
+    )
     out = _CACHE.get(key, _MISSING)
     if out is _MISSING:
         out = _CACHE[key] = _run_meta(func, args, kwargs)
@@ -109,16 +113,18 @@ def _specs(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Spec]:
     return found
 
 
-def _key(values: Any, common: Shape | None) -> Any:
-    if isinstance(values, Spec):
+def _key(value: Any, common: Shape | None) -> Any:
+    """One argument in a cache key (an op's arguments: a tuple of these)."""
+    kind = type(value)
+    if kind is Spec:
         if common is not None:
-            return (_SAME, values.dtype, bool(values.shape))
-        return values
-    if isinstance(values, list | tuple):
-        return tuple(_key(v, common) for v in values)
-    if type(values) is float:
+            return (_SAME, value.dtype, bool(value.shape))
+        return value
+    if kind is float:
         return float  # values never change output metadata; their types can (promotion)
-    return (type(values), values)
+    if kind is list or kind is tuple:
+        return tuple([_key(v, common) for v in value])
+    return (kind, value)
 
 
 def _with_shape(out: Any, shape: Shape) -> Any:

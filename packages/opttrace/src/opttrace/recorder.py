@@ -352,6 +352,15 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         """Per written tensor, the dtype the functional form computes where it differs from
         the tensor's own (``x.mul_(b)``, x a 0-dim bfloat16 and b a 0-dim float32: ``mul``
         gives float32), else None. Only then is it worth inferring."""
+        if len(specs) == 1:  # (the common case, without building sets)
+            dtype = specs[0].dtype
+            if all(
+                a._spec.dtype is dtype
+                if type(a) is TracedTensor
+                else not isinstance(a, torch.Tensor)
+                for a in args
+            ) and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+                return [None]
         dtypes = {s.dtype for s in specs}
         others = {
             a.dtype for a in (*args, *kwargs.values()) if isinstance(a, TracedTensor | torch.Tensor)
@@ -484,7 +493,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
 
     def _rebind(self, target: Any, node: fx.Node, spec: Spec) -> None:
         target = _written_tensor(None, target)
-        if spec.shape != tuple(target.shape) or spec.dtype != target.dtype:
+        if spec.shape != target._spec.shape or spec.dtype != target._spec.dtype:
             raise TraceError(
                 f"an in-place op changes a tensor's shape or dtype ({list(target.shape)} "
                 f"{target.dtype} -> {list(spec.shape)} {spec.dtype}); resize in place "
