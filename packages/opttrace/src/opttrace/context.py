@@ -9,7 +9,6 @@ placeholder, a tracked container, or a Python constant with a guard on it.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -222,11 +221,12 @@ class TraceContext:
     def _is_static(self, source: Source) -> bool:
         """Whether a tensor keeps its address between steps: an optimizer's parameters and
         state (not grads, which backward makes anew, nor a function's tensor arguments)."""
-        if any(isinstance(s, AttrSource) and s.attr == "grad" for s in ancestors(source)):
-            return False  # (a grad, or a DTensor grad's local shard)
-        return any(
-            s in self._optimizer_sources for s in itertools.islice(ancestors(source), 1, None)
-        )
+        static = False
+        for depth, s in enumerate(ancestors(source)):
+            if isinstance(s, AttrSource) and s.attr == "grad":
+                return False  # (a grad, or a DTensor grad's local shard)
+            static = static or (depth > 0 and s in self._optimizer_sources)
+        return static
 
     def _grad_stored(self, tensor: TracedTensor, value: Any) -> None:
         source = self.source_of(tensor)

@@ -660,12 +660,20 @@ def _device(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device:
         return first._device  # (the common case: the first tensor found below)
     fallback = None
     for a in (*args, *kwargs.values()):
+        if type(a) is TracedTensor:  # (as below, from what it keeps)
+            if a._spec.shape or a._device.type != "cpu":
+                return a._device
+            fallback = fallback or a._device
+            continue
         for t in a if isinstance(a, list | tuple) else (a,):
             if isinstance(t, torch.Tensor):
                 if t.device.type != "cpu" or t.dim() > 0:
                     return t.device
                 fallback = fallback or t.device
-    return fallback or torch.device("cpu")
+    return fallback or _CPU
+
+
+_CPU = torch.device("cpu")
 
 
 def _lookup(func: Any, args: Sequence[Any], kwargs: dict[str, Any], name: str) -> Any:
