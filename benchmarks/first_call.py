@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import io
 import json
 import os
@@ -125,6 +126,30 @@ class Timer:
         for module in list(sys.modules.values()):
             if module is not owner and getattr(module, name, None) is original:
                 setattr(module, name, timed)
+
+
+class GcClock:
+    """CPU seconds spent in the cyclic garbage collector's collections (a part of whatever
+    phase they interrupt), and how many collections of the oldest generation ran."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._start = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+            return
+        self.seconds += time.process_time() - self._start
+        self.full += info["generation"] == 2
+
+    def read(self) -> tuple[float, int]:
+        """(seconds, full collections) since the last read."""
+        out = (self.seconds, self.full)
+        self.seconds, self.full = 0.0, 0
+        return out
 
 
 def _patch_phases(timer: Timer) -> None:
@@ -232,12 +257,14 @@ def run_case(case: str, device: str, profile: str | None = None) -> dict[str, An
     _patch_phases(timer)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     profiler = cProfile.Profile() if profile else None
+    collector = GcClock()
     start, cpu = time.perf_counter(), _cpu()
     if profiler is not None:
         profiler.enable()
     opt.step()
     sync()
     first, first_cpu = time.perf_counter() - start, _cpu() - cpu
+    first_gc, first_full = collector.read()
     if profiler is not None:
         profiler.disable()
         _write_profile(profiler, profile, f"{case}: first step {first:.3f} s under cProfile")
@@ -246,10 +273,12 @@ def run_case(case: str, device: str, profile: str | None = None) -> dict[str, An
     cpu_phases = {k: round(v, 4) for k, v in timer.cpu.items()}
     cpu_phases["other"] = round(first_cpu - sum(timer.cpu.values()), 4)
     check_code = optcompile.explain(opt).check_code  # (before the fast tier's is added)
-    second_start = time.perf_counter()
+    collector.read()
+    second_start, cpu = time.perf_counter(), _cpu()
     opt.step()
     sync()
-    second = time.perf_counter() - second_start
+    second, second_cpu = time.perf_counter() - second_start, _cpu() - cpu
+    second_gc, second_full = collector.read()
     report = optcompile.explain(opt)
     return {
         "case": case,
@@ -257,6 +286,10 @@ def run_case(case: str, device: str, profile: str | None = None) -> dict[str, An
         "first_s": round(first, 4),
         "first_cpu_s": round(first_cpu, 4),
         "second_s": round(second, 4),
+        "second_cpu_s": round(second_cpu, 4),
+        "gc_cpu_s": round(first_gc, 4),
+        "second_gc_cpu_s": round(second_gc, 4),
+        "full_collections": [first_full, second_full],
         "phases": phases,
         "cpu_phases": cpu_phases,
         "background": {
@@ -512,7 +545,10 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
         "its CPU s",
         "CPU ms/param",
         *(f"{p} s" for p in shown),
+        "of it gc s",
         "2nd call s",
+        "its CPU s",
+        "of it gc s",
     ]
     rows = []
     for r in results:
@@ -524,7 +560,10 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             f"{r['first_cpu_s']:.3f}",
             f"{1000 * r['first_cpu_s'] / r['params']:.3f}",
             *(f"{r['cpu_phases'][p]:.3f}" for p in shown),
+            f"{r.get('gc_cpu_s', 0.0):.3f}",
             f"{r['second_s']:.4f}",
+            f"{r.get('second_cpu_s', 0.0):.4f}",
+            f"{r.get('second_gc_cpu_s', 0.0):.3f}",
         ]
         rows.append("| " + " | ".join(cells) + " |")
     wall = [p for p in [*PHASES, "other"] if any(abs(r["phases"][p]) >= 0.0005 for r in results)]
@@ -558,8 +597,12 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             's", the ms per param and the phases are CPU seconds (all threads, and the C '
             "compiler's; on a shared, loaded machine the steadier numbers; wall phases are "
             "below). The "
-            "2nd call (wall) builds the guards' fast tier, or retraces where the first step "
-            "created state (SGD's momentum buffers).",
+            "2nd call (wall, then CPU) builds the guards' fast tier, or retraces where the "
+            'first step created state (SGD\'s momentum buffers). "of it gc s": CPU seconds '
+            "of the cyclic garbage collector's collections within the call (in the phases "
+            "they interrupted); explain() runs between the calls, and its allocations set "
+            "off the process's first full collection of what the first call built, in the "
+            "2nd call (a training loop's own allocations would, a few steps later).",
             "",
             "| " + " | ".join(head) + " |",
             "| " + " | ".join("---" for _ in head) + " |",
