@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from optkernels.c_chains import ChainCall, fuse_chains
-from optkernels.c_kernel import find_compiler
+from optkernels.c_kernel import Compiler, find_compiler
 from torch.fx.experimental.proxy_tensor import make_fx
 
 COMPILER = find_compiler()
@@ -79,3 +79,27 @@ def test_tensors_laid_out_otherwise_than_traced_run_the_chains_aten_ops():
     g = torch.randn(4, 6, generator=gen).t()  # (6, 4), not contiguous
     assert len(calls) == 1
     assert torch.equal(gm(row, col, mean, g), _variance_estimate(row, col, mean, g))
+
+
+def test_a_chain_whose_c_fails_to_build_runs_its_aten_ops_and_says_why(tmp_path, caplog):
+    # A compiler that fails every build (not in the disk cache: its path is in the key).
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'no such target' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    row, col, mean, g = torch.rand(6, 1), torch.rand(1, 4), torch.rand(1, 1), torch.randn(6, 4)
+    gm = make_fx(_variance_estimate, tracing_mode="fake")(row, col, mean, g)
+    assert fuse_chains(gm.graph, Compiler(str(failing), "failing 1.0")) == 1
+    gm.recompile()
+    (call,) = [n.target for n in gm.graph.nodes if isinstance(n.target, ChainCall)]
+    with caplog.at_level("WARNING", logger="optkernels.c_chains"):
+        assert torch.equal(gm(row, col, mean, g), _variance_estimate(row, col, mean, g))
+    assert call.function is None and "no such target" in (call.build_error or "")
+    assert "running the chains' ATen ops" in caplog.text
+
+
+def test_the_library_builds_in_the_background_and_the_first_call_waits_for_it():
+    row, col, mean, g = torch.rand(9, 1), torch.rand(1, 5), torch.rand(1, 1), torch.randn(9, 5)
+    gm, (call,) = _fused(_variance_estimate, row, col, mean, g)
+    assert call.function is None  # (fuse_chains returns without waiting for the compiler)
+    assert torch.equal(gm(row, col, mean, g), _variance_estimate(row, col, mean, g))
+    assert call.library.done() and call.function is not None and call.build_error is None

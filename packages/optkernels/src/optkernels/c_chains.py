@@ -18,7 +18,9 @@ the chain's ATen ops instead.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,12 +36,13 @@ from optkernels.c_kernel import (
     _ctype,
     _Env,
     _expr,
-    build,
+    build_async,
     library_source,
 )
 from optkernels.foreach_kernel import KernelError
 from optkernels.lanes import LaneOp, LaneProgram
 
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.float64)
 # ATen op base name (in-place or not) -> the per-element op of ``c_kernel._expr``.
@@ -419,19 +422,47 @@ def chain_source(chain: _Chain, name: str) -> str:
 
 class ChainCall:
     """The fused call replacing a chain: its C function, or its ATen ops where a call's
-    tensors are not as the graph recorded them."""
+    tensors are not as the graph recorded them (or where the C could not be built). The
+    library is built in the background (``build_async``): the first call waits for it."""
 
-    def __init__(self, chain: _Chain, function: Any, name: str) -> None:
-        self.__name__ = name
-        self.__qualname__ = name
+    def __init__(
+        self, chain: _Chain, library: concurrent.futures.Future[ctypes.CDLL], name: str
+    ) -> None:
+        self.__name__ = f"c_{name}"
+        self.__qualname__ = self.__name__
         self.chain = chain
-        self.function = function
+        self.library = library
+        self.symbol = name
+        self.function: Any = None  # the C function, once the library is loaded
+        self.build_error: str | None = None  # why the C is not used (its build failed)
         self.shapes = [tuple(_val(t).shape) for t in chain.tensors]  # type: ignore[union-attr]
         self.ptrs = np.zeros(len(chain.tensors) + 1, dtype=np.int64)
         self.scalars = np.zeros(max(len(chain.scalars), 1), dtype=np.float64)
         self._ptrs = int(self.ptrs.ctypes.data)
         self._scalars = int(self.scalars.ctypes.data)
-        self.fallback = _aten_chain(chain)
+        self._aten = _aten_graph(chain)
+        self._fallback: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def fallback(self) -> Callable[..., torch.Tensor]:
+        """The chain's ATen ops (made at their first use: most plans never need them)."""
+        if self._fallback is None:
+            self._fallback = fx.GraphModule(torch.nn.Module(), self._aten)
+        return self._fallback
+
+    def _load(self) -> bool:
+        """Whether the C function is there (waiting for its build the first time)."""
+        if self.function is None and self.build_error is None:
+            try:
+                function = getattr(self.library.result(), self.symbol)
+            except KernelError as exc:
+                self.build_error = str(exc)
+                log.warning("c_chains: running the chains' ATen ops: %s", exc)
+                return False
+            function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            function.restype = None
+            self.function = function
+        return self.function is not None
 
     def __call__(self, *args: Any) -> torch.Tensor:
         chain = self.chain
@@ -440,6 +471,8 @@ class ChainCall:
         for t, shape in zip(tensors, self.shapes, strict=True):
             if tuple(t.shape) != shape or t.dtype != chain.dtype or not t.is_contiguous():
                 return self.fallback(*args)
+        if not self._load():
+            return self.fallback(*args)
         made = chain.storage < 0
         out = torch.empty(chain.shape, dtype=chain.dtype) if made else tensors[chain.storage]
         self.ptrs[:n] = [t.data_ptr() for t in tensors]
@@ -450,8 +483,10 @@ class ChainCall:
         return out
 
 
-def _aten_chain(chain: _Chain) -> Callable[..., torch.Tensor]:
-    """The chain's own ATen ops, over the fused call's arguments (operands, then numbers)."""
+def _aten_graph(chain: _Chain) -> fx.Graph:
+    """The chain's own ATen ops, over the fused call's arguments (operands, then numbers):
+    copied before ``fuse_chains`` erases the chain's nodes (their GraphModule, whose code
+    Python compiles, made at its first use)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for t in chain.tensors:
@@ -467,12 +502,13 @@ def _aten_chain(chain: _Chain) -> Callable[..., torch.Tensor]:
     for node in chain.nodes:
         env[node] = graph.node_copy(node, arg)
     graph.output(env[chain.nodes[-1]])
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return graph
 
 
 def fuse_chains(graph: fx.Graph, compiler: Compiler) -> int:
     """Replace each chain of ``graph`` by a call of its generated C (one library for the
-    graph: one compile); return how many chains were fused."""
+    graph: one compile, in the background: the first call waits for it); return how many
+    chains were fused."""
     chains = find_chains(graph)
     if not chains:
         return 0
@@ -483,14 +519,12 @@ def fuse_chains(graph: fx.Graph, compiler: Compiler) -> int:
         if body not in sources:
             sources[body] = f"chain{len(sources)}"
         named.append(sources[body])
-    library = build(compiler, library_source([b.replace("NAME", n) for b, n in sources.items()]))
+    source = library_source([b.replace("NAME", n) for b, n in sources.items()])
+    library = build_async(compiler, source)  # compiles while the plan is made and run
     replaced: dict[fx.Node, fx.Node] = {}  # a fused chain's last node -> its call
     for chain, name in zip(chains, named, strict=True):
         chain.tensors = [replaced.get(t, t) for t in chain.tensors]
-        function = getattr(library, name)
-        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        function.restype = None
-        call = ChainCall(chain, function, f"c_{name}")
+        call = ChainCall(chain, library, name)
         last = chain.nodes[-1]
         with graph.inserting_after(last):
             fused = graph.call_function(call, (*chain.tensors, *chain.scalars))

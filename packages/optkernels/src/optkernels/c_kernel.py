@@ -19,6 +19,7 @@ once never wait on each other (both compile; one rename wins, with the same byte
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -473,12 +474,35 @@ def _open(path: str) -> ctypes.CDLL:
     return ctypes.CDLL(path)
 
 
+def _stem(compiler: Compiler, source: str) -> str:
+    key = "\n".join([compiler.path, compiler.version, *FLAGS, _cpu_id(), source])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return os.path.join(cache_dir(), f"k_{digest}")
+
+
 def build(compiler: Compiler, source: str) -> ctypes.CDLL:
     """The loaded library of ``source`` (a ``library_source``), from the disk cache or
     compiled now. Raises KernelError with the compiler's message if it fails."""
-    key = "\n".join([compiler.path, compiler.version, *FLAGS, _cpu_id(), source])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return _open(_compile(compiler, source, os.path.join(cache_dir(), f"k_{digest}")))
+    return _open(_compile(compiler, source, _stem(compiler, source)))
+
+
+@functools.cache
+def _builders() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="optkernels-cc"
+    )
+
+
+def build_async(compiler: Compiler, source: str) -> concurrent.futures.Future[ctypes.CDLL]:
+    """``build`` in a background thread (the compiler runs as a subprocess: the caller goes
+    on with its own work meanwhile); a library already in the disk cache is loaded now.
+    The future's ``result()`` raises ``build``'s KernelError."""
+    stem = _stem(compiler, source)
+    if os.path.exists(stem + ".so"):
+        done: concurrent.futures.Future[ctypes.CDLL] = concurrent.futures.Future()
+        done.set_result(_open(stem + ".so"))
+        return done
+    return _builders().submit(lambda: _open(_compile(compiler, source, stem)))
 
 
 KERNEL_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int]

@@ -106,10 +106,19 @@ def vector_norm(
     return result.unsqueeze(-2) if keepdim else result
 
 
-def with_c_norms(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose ``linalg_vector_norm`` nodes call ``vector_norm``."""
-    graph = copy.deepcopy(gm.graph)
+def use_c_norms(graph: fx.Graph) -> int:
+    """Make ``graph``'s ``linalg_vector_norm`` nodes call ``vector_norm`` (in place); how
+    many it changed."""
+    changed = 0
     for node in graph.nodes:
         if node.target is _ATEN:
             node.target = vector_norm
+            changed += 1
+    return changed
+
+
+def with_c_norms(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose ``linalg_vector_norm`` nodes call ``vector_norm``."""
+    graph = copy.deepcopy(gm.graph)
+    use_c_norms(graph)
     return fx.GraphModule(gm, graph)

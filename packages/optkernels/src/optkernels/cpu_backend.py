@@ -34,7 +34,7 @@ from optkernels.c_kernel import (
     kernel_source,
     library_source,
 )
-from optkernels.c_norms import with_c_norms
+from optkernels.c_norms import use_c_norms
 from optkernels.dtypes import lanes_by_dtypes
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError
@@ -261,7 +261,12 @@ def _torch_plan(gm: fx.GraphModule, compiler: Compiler) -> Plan:
         f"its tensors hold {values // max(calls, 1)} values per op: ops run in place, "
         "column norms in C (optkernels.c_norms), elementwise chains in C (optkernels.c_chains)"
     )
-    return node_by_node(with_c_norms(gm), reason, lambda g: fuse_chains(g, compiler))
+
+    def rewrite(graph: fx.Graph) -> None:  # on node_by_node's copy: one copy of the graph
+        use_c_norms(graph)
+        fuse_chains(graph, compiler)
+
+    return node_by_node(gm, reason, rewrite)
 
 
 class CpuPlan:
