@@ -11,9 +11,13 @@ in-place op on one, followed by in-place ops on that value (``div_``, ``clamp_``
 expressions, float32 or float64, each op rounded as ATen rounds it) that reads each operand
 and writes the chain's tensor once, its other operands (a row, a column, a scalar tensor)
 broadcast to its shape and Python numbers read at the call. Intermediate tensors no other
-node reads are never made. Shapes are the graph's (the entry's guards fix them) and are
-compiled into the C; a call whose tensors are not contiguous or not of those shapes runs
-the chain's ATen ops instead.
+node reads are never made. Shapes are the graph's (the entry's guards fix them), read by
+the C from a table at the call: one function per chain *structure* (its ops, rank and
+broadcasts), shared by chains over tensors of other shapes (GPT-2's 346 chains: 10
+functions), so the one library per graph is small; it is built in the background
+(``c_kernel.build_async``) while the plan is made and its first call runs ATen's ops up to
+the first chain, cached on disk by its source. A call whose tensors are not contiguous or
+not of those shapes runs the chain's ATen ops instead.
 """
 
 from __future__ import annotations
@@ -342,15 +346,27 @@ def _shorter(chain: _Chain) -> _Chain:
     return rebuilt
 
 
-def chain_source(chain: _Chain, name: str) -> str:
-    """C source of ``void name(const int64_t *ptrs, const double *scalars, int threads)``:
-    ``ptrs`` holds the operands' addresses, then the made tensor's (if the chain makes one)."""
+def chain_source(chain: _Chain, name: str) -> tuple[str, list[int]]:
+    """C source of ``void name(const int64_t *ptrs, const double *scalars, const int64_t
+    *dims, int threads)`` and its ``dims``: ``ptrs`` holds the operands' addresses, then the
+    made tensor's (if the chain makes one). The sizes (rows, a row's length, an operand's
+    strides) are read from ``dims`` at the call, not compiled in: chains of one structure
+    over tensors of different shapes (GPT-2's 148 parameters, 9 shapes) share a function,
+    and the library to build is small. What stays in the source is the structure: the ops,
+    the rank, which dimensions of each operand are broadcast."""
     shape = chain.shape
     inner = shape[-1] if shape else 1
     rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     ctype = _C_TYPES[chain.dtype]
     env = _Env(LaneProgram(lanes=1), [], set())
     made = chain.storage < 0
+    rows_per_item = max(1, _GRAIN // max(inner, 1))
+    dims = [rows, inner, rows_per_item, -(-rows // rows_per_item)]
+
+    def dim(value: int) -> str:
+        dims.append(value)
+        return f"dims[{len(dims) - 1}]"
+
     pointers = []
     for k in range(len(chain.tensors)):
         pointers.append(f"    {ctype} *p{k} = ({ctype} *)(intptr_t)ptrs[{k}];")
@@ -363,16 +379,16 @@ def chain_source(chain: _Chain, name: str) -> str:
         assert val is not None
         padded = (1,) * (len(shape) - val.dim()) + tuple(val.shape)
         step, terms = 1, []
-        dims = list(range(len(shape)))
         elem = [0] * len(shape)
-        for d in reversed(dims):
+        for d in reversed(range(len(shape))):
             elem[d] = 0 if padded[d] == 1 else step
             step *= padded[d]
         strides.append(elem[-1] if shape else 0)
         div = 1
-        for d in reversed(dims[:-1]):
+        for d in reversed(range(len(shape) - 1)):
             if elem[d]:
-                terms.append(f"((r / {div}) % {shape[d]}) * {elem[d]}")
+                index = "r" if d == len(shape) - 2 else f"(r / {dim(div)})"
+                terms.append(f"({index} % {dim(shape[d])}) * {dim(elem[d])}")
             div *= shape[d]
         offsets.append(f"        const int64_t o{k} = {' + '.join(terms) or '0'};")
     body = []
@@ -391,33 +407,31 @@ def chain_source(chain: _Chain, name: str) -> str:
     for var, k in chain.stores:
         body.append(f"            p{k}[o{k} + j] = v{var};")
     if made:
-        body.append(f"            out[r * {inner} + j] = v{last};")
+        body.append(f"            out[r * inner + j] = v{last};")
     else:
         k = chain.storage
         body.append(f"            p{k}[o{k} + j] = v{last};")
-    rows_per_item = max(1, _GRAIN // max(inner, 1))
-    items = -(-rows // rows_per_item)
     lines = [
         f"void {name}(const int64_t *restrict ptrs, const double *restrict scalars,"
-        " int threads) {",
+        " const int64_t *restrict dims, int threads) {",
         *pointers,
         *env.lines,
-        f"    #pragma omp parallel for if(threads > 1 && {items} > 1) num_threads(threads)",
-        f"    for (int64_t item = 0; item < {items}; ++item) {{",
-        f"        const int64_t first = item * {rows_per_item};",
-        f"        const int64_t last = first + {rows_per_item} < {rows} ? "
-        f"first + {rows_per_item} : {rows};",
+        "    const int64_t rows = dims[0], inner = dims[1], per = dims[2], items = dims[3];",
+        "    #pragma omp parallel for if(threads > 1 && items > 1) num_threads(threads)",
+        "    for (int64_t item = 0; item < items; ++item) {",
+        "        const int64_t first = item * per;",
+        "        const int64_t last = first + per < rows ? first + per : rows;",
         "        for (int64_t r = first; r < last; ++r) {",
         *("    " + o for o in offsets),
         "            #pragma omp simd",
-        f"            for (int64_t j = 0; j < {inner}; ++j) {{",
+        "            for (int64_t j = 0; j < inner; ++j) {",
         *("    " + b for b in body),
         "            }",
         "        }",
         "    }",
         "}",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", dims
 
 
 class ChainCall:
@@ -426,7 +440,11 @@ class ChainCall:
     library is built in the background (``build_async``): the first call waits for it."""
 
     def __init__(
-        self, chain: _Chain, library: concurrent.futures.Future[ctypes.CDLL], name: str
+        self,
+        chain: _Chain,
+        library: concurrent.futures.Future[ctypes.CDLL],
+        name: str,
+        dims: Sequence[int],
     ) -> None:
         self.__name__ = f"c_{name}"
         self.__qualname__ = self.__name__
@@ -440,6 +458,8 @@ class ChainCall:
         self.scalars = np.zeros(max(len(chain.scalars), 1), dtype=np.float64)
         self._ptrs = int(self.ptrs.ctypes.data)
         self._scalars = int(self.scalars.ctypes.data)
+        self.dims = np.array(dims, dtype=np.int64)
+        self._dims = int(self.dims.ctypes.data)
         self._aten = _aten_graph(chain)
         self._fallback: Callable[..., torch.Tensor] | None = None
 
@@ -459,7 +479,7 @@ class ChainCall:
                 self.build_error = str(exc)
                 log.warning("c_chains: running the chains' ATen ops: %s", exc)
                 return False
-            function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int]
             function.restype = None
             self.function = function
         return self.function is not None
@@ -479,7 +499,7 @@ class ChainCall:
         self.ptrs[n] = out.data_ptr()
         if chain.scalars:
             self.scalars[: len(chain.scalars)] = args[n:]
-        self.function(self._ptrs, self._scalars, torch.get_num_threads())
+        self.function(self._ptrs, self._scalars, self._dims, torch.get_num_threads())
         return out
 
 
@@ -515,16 +535,16 @@ def fuse_chains(graph: fx.Graph, compiler: Compiler) -> int:
     sources: dict[str, str] = {}  # source body -> function name (shared by equal chains)
     named = []
     for chain in chains:
-        body = chain_source(chain, "NAME")
+        body, dims = chain_source(chain, "NAME")
         if body not in sources:
             sources[body] = f"chain{len(sources)}"
-        named.append(sources[body])
+        named.append((sources[body], dims))
     source = library_source([b.replace("NAME", n) for b, n in sources.items()])
     library = build_async(compiler, source)  # compiles while the plan is made and run
     replaced: dict[fx.Node, fx.Node] = {}  # a fused chain's last node -> its call
-    for chain, name in zip(chains, named, strict=True):
+    for chain, (name, dims) in zip(chains, named, strict=True):
         chain.tensors = [replaced.get(t, t) for t in chain.tensors]
-        call = ChainCall(chain, library, name)
+        call = ChainCall(chain, library, name, dims)
         last = chain.nodes[-1]
         with graph.inserting_after(last):
             fused = graph.call_function(call, (*chain.tensors, *chain.scalars))
