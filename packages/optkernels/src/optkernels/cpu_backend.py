@@ -296,13 +296,13 @@ class CpuPlan:
         try:
             if off_cpu:
                 raise NotLanes(f"its tensors live on {', '.join(off_cpu)}, not the CPU")
-            self.parts = self._lower(gm)
+            self.parts = self._lower(gm.graph)
         except (NotLanes, KernelError) as exc:
             self.parts, self.reason = [], str(exc)
             split = None if off_cpu else split_unfused(gm)
             if split is not None:
                 try:
-                    self.parts = self._lower(split.main)
+                    self.parts = self._lower(split.main_graph)
                 except (NotLanes, KernelError):
                     self.parts = []
                 else:
@@ -310,10 +310,10 @@ class CpuPlan:
         if not self.parts:
             self.fallback = _torch_plan(gm, compiler)
 
-    def _lower(self, gm: fx.GraphModule) -> list[_Part]:
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    def _lower(self, graph: fx.Graph) -> list[_Part]:
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         index = {n: i for i, n in enumerate(placeholders)}
-        programs = analyze_parts(gm.graph)
+        programs = analyze_parts(graph)
         self.layouts = layouts(programs, index, self.num_inputs)
         return [_Part(p, index, self.compiler) for p in programs]
 

@@ -11,6 +11,7 @@ step graph is functional: its reads see the inputs as they were at the call).
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +26,21 @@ aten = torch.ops.aten
 
 @dataclass
 class Split:
-    prelude: fx.GraphModule  # the step's inputs -> the values the rest needs
-    main: fx.GraphModule  # the step's inputs + the prelude's results -> the graph's outputs
+    prelude_graph: fx.Graph  # the step's inputs -> the values the rest needs
+    main_graph: fx.Graph  # the step's inputs + the prelude's results -> the graph's outputs
     writes: list[tuple[int, int]]  # (input index, prelude result index), copied after main
     unfused: list[fx.Node]  # the ops the kernel generator does not know, in graph order
+    owner: fx.GraphModule  # the split graph's module (its attributes: constants)
+
+    # The graphs' modules, made at their first use: Python compiles a GraphModule's code
+    # (~0.1 s per 1,000 nodes), wasted where the main graph turns out not to be lanes.
+    @functools.cached_property
+    def prelude(self) -> fx.GraphModule:
+        return fx.GraphModule(self.owner, self.prelude_graph)
+
+    @functools.cached_property
+    def main(self) -> fx.GraphModule:
+        return fx.GraphModule(self.owner, self.main_graph)
 
 
 def split_unfused(gm: fx.GraphModule) -> Split | None:
@@ -101,7 +113,9 @@ def split_unfused(gm: fx.GraphModule) -> Split | None:
 
     index = {n: i for i, n in enumerate(placeholders)}
     writes = [(index[n.args[0]], position[n.args[1]]) for n in deferred]
-    return Split(fx.GraphModule(gm, first), fx.GraphModule(gm, second), writes, unfused)
+    for made in (first, second):  # (their constants, ``get_attr``, read from ``gm`` until
+        made.owning_module = gm  # their own module is made)
+    return Split(first, second, writes, unfused, gm)
 
 
 def _shared_from(prelude: set[fx.Node], graph: fx.Graph) -> set[fx.Node]:
