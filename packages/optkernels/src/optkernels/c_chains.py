@@ -460,14 +460,15 @@ class ChainCall:
         self._scalars = int(self.scalars.ctypes.data)
         self.dims = np.array(dims, dtype=np.int64)
         self._dims = int(self.dims.ctypes.data)
-        self._aten = _aten_graph(chain)
+        self._aten = _aten_ops(chain)
         self._fallback: Callable[..., torch.Tensor] | None = None
 
     @property
     def fallback(self) -> Callable[..., torch.Tensor]:
         """The chain's ATen ops (made at their first use: most plans never need them)."""
         if self._fallback is None:
-            self._fallback = fx.GraphModule(torch.nn.Module(), self._aten)
+            graph = _aten_graph(self.chain, self._aten)
+            self._fallback = fx.GraphModule(torch.nn.Module(), graph)
         return self._fallback
 
     def _load(self) -> bool:
@@ -503,10 +504,16 @@ class ChainCall:
         return out
 
 
-def _aten_graph(chain: _Chain) -> fx.Graph:
-    """The chain's own ATen ops, over the fused call's arguments (operands, then numbers):
-    copied before ``fuse_chains`` erases the chain's nodes (their GraphModule, whose code
-    Python compiles, made at its first use)."""
+def _aten_ops(chain: _Chain) -> list[tuple[fx.Node, Any, tuple[Any, ...], dict[str, Any]]]:
+    """The chain's ops (node, target, args, kwargs), kept before ``fuse_chains`` erases the
+    nodes (which clears their arguments)."""
+    return [(n, n.target, n.args, dict(n.kwargs)) for n in chain.nodes]
+
+
+def _aten_graph(
+    chain: _Chain, ops: list[tuple[fx.Node, Any, tuple[Any, ...], dict[str, Any]]]
+) -> fx.Graph:
+    """The chain's own ATen ops, over the fused call's arguments (operands, then numbers)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for t in chain.tensors:
@@ -519,9 +526,12 @@ def _aten_graph(chain: _Chain) -> fx.Graph:
             raise KernelError(f"{a.name} is read by the chain before it is computed")
         return env[a]
 
-    for node in chain.nodes:
-        env[node] = graph.node_copy(node, arg)
-    graph.output(env[chain.nodes[-1]])
+    for node, target, args, kwargs in ops:
+        mapped_args = fx.map_arg(args, arg)
+        mapped_kwargs = fx.map_arg(kwargs, arg)
+        assert isinstance(mapped_args, tuple) and isinstance(mapped_kwargs, dict)
+        env[node] = graph.call_function(target, mapped_args, mapped_kwargs)
+    graph.output(env[ops[-1][0]])
     return graph
 
 

@@ -14,6 +14,7 @@ row and whole-tensor norms are as fast as memory allows: eager's values to the b
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import ctypes
 import functools
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from optkernels.c_kernel import build, find_compiler
+from optkernels.c_kernel import build_async, find_compiler
 
 _ATEN = torch.ops.aten.linalg_vector_norm.default
 _COLUMNS = 128  # columns per work item: a row's slice is 512 bytes or more
@@ -58,12 +59,19 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
 @functools.cache
-def _functions() -> dict[torch.dtype, Any]:
-    """The C functions by dtype, built once per process (from the disk cache after once)."""
+def _library() -> concurrent.futures.Future[ctypes.CDLL]:
+    """The library, built once per process (from the disk cache after once), in the
+    background: ``use_c_norms`` starts it, the first norm waits for it."""
     compiler = find_compiler()
     if isinstance(compiler, str):
         raise RuntimeError(compiler)
-    library = build(compiler, _SOURCE)
+    return build_async(compiler, _SOURCE)
+
+
+@functools.cache
+def _functions() -> dict[torch.dtype, Any]:
+    """The C functions by dtype."""
+    library = _library().result()
     functions = {}
     for dtype, suffix in _SUFFIX.items():
         fn = getattr(library, f"cols_{suffix}")
@@ -114,6 +122,8 @@ def use_c_norms(graph: fx.Graph) -> int:
         if node.target is _ATEN:
             node.target = vector_norm
             changed += 1
+    if changed and not isinstance(find_compiler(), str):
+        _library()  # (its build starts now, while the plan is made)
     return changed
 
 
