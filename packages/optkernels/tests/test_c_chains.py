@@ -4,6 +4,8 @@ tensors are not laid out as the graph recorded them."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 from optkernels.c_chains import ChainCall, fuse_chains
@@ -91,15 +93,20 @@ def test_a_chain_whose_c_fails_to_build_runs_its_aten_ops_and_says_why(tmp_path,
     assert fuse_chains(gm.graph, Compiler(str(failing), "failing 1.0")) == 1
     gm.recompile()
     (call,) = [n.target for n in gm.graph.nodes if isinstance(n.target, ChainCall)]
+    call.library.exception()  # (the build is done: it failed)
     with caplog.at_level("WARNING", logger="optkernels.c_chains"):
         assert torch.equal(gm(row, col, mean, g), _variance_estimate(row, col, mean, g))
     assert call.function is None and "no such target" in (call.build_error or "")
     assert "running the chains' ATen ops" in caplog.text
 
 
-def test_the_library_builds_in_the_background_and_the_first_call_waits_for_it():
+def test_calls_before_the_library_is_built_run_the_aten_ops_then_the_c():
     row, col, mean, g = torch.rand(9, 1), torch.rand(1, 5), torch.rand(1, 1), torch.randn(9, 5)
     gm, (call,) = _fused(_variance_estimate, row, col, mean, g)
-    assert call.function is None  # (fuse_chains returns without waiting for the compiler)
+    building = call.library
+    call.library = concurrent.futures.Future()  # (a build not done yet)
     assert torch.equal(gm(row, col, mean, g), _variance_estimate(row, col, mean, g))
-    assert call.library.done() and call.function is not None and call.build_error is None
+    assert call.function is None  # (ran ATen's ops: no call waits for the compiler)
+    call.library.set_result(building.result())
+    assert torch.equal(gm(row, col, mean, g), _variance_estimate(row, col, mean, g))
+    assert call.function is not None and call.build_error is None

@@ -15,9 +15,9 @@ node reads are never made. Shapes are the graph's (the entry's guards fix them),
 the C from a table at the call: one function per chain *structure* (its ops, rank and
 broadcasts), shared by chains over tensors of other shapes (GPT-2's 346 chains: 10
 functions), so the one library per graph is small; it is built in the background
-(``c_kernel.build_async``) while the plan is made and its first call runs ATen's ops up to
-the first chain, cached on disk by its source. A call whose tensors are not contiguous or
-not of those shapes runs the chain's ATen ops instead.
+(``c_kernel.build_async``) while the plan is made and run, cached on disk by its source:
+until it is loaded, a chain runs its ATen ops (the same bits), as does a call whose tensors
+are not contiguous or not of those shapes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import concurrent.futures
 import ctypes
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -436,8 +436,9 @@ def chain_source(chain: _Chain, name: str) -> tuple[str, list[int]]:
 
 class ChainCall:
     """The fused call replacing a chain: its C function, or its ATen ops where a call's
-    tensors are not as the graph recorded them (or where the C could not be built). The
-    library is built in the background (``build_async``): the first call waits for it."""
+    tensors are not as the graph recorded them, while the library is being built in the
+    background (``build_async``: no call waits for the compiler) or where it could not be
+    built."""
 
     def __init__(
         self,
@@ -460,20 +461,25 @@ class ChainCall:
         self._scalars = int(self.scalars.ctypes.data)
         self.dims = np.array(dims, dtype=np.int64)
         self._dims = int(self.dims.ctypes.data)
-        self._aten = _aten_ops(chain)
-        self._fallback: Callable[..., torch.Tensor] | None = None
+        # The chain's ops (node, target, args, kwargs), kept before ``fuse_chains`` erases
+        # the nodes (which clears their arguments).
+        self.aten_ops: list[tuple[fx.Node, Any, Any, dict[str, Any]]] = [
+            (n, n.target, n.args, dict(n.kwargs)) for n in chain.nodes
+        ]
 
-    @property
-    def fallback(self) -> Callable[..., torch.Tensor]:
-        """The chain's ATen ops (made at their first use: most plans never need them)."""
-        if self._fallback is None:
-            graph = _aten_graph(self.chain, self._aten)
-            self._fallback = fx.GraphModule(torch.nn.Module(), graph)
-        return self._fallback
+    def aten(self, *args: Any) -> torch.Tensor:
+        """The chain's own ATen ops, over the call's arguments (operands, then numbers)."""
+        chain = self.chain
+        env: dict[fx.Node, Any] = dict(zip(chain.tensors, args[: len(chain.tensors)], strict=True))
+        env.update(zip(chain.scalars, args[len(chain.tensors) :], strict=True))
+        for node, target, node_args, kwargs in self.aten_ops:
+            env[node] = target(*fx.map_arg(node_args, env.__getitem__), **kwargs)
+        return env[chain.nodes[-1]]  # type: ignore[no-any-return]
 
-    def _load(self) -> bool:
-        """Whether the C function is there (waiting for its build the first time)."""
-        if self.function is None and self.build_error is None:
+    def _ready(self) -> bool:
+        """Whether the C function is there: never waits for its build (calls until it is
+        done run the chain's ATen ops, which give the same bits)."""
+        if self.function is None and self.build_error is None and self.library.done():
             try:
                 function = getattr(self.library.result(), self.symbol)
             except KernelError as exc:
@@ -491,9 +497,9 @@ class ChainCall:
         tensors: Sequence[torch.Tensor] = args[:n]
         for t, shape in zip(tensors, self.shapes, strict=True):
             if tuple(t.shape) != shape or t.dtype != chain.dtype or not t.is_contiguous():
-                return self.fallback(*args)
-        if not self._load():
-            return self.fallback(*args)
+                return self.aten(*args)
+        if self.function is None and not self._ready():
+            return self.aten(*args)
         made = chain.storage < 0
         out = torch.empty(chain.shape, dtype=chain.dtype) if made else tensors[chain.storage]
         self.ptrs[:n] = [t.data_ptr() for t in tensors]
@@ -504,41 +510,10 @@ class ChainCall:
         return out
 
 
-def _aten_ops(chain: _Chain) -> list[tuple[fx.Node, Any, tuple[Any, ...], dict[str, Any]]]:
-    """The chain's ops (node, target, args, kwargs), kept before ``fuse_chains`` erases the
-    nodes (which clears their arguments)."""
-    return [(n, n.target, n.args, dict(n.kwargs)) for n in chain.nodes]
-
-
-def _aten_graph(
-    chain: _Chain, ops: list[tuple[fx.Node, Any, tuple[Any, ...], dict[str, Any]]]
-) -> fx.Graph:
-    """The chain's own ATen ops, over the fused call's arguments (operands, then numbers)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for t in chain.tensors:
-        env[t] = graph.placeholder(t.name)
-    for s in chain.scalars:
-        env[s] = graph.placeholder(s.name)
-
-    def arg(a: fx.Node) -> fx.Node:
-        if a not in env:  # (a made tensor of the chain: copied below before it is read)
-            raise KernelError(f"{a.name} is read by the chain before it is computed")
-        return env[a]
-
-    for node, target, args, kwargs in ops:
-        mapped_args = fx.map_arg(args, arg)
-        mapped_kwargs = fx.map_arg(kwargs, arg)
-        assert isinstance(mapped_args, tuple) and isinstance(mapped_kwargs, dict)
-        env[node] = graph.call_function(target, mapped_args, mapped_kwargs)
-    graph.output(env[ops[-1][0]])
-    return graph
-
-
 def fuse_chains(graph: fx.Graph, compiler: Compiler) -> int:
     """Replace each chain of ``graph`` by a call of its generated C (one library for the
-    graph: one compile, in the background: the first call waits for it); return how many
-    chains were fused."""
+    graph: one compile, in the background: calls before it is done run ATen's ops); return
+    how many chains were fused."""
     chains = find_chains(graph)
     if not chains:
         return 0
