@@ -138,13 +138,35 @@ def _on_device(node: fx.Node, target: Callable[..., Any]) -> Callable[..., Any]:
     return moved
 
 
+def _attribute(owner: torch.nn.Module, target: str) -> Any:
+    value: Any = owner
+    for name in target.split("."):
+        value = getattr(value, name)
+    return value
+
+
 class TorchPlan:
     """One graph prepared for execution with torch ops."""
 
     backend = "torch"
 
-    def __init__(self, gm: fx.GraphModule, reason: str | None = None) -> None:
-        self.gm = gm
+    def __init__(
+        self,
+        gm: fx.GraphModule | None,
+        reason: str | None = None,
+        *,
+        graph: fx.Graph | None = None,
+        owner: torch.nn.Module | None = None,
+    ) -> None:
+        """The plan of ``gm``; or of ``graph`` (its constants ``owner``'s attributes), whose
+        GraphModule is made only if asked for (``gm``, ``describe``): the plan runs the
+        nodes, and Python compiling the code of a graph of thousands of nodes takes tenths
+        of a second."""
+        if gm is None:
+            assert graph is not None and owner is not None
+        else:
+            graph, owner = gm.graph, gm
+        self._gm, self._graph, self._owner = gm, graph, owner
         self.reason = reason  # why the torch backend did not batch this graph (if it tried)
         slots: dict[fx.Node, int] = {}
         self._inputs: list[int] = []
@@ -152,12 +174,12 @@ class TorchPlan:
         self._steps: list[tuple[int, Callable[..., Any], Load, Load]] = []
         self._output: Load = lambda env: ()
         launches = 0
-        for node in gm.graph.nodes:
+        for node in graph.nodes:
             slot = slots[node] = len(slots)
             if node.op == "placeholder":
                 self._inputs.append(slot)
             elif node.op == "get_attr":
-                self._constants.append((slot, getattr(gm, str(node.target))))
+                self._constants.append((slot, _attribute(owner, str(node.target))))
             elif node.op == "call_function":
                 args = _loader(tuple(node.args), slots)
                 kwargs = _loader(dict(node.kwargs), slots)
@@ -172,6 +194,12 @@ class TorchPlan:
         self.num_inputs = len(self._inputs)
         # Each ATen op is at least one kernel launch on a device (Python scalar math is none).
         self.kernel_launches_per_step = launches
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        if self._gm is None:
+            self._gm = fx.GraphModule(self._owner, self._graph)
+        return self._gm
 
     def guarded_addresses(self, indices: Collection[int]) -> None:
         """Nothing to skip: torch ops take the tensors themselves, not their addresses."""
@@ -209,7 +237,8 @@ def node_by_node(
     reinplace(graph)
     if rewrite is not None:
         rewrite(graph)
-    return TorchPlan(fx.GraphModule(gm, graph), reason=reason)
+    graph.owning_module = gm  # (its constants: ``gm``'s until its own module is made)
+    return TorchPlan(None, reason=reason, graph=graph, owner=gm)
 
 
 class TorchBackend:
