@@ -44,32 +44,34 @@ from optkernels.c_kernel import (
     library_source,
 )
 from optkernels.foreach_kernel import KernelError
-from optkernels.lanes import LaneOp, LaneProgram
+from optkernels.lanes import _SINGLE, LaneOp, LaneProgram
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.float64)
-# ATen op base name (in-place or not) -> the per-element op of ``c_kernel._expr``.
-_OPS = {
-    "add": "add",
-    "sub": "sub",
-    "mul": "mul",
-    "div": "div",
-    "addcmul": "addcmul",
-    "addcdiv": "addcdiv",
-    "lerp": "lerp",
-    "sqrt": "sqrt",
-    "rsqrt": "rsqrt",
-    "reciprocal": "reciprocal",
-    "neg": "neg",
-    "abs": "abs",
-    "maximum": "maximum",
-    "minimum": "minimum",
-    "clamp_min": "maximum",
-    "clamp_max": "minimum",
-    "clamp": "clamp",
-    "clone": "identity",
-}
+# ATen op base name (in-place or not) -> the per-element op of ``c_kernel._expr``: the
+# lanes' single-tensor ops a chain takes (elementwise arithmetic; no comparison or select).
+_CHAIN_OPS = [
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "addcmul",
+    "addcdiv",
+    "lerp",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "neg",
+    "abs",
+    "maximum",
+    "minimum",
+    "clamp_min",
+    "clamp_max",
+    "clamp",
+    "clone",
+]
+_OPS = {name: _SINGLE[name] for name in _CHAIN_OPS}
 # Values per OpenMP thread at least (as ``cpu_backend.BLOCK``'s grain).
 _GRAIN = 1 << 15
 
