@@ -328,6 +328,9 @@ def main() -> None:
             text = table(runs, meta)
             Path(args.out).write_text(text)
             print(text)
+        # every rank leaves together: a rank that tore gloo's pairs down while rank 0 was
+        # still writing aborted ("terminate called without an active exception", seen in CI)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
