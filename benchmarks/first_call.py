@@ -518,25 +518,22 @@ def run_fresh(
     return results
 
 
-def _revision() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "packages"], cwd=HERE, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-    return (f"git {head}" + (" with uncommitted changes under packages/" if dirty else "")) or "?"
+def _phases_shown(results: list[dict[str, Any]], key: str) -> list[str]:
+    """The phases (of ``key``: CPU or wall seconds) that took a millisecond in some case."""
+    return [p for p in [*PHASES, "other"] if any(abs(r[key][p]) >= 0.0005 for r in results)]
+
+
+def _markdown(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines."""
+    lines = [head, ["---"] * len(head), *rows]
+    return ["| " + " | ".join(cells) + " |" for cells in lines]
 
 
 def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float) -> str:
     import torch
+    from trace_time import source_revision
 
-    shown = [
-        p for p in [*PHASES, "other"] if any(abs(r["cpu_phases"][p]) >= 0.0005 for r in results)
-    ]
+    shown = _phases_shown(results, "cpu_phases")
     head = [
         "case",
         "caches",
@@ -565,14 +562,14 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             f"{r.get('second_cpu_s', 0.0):.4f}",
             f"{r.get('second_gc_cpu_s', 0.0):.3f}",
         ]
-        rows.append("| " + " | ".join(cells) + " |")
-    wall = [p for p in [*PHASES, "other"] if any(abs(r["phases"][p]) >= 0.0005 for r in results)]
+        rows.append(cells)
+    wall = _phases_shown(results, "phases")
     wall_head = ["case", "caches", "first call s", *(f"{p} s" for p in wall)]
     wall_rows = []
     for r in results:
         cells = [r["case"], r["caches"], f"{r['first_s']:.3f}"]
         cells += [f"{r['phases'][p]:.3f}" for p in wall]
-        wall_rows.append("| " + " | ".join(cells) + " |")
+        wall_rows.append(cells)
     versions = f"Python {platform.python_version()}, torch {torch.__version__}"
     try:
         import triton
@@ -589,7 +586,7 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             f"Machine: {args.machine}; {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, 1-min load "
             f"average {load:.2f} at start  ",
-            f"Versions: {versions}; source {_revision()}  ",
+            f"Versions: {versions}; source {source_revision()}  ",
             "Each case in a fresh process with empty optcompile/optkernels/Triton caches "
             '("cold"; "warm": another fresh process on the caches the cold one left) '
             "(the optguard C++ module not built); phases are exclusive (see the script's "
@@ -604,17 +601,13 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             "off the process's first full collection of what the first call built, in the "
             "2nd call (a training loop's own allocations would, a few steps later).",
             "",
-            "| " + " | ".join(head) + " |",
-            "| " + " | ".join("---" for _ in head) + " |",
-            *rows,
+            *_markdown(head, rows),
             "",
             "The same runs' phases in wall seconds (the main thread's; background threads "
             'overlap them: the JSON lines give their spans, "Triton wait" what the first '
             "launch waited for them):",
             "",
-            "| " + " | ".join(wall_head) + " |",
-            "| " + " | ".join("---" for _ in wall_head) + " |",
-            *wall_rows,
+            *_markdown(wall_head, wall_rows),
             "",
         ]
     )

@@ -11,11 +11,9 @@ a CUDA graph). ``main`` writes, per optimizer, "ok" or the error to ``<out>/rank
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import optcompile
@@ -29,6 +27,7 @@ from dtensor_scenarios import (
     assert_collectives,
     assert_same,
     copy_grads,
+    init_group,
     run_each,
 )
 from torch import nn
@@ -86,13 +85,7 @@ def main(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{os.path.join(out, 'store')}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=120),
-    )
+    init_group("nccl", rank, world_size, out, 120)
     mesh = init_device_mesh("cuda", (world_size,))
     run_each(rank, out, {name: functools.partial(run, mesh, name) for name in OPTIMIZERS})
 

@@ -722,15 +722,20 @@ def spawn_ranks(script: str, world_size: int, out: str) -> list[dict[str, str]]:
     return found
 
 
-def main(rank: int, world_size: int, out: str) -> None:
-    os.environ.setdefault("OPTCOMPILE_NATIVE", "0")
+def init_group(backend: str, rank: int, world_size: int, out: str, seconds: int) -> None:
+    """The ranks' process group, met through a file store in ``out``."""
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{os.path.join(out, 'store')}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=seconds),
     )
+
+
+def main(rank: int, world_size: int, out: str) -> None:
+    os.environ.setdefault("OPTCOMPILE_NATIVE", "0")
+    init_group("gloo", rank, world_size, out, 60)
 
     def checked(name: str, scenario: Callable[..., None]) -> Callable[[], None]:
         def call() -> None:

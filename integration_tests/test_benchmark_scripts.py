@@ -23,10 +23,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(args: list[str], tmp_path: Path) -> tuple[dict, str]:
-    out, js = tmp_path / "table.md", tmp_path / "result.json"
+def _script(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """``command`` run to its end (one OpenMP thread each), asserted to succeed."""
     done = subprocess.run(
-        [*args, "--device", "cpu", "--smoke", "--json", str(js), "--out", str(out)],
+        command,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
@@ -34,6 +34,12 @@ def _run(args: list[str], tmp_path: Path) -> tuple[dict, str]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def _run(args: list[str], tmp_path: Path) -> tuple[dict, str]:
+    out, js = tmp_path / "table.md", tmp_path / "result.json"
+    _script([*args, "--device", "cpu", "--smoke", "--json", str(js), "--out", str(out)])
     return json.loads(js.read_text()), out.read_text()
 
 
@@ -78,15 +84,7 @@ def test_first_call_benchmark_times_each_phase_in_a_fresh_process(tmp_path: Path
     out = tmp_path / "first_call.md"
     script = str(BENCHMARKS / "first_call.py")
     command = [sys.executable, script, "--cases", "tiny-200-adamw", "--out", str(out)]
-    done = subprocess.run(
-        [*command, "--warm", "--profile", str(tmp_path / "profile")],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = _script([*command, "--warm", "--profile", str(tmp_path / "profile")])
     cold, warm = (json.loads(line) for line in done.stdout.strip().splitlines()[:2])
     assert (cold["caches"], warm["caches"]) == ("cold", "warm")
     for result in cold, warm:
@@ -107,15 +105,7 @@ def test_in_backward_host_benchmark_times_hooks_and_bucket_updates(tmp_path: Pat
     script = str(BENCHMARKS / "in_backward_host.py")
     args = ["--device", "cpu", "--config", "tiny", "--buckets", "3", "--backend", "torch"]
     args += ["--iters", "2", "--warmup", "1", "--reps", "3", "--json", str(js)]
-    done = subprocess.run(
-        [sys.executable, script, *args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = _script([sys.executable, script, *args])
     result = json.loads(js.read_text())
     params = sum(r["params"] for r in result["per_bucket"])
     assert result["buckets"] == len(result["per_bucket"]) == 3
