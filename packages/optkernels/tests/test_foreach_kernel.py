@@ -249,6 +249,22 @@ def test_a_float64_program_gets_its_own_kernel_source_and_cache_file():
     assert len(files) == 3
 
 
+def test_gpu_source_loads_every_input_first_and_rounds_bfloat16_two_at_a_time(monkeypatch):
+    """The GPU's source (no interpreter): in each branch every input is loaded before the
+    first op computes (a param read only by the last op no longer waits for the math before
+    it), and a bfloat16 round trip is _bf16_rn (cvt.rn.bf16x2.f32), not one F2F per value."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    program = analyze(_momentum_graph(torch.bfloat16, [7]).graph)
+    source = kernel_source(program, [torch.bfloat16] * 3, "k")
+    assert "_bf16_rn(" in source and ".to(tl.bfloat16).to(tl.float32)" not in source
+    branches = source.split("    else:\n")
+    assert len(branches) == 2
+    for branch in branches:
+        lines = [ln.strip() for ln in branch.splitlines() if ln.strip().startswith("v")]
+        loads = [i for i, ln in enumerate(lines) if "+ offs, mask=mask" in ln and "tl.load" in ln]
+        assert len(loads) == 3 and loads == list(range(3)), lines
+
+
 def test_the_interpreter_rounds_as_the_gpu():
     """The interpreter facts the generator relies on (module docstring)."""
     import triton
