@@ -360,15 +360,18 @@ def triton_offline(arch: int, capturable: bool) -> dict[str, Any]:
     kernels = []
     for part in plan.parts:
         for group in part.groups:
-            launches = [(group.kernel.fn, LAUNCH_SIGNATURES[0], group.block, group.num_warps)]
+            launches = [
+                (group.kernel.fn, LAUNCH_SIGNATURES[0], group.block, group.num_warps, group.maxnreg)
+            ]
             if group.small_kernel is not None:
-                launches.append((group.small_kernel.fn, LAUNCH_SIGNATURES[1], 256, 4))
-            for fn, types, block, warps in launches:
+                launches.append((group.small_kernel.fn, LAUNCH_SIGNATURES[1], 256, 4, None))
+            for fn, types, block, warps, maxnreg in launches:
                 signature = dict(zip(fn.arg_names, types, strict=True))
                 source = ASTSource(fn=fn, signature=signature, constexprs={"BLOCK": block})
                 stages.clear()
                 start = time.perf_counter()
-                compiled = triton.compile(source, target=target, options={"num_warps": warps})
+                options = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+                compiled = triton.compile(source, target=target, options=options)
                 spent = time.perf_counter() - start
                 ptx = compiled.asm["ptx"]
                 kernels.append(

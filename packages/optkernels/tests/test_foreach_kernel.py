@@ -291,9 +291,9 @@ def test_the_interpreter_rounds_as_the_gpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("config", [None, (512, 4), (256, 2), (2048, 8)], ids=str)
 def test_each_launch_configuration_gives_the_same_bits(dtype, config, monkeypatch):
-    """The launch shape (elements per program, warps) is tuned per dtype; every
+    """The launch shape (elements per program, warps, registers) is tuned per dtype; every
     configuration, the default for this dtype included (None), must give the bits of the
-    untuned one (1024 by 4 warps) on sizes that do not divide the block (the masked tail,
+    untuned one (1024 by 4 warps, no register limit) on sizes that do not divide the block (the masked tail,
     one-element lanes, a lane spanning several blocks), and agree with the torch backend."""
     from optkernels import foreach_kernel
     from optkernels.triton_backend import TritonPlan
@@ -303,18 +303,26 @@ def test_each_launch_configuration_gives_the_same_bits(dtype, config, monkeypatc
     gen = torch.Generator().manual_seed(1)
     tensors = [torch.randn(n, generator=gen).to(dtype) for _ in range(3) for n in sizes]
 
-    def run(override: tuple[str | None, str | None]) -> tuple[list, int]:
+    def run(override: tuple[str | None, str | None], maxnreg: str | None) -> tuple[list, int]:
         monkeypatch.setattr(foreach_kernel, "_OVERRIDE", override)
+        monkeypatch.setattr(foreach_kernel, "_MAXNREG_OVERRIDE", maxnreg)
         plan = TritonPlan(gm)
         inputs = [x.clone() for x in tensors] + [0.1, 0.9]
         plan(inputs)
-        blocks = {g.block for part in plan.parts for g in part.groups}
+        groups = [g for part in plan.parts for g in part.groups]
+        limits = {
+            options.get("maxnreg") for part in plan.parts for *_, options in part.kernel_calls()
+        }
+        assert limits == {g.maxnreg for g in groups}, limits  # (what the launch is given)
+        blocks = {(g.block, g.maxnreg) for g in groups}
         assert len(blocks) == 1, blocks
         return inputs, blocks.pop()
 
-    untuned, _ = run(("1024", "4"))
-    mine, block = run(tuple(str(c) for c in config) if config else (None, None))
+    untuned, _ = run(("1024", "4"), "0")
+    mine, (block, maxnreg) = run(tuple(str(c) for c in config) if config else (None, None), None)
     assert block == (config[0] if config else 1024)
+    # 16-bit lanes are held to 64 registers a thread (spilling to L1), float32 ones are not
+    assert maxnreg == (None if dtype is torch.float32 else 64)
     for a, b in zip(mine, untuned, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     theirs = [x.clone() for x in tensors] + [0.1, 0.9]

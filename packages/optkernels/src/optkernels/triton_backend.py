@@ -29,6 +29,7 @@ from optkernels.foreach_kernel import (
     kernel_source,
     launch_config,
     load_kernel,
+    register_limit,
     source_dir,
 )
 from optkernels.host import (
@@ -118,6 +119,7 @@ class _Group:
         # (the launch shape follows the full-size tensors: 0-dim counts are read once a lane)
         full = [d for k, d in enumerate(dtypes) if not program.input_small[k]]
         self.block, self.num_warps = launch_config(full)
+        self.maxnreg = register_limit(full)
         if torch.uint8 in full and self.block % INT8_BLOCK:
             raise KernelError(f"int8 state needs blocks of a multiple of {INT8_BLOCK} elements")
         self.kernel = load_kernel(self.source, self.name)
@@ -368,6 +370,8 @@ class _Part:
             values = group.host_vals if self.host else self.scalars
             args = (group.ptrs, group.dptrs, numels, blk_lane, blk_start, self.scalars)
             options = {"BLOCK": group.block, "num_warps": group.num_warps}
+            if group.maxnreg is not None:
+                options["maxnreg"] = group.maxnreg
             yield group.kernel, (blk_lane.numel(),), (*args, group.small_out, values), options
             if group.small_kernel is not None:
                 n = len(group.lanes)
