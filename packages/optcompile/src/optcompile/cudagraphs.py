@@ -4,7 +4,12 @@ A plan's first call runs as usual (Triton compiles its kernels there, the plan s
 each value lives). If the plan can be split into host preparation and device launches on one
 CUDA device, its launches are then recorded once, by optcudagraph, and every later call is
 ``prepare`` (scalars, host-computed values and address tables written into the plan's
-device buffers) + one graph replay. Gradients and every other tensor the kernels read
+device buffers) + one graph replay. A plan with a prelude (ops the kernels cannot take, run
+by the torch backend first: Muon's matmuls, LAMB's norms) records those ops too when they
+are capturable (no ``.item()``, no CPU tensor, no collective, no random op: see
+optkernels.prelude_capture): the Python numbers they take are compared each call and a change
+re-records; the unguarded tensors they read (grads) are copied into the plan's buffers
+before the replay; their deferred writes into the inputs run after it. Gradients and every other tensor the kernels read
 through address tables are indirect: a new address rewrites a table entry, nothing is
 re-recorded. The graph's static inputs are the plan's own buffers; if one is reallocated the
 graph is re-recorded, with the reason, up to optcudagraph's limit.
@@ -56,9 +61,15 @@ class GraphedPlan:
             if not self._decided:
                 self._decide()
             return out
+        if graphed.fallback_reason is not None:  # dropped: the plan runs as before
+            return self.plan(inputs)
         plan: Any = self.plan
         plan.prepare(inputs)
-        graphed(plan.buffers())
+        stale = getattr(plan, "stale", None)
+        graphed(plan.buffers(), stale=stale(inputs) if stale is not None else None)
+        finish = getattr(plan, "finish", None)
+        if finish is not None:
+            finish(inputs)  # the prelude's deferred writes (after the kernels)
         return ()
 
     def guarded_addresses(self, indices: Collection[int]) -> None:
@@ -70,7 +81,12 @@ class GraphedPlan:
         if self.reason is None:
             plan: Any = self.plan
             manager = tree_manager(plan.device)
-            self.graphed = manager.graphed(plan.launch, "optimizer step", warmup=0)
+            self.graphed = manager.graphed(
+                plan.launch,
+                "optimizer step",
+                warmup=0,
+                on_record=getattr(plan, "recorded", None),
+            )
         else:
             logs.cudagraphs.info("optimizer step runs without a CUDA graph: %s", self.reason)
         if self.reason is not None and self.mode is True:

@@ -70,9 +70,12 @@ class TreeManager:
         name: str,
         warmup: int = 1,
         max_rerecords: int = DEFAULT_MAX_RERECORDS,
+        on_record: Callable[[], None] | None = None,
     ) -> Graphed:
-        """``fn`` (device work only, no host side effects) as a graphed function."""
-        graphed = Graphed(self, fn, name, warmup, max_rerecords)
+        """``fn`` (device work only, no host side effects) as a graphed function;
+        ``on_record`` runs after each recording, before its first replay (to point the
+        caller's tables at what the recording allocated)."""
+        graphed = Graphed(self, fn, name, warmup, max_rerecords, on_record)
         self.functions.add(graphed)
         return graphed
 
@@ -202,8 +205,10 @@ class Graphed:
         name: str,
         warmup: int,
         max_rerecords: int,
+        on_record: Callable[[], None] | None = None,
     ) -> None:
         self.manager = manager
+        self.on_record = on_record
         self.fn = fn
         self.name = name
         self.warmup = warmup
@@ -219,14 +224,17 @@ class Graphed:
     def graph_id(self) -> int | None:
         return self.node.graph_id if self.node is not None else None
 
-    def __call__(self, static: Sequence[torch.Tensor] = ()) -> Any:
+    def __call__(self, static: Sequence[torch.Tensor] = (), stale: str | None = None) -> Any:
+        """Run, record or replay; ``stale``: why the recorded graph no longer does this
+        call's work though its static inputs stayed (numbers it baked in changed): it is
+        re-recorded, as for a moved static input."""
         self.calls += 1
         if self.fallback_reason is not None or self.calls <= self.warmup:
             return self.fn()
         node = self.node
         if node is None:
             return self._record(static, "first recording")
-        moved = node.moved(static)
+        moved = stale if stale is not None else node.moved(static)
         if moved is not None:
             if len(self.rerecord_reasons) >= self.max_rerecords:
                 self._fall_back(
@@ -267,6 +275,8 @@ class Graphed:
         self.recordings += 1
         manager.recordings.append(Recording(node.graph_id, self.name, node.generation, reason))
         log.info("%s: graph #%d on %s: %s", self.name, node.graph_id, manager.device, reason)
+        if self.on_record is not None:
+            self.on_record()
         # Recording does not run the work: this call's replay does.
         graph.replay()
         node.replays += 1

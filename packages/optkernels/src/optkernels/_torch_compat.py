@@ -55,3 +55,8 @@ def fake_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
         _FAKE_MODE = FakeTensorMode(allow_non_fake_inputs=True)
     with _FAKE_MODE:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is recording a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import fx
 
+from optkernels._torch_compat import capturing
 from optkernels._triton_compat import Kernel, prefetch_runtime, prefetch_triton_key
 from optkernels.addresses import AddressCheck
 from optkernels.compressed import BLOCK as INT8_BLOCK
@@ -47,6 +48,8 @@ from optkernels.host import (
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.numbers import HOST_ONLY, PICK
+from optkernels.prelude_capture import PreludeCapture
+from optkernels.prelude_capture import capture_reason as prelude_capture_reason
 from optkernels.reference import TorchPlan
 from optkernels.split import Split, split_unfused
 from optkernels.staging import Staging
@@ -608,6 +611,9 @@ class TritonPlan:
         self.reason: str | None = None
         self.split: Split | None = None  # ops run by the torch backend around the kernels
         self.prelude: TorchPlan | None = None
+        # The prelude's side of a CUDA graph (prepare / launch / finish with a prelude).
+        self.capture: PreludeCapture | None = None
+        self._call_inputs: Sequence[Any] = ()
         self._checked_devices = False
         # Values the prelude computes that the kernels need in a given layout: input index ->
         # (shape, stride) (see ``layouts.layouts``).
@@ -624,6 +630,7 @@ class TritonPlan:
                     self.parts = []  # the whole graph stays on the torch backend
                 else:
                     self.split, self.prelude = split, TorchPlan(split.prelude)
+                    self.capture = PreludeCapture(self.prelude, self.layouts, self.num_inputs)
             if not self.parts and _reads_numbers(gm):
                 self.reason = (
                     "the step computes with tensor values read as Python numbers (.item())"
@@ -683,7 +690,7 @@ class TritonPlan:
                 reason = part.check_devices(inputs)
                 if reason is not None:
                     self.parts, self.reason = [], reason
-                    self.split = self.prelude = None
+                    self.split = self.prelude = self.capture = None
                     return self.reference(inputs[: self.num_inputs])
         for part in self.parts:
             part.run(inputs)
@@ -701,11 +708,10 @@ class TritonPlan:
                 f"the torch backend runs this graph ({self.reason}); its ops read the "
                 "gradients by address, which a graph would bake in"
             )
-        if self.prelude is not None:
-            return (
-                "ops the kernels cannot take run on the torch backend before them; they read "
-                "the gradients by address, which a graph would bake in"
-            )
+        if self.split is not None:
+            reason = prelude_capture_reason(self.split.prelude, self.device)
+            if reason is not None:
+                return f"ops the kernels cannot take run on the torch backend before them: {reason}"
         devices = {part.device for part in self.parts}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             return f"its kernels run on {', '.join(sorted(map(str, devices)))}, not one CUDA device"
@@ -716,28 +722,74 @@ class TritonPlan:
         return self.parts[0].device if self.parts else torch.device("cpu")
 
     def prepare(self, inputs: Sequence[Any]) -> None:
-        """Host side of a call of a capturable plan: fill the buffers ``launch`` reads."""
+        """Host side of a call of a capturable plan: fill the buffers ``launch`` reads (with
+        a prelude: copy the unguarded tensors it reads into the plan's buffers; the kernels'
+        tables take the prelude's results of the recording, see ``recorded``)."""
+        capture = self.capture
+        if capture is not None:
+            capture.prepare(inputs)
+            self._call_inputs = inputs
+            if not capture.results:
+                return  # not recorded yet: ``recorded`` or ``launch`` prepares the kernels
+            inputs = [*inputs, *capture.results]
         for part in self.parts:
             part.prepare(inputs)
+
+    def stale(self, inputs: Sequence[Any]) -> str | None:
+        """Why the recorded graph no longer does this call's work (the Python numbers its
+        prelude takes changed), or None."""
+        return self.capture.stale(inputs) if self.capture is not None else None
+
+    def recorded(self) -> None:
+        """After a recording, before its replay: the kernels' tables take the addresses of
+        the prelude's results the recording allocated (in the graph's pool)."""
+        if self.capture is not None:
+            inputs = [*self._call_inputs, *self.capture.results]
+            for part in self.parts:
+                part.prepare(inputs)
+
+    def finish(self, inputs: Sequence[Any]) -> None:
+        """After the device work of ``prepare`` + ``launch`` (or its replay): the prelude's
+        deferred writes into the inputs; no reference to this call's tensors is kept."""
+        capture = self.capture
+        if capture is not None:
+            if self.split is not None:
+                write_back(self.split.writes, inputs, capture.raw)
+            capture.inputs = []
+            self._call_inputs = ()
 
     def guarded_addresses(self, indices: Collection[int]) -> None:
         """The caller checks, before every call, that the inputs at ``indices`` keep the
         addresses they had on the first (optcompile: their entry's data-pointer guards): the
         static address tables stop comparing them (the rest still are)."""
         guarded = frozenset(indices)
+        if self.capture is not None:
+            self.capture.guard(guarded)
         for part in self.parts:
             part.guarded = guarded  # for groups built later (check_devices)
             for group in part.groups:
                 group.guard(guarded)
 
     def launch(self) -> None:
-        """Device side of a call of a capturable plan: the kernels (what a graph records)."""
+        """Device side of a call of a capturable plan: the prelude and the kernels (what a
+        graph records). Run without a recording, the prelude's new results go into the
+        kernels' tables first."""
+        capture = self.capture
+        if capture is not None:
+            results = capture.run()
+            if not capturing():
+                inputs = [*self._call_inputs, *results]
+                for part in self.parts:
+                    part.prepare(inputs)
         for part in self.parts:
             part.launch()
 
     def buffers(self) -> list[torch.Tensor]:
         """The tensors ``launch`` reads or writes directly: a graph's static inputs."""
-        return [t for part in self.parts for t in part.buffers()]
+        out = [t for part in self.parts for t in part.buffers()]
+        if self.capture is not None:
+            out.extend(self.capture.statics)
+        return out
 
     def describe(self) -> str:
         if not any(n.op == "call_function" for n in self.gm.graph.nodes):
