@@ -14,7 +14,7 @@ import optcompile
 import pytest
 import torch
 from optguard import native
-from step_optimizers import TrustRatioSGD
+from step_optimizers import ClippedAdam, ForeachLamb, StepScaledTrustSGD, TrustRatioSGD
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -170,16 +170,58 @@ def test_a_moved_parameter_is_caught_by_its_data_pointer_guard_and_recorded_anew
     assert report.cudagraph_replays == 2  # steps 4 and 5 (step 3 traced, recorded at 4)
 
 
+# Steps whose ops the kernels cannot take (matmuls, norms) run them on the torch backend
+# first (a prelude); the graph records them too.
+PRELUDES = {
+    "Muon": lambda ps: optim.Muon([p for p in ps if p.dim() == 2], lr=1e-2),
+    "LAMB (foreach)": ForeachLamb,
+    "trust ratio (for-loop)": TrustRatioSGD,
+    "global-norm clip": ClippedAdam,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRELUDES))
+def test_a_step_with_a_prelude_is_recorded_with_it_and_matches_eager(name):
+    model, reference, opt, eager, schedules = _pair(PRELUDES[name])
+    for step in range(STEPS):
+        _step((model, reference), (opt, eager), schedules, step)
+    _assert_same(model, reference, opt, eager)
+    report = optcompile.explain(opt)
+    assert report.fallback_reason is None, report.fallback_reason
+    assert report.cudagraph_recordings == 1, report.cudagraphs
+    assert report.cudagraph_replays == STEPS - report.traces
+    assert report.kernel_launches_per_step == 1
+
+
+def test_a_number_the_prelude_takes_changed_re_records_the_graph_and_says_why():
+    model, reference, opt, eager, schedules = _pair(PRELUDES["Muon"])
+    for step in range(6):
+        if step == 4:
+            for o in (opt, eager):
+                o.param_groups[0]["momentum"] = 0.8
+        _step((model, reference), (opt, eager), schedules, step)
+    _assert_same(model, reference, opt, eager)
+    report = optcompile.explain(opt)
+    assert report.cudagraph_recordings == 2, report.cudagraphs
+    assert "re-recorded because: the Python numbers its torch-backend ops take" in (
+        report.cudagraphs
+    )
+
+
 def test_a_step_with_an_op_the_kernels_cannot_take_runs_without_a_graph_and_says_why():
-    model, reference, opt, eager, schedules = _pair(TrustRatioSGD)
+    # Its norm reads a CPU step count's .item(): a host sync, which a graph cannot record.
+    model, reference, opt, eager, schedules = _pair(StepScaledTrustSGD)
     for step in range(3):
         _step((model, reference), (opt, eager), schedules, step)
     _assert_same(model, reference, opt, eager)
     report = optcompile.explain(opt)
     assert report.cudagraph_recordings == 0
-    assert report.cudagraphs.startswith("not used: ops the kernels cannot take")
+    assert report.cudagraphs.startswith("not used:"), report.cudagraphs
+    assert "torch backend" in report.cudagraphs and ".item()" in report.cudagraphs
     with pytest.raises(optcompile.CompileError, match="cudagraphs=True, but"):
-        strict = optcompile.compile(TrustRatioSGD(list(_model().parameters())), cudagraphs=True)
+        strict = optcompile.compile(
+            StepScaledTrustSGD(list(_model().parameters())), cudagraphs=True
+        )
         for p in strict.param_groups[0]["params"]:
             p.grad = torch.ones_like(p)
         strict.step()

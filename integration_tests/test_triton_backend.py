@@ -700,7 +700,8 @@ def test_a_prelude_runs_as_its_cuda_graph_would_and_matches_eager(name):
         if step == 1:  # (a step creating state in its first call traces again)
             entry = newest(_compiled_of(opt))
             plan = entry.plan.plan
-            assert plan.split is not None and capture_reason(plan.split.prelude, plan.device) is None
+            assert plan.split is not None
+            assert capture_reason(plan.split.prelude, plan.device) is None
             entry.plan = protocol = _GraphProtocol(plan)
     _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
     assert protocol.calls == 3 and _compiled_of(opt).stats.traces <= 2

@@ -9,10 +9,10 @@ by the torch backend first: Muon's matmuls, LAMB's norms) records those ops too 
 are capturable (no ``.item()``, no CPU tensor, no collective, no random op: see
 optkernels.prelude_capture): the Python numbers they take are compared each call and a change
 re-records; the unguarded tensors they read (grads) are copied into the plan's buffers
-before the replay; their deferred writes into the inputs run after it. Gradients and every other tensor the kernels read
-through address tables are indirect: a new address rewrites a table entry, nothing is
-re-recorded. The graph's static inputs are the plan's own buffers; if one is reallocated the
-graph is re-recorded, with the reason, up to optcudagraph's limit.
+before the replay; their deferred writes into the inputs run after it. Gradients and every
+other tensor the kernels read through address tables are indirect: a new address rewrites a
+table entry, nothing is re-recorded. The graph's static inputs are the plan's own buffers;
+if one is reallocated the graph is re-recorded, with the reason, up to optcudagraph's limit.
 """
 
 from __future__ import annotations
