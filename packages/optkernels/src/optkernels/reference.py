@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from optkernels._torch_compat import direct_call
 from optkernels.backend import Plan
 from optkernels.lanes import NotLanes
 from optkernels.reinplace import reinplace
@@ -32,7 +33,12 @@ Load = Callable[[list[Any]], Any]
 
 
 def _loader(arg: Any, slots: dict[fx.Node, int]) -> Load:
-    """A function reading ``arg`` (a node, a constant, or lists/dicts of them) from slots."""
+    """A function reading ``arg`` (a node, a constant, or lists/dicts of them) from slots.
+
+    What holds no node is the constant itself, not rebuilt each call (ATen ops do not
+    mutate their list arguments; ``**kwargs`` unpacks a copy)."""
+    if not _holds_node(arg):
+        return lambda env: arg
     if isinstance(arg, fx.Node):
         i = slots[arg]
         return operator.itemgetter(i)
@@ -49,6 +55,16 @@ def _loader(arg: Any, slots: dict[fx.Node, int]) -> Load:
         loaders = {k: _loader(v, slots) for k, v in arg.items()}
         return lambda env: {k: f(env) for k, f in loaders.items()}
     return lambda env: arg
+
+
+def _holds_node(arg: Any) -> bool:
+    if isinstance(arg, fx.Node):
+        return True
+    if isinstance(arg, list | tuple):
+        return any(_holds_node(a) for a in arg)
+    if isinstance(arg, dict):
+        return any(_holds_node(a) for a in arg.values())
+    return False
 
 
 # In-place foreach ops whose CPU kernels round float16/bfloat16 differently from their
@@ -185,7 +201,7 @@ class TorchPlan:
                 kwargs = _loader(dict(node.kwargs), slots)
                 target = _as_eager_ran(node)
                 launches += isinstance(target, torch._ops.OpOverload)
-                self._steps.append((slot, _on_device(node, target), args, kwargs))
+                self._steps.append((slot, _on_device(node, direct_call(target)), args, kwargs))
             elif node.op == "output":
                 self._output = _loader(node.args[0], slots)
             else:
