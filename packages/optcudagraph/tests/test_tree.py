@@ -104,3 +104,27 @@ def test_a_re_recording_invalidates_the_outputs_of_the_earlier_generation():
     torch.testing.assert_close(new, torch.zeros(2, device="cuda"))
     with pytest.raises(RuntimeError, match=r"generation 1\) .*re-recorded \(generation 2\)"):
         old.sum()
+
+
+@cuda
+def test_a_stale_call_re_records_with_its_reason_and_on_record_runs_before_the_replay():
+    """A number baked into the recording changed (``stale``): re-recorded, not replayed.
+    ``on_record`` sees what the recording allocated before its first replay runs."""
+    manager = tree_manager("cuda")
+    x = torch.arange(4.0, device="cuda")
+    scale = [2.0]
+    made: list[torch.Tensor] = []
+    seen: list[int] = []
+
+    def scaled():
+        out = x * scale[0]  # the number is baked in
+        made.append(out)
+        return out
+
+    f = manager.graphed(scaled, "scaled", warmup=0, on_record=lambda: seen.append(len(made)))
+    torch.testing.assert_close(f([x]), x * 2)
+    assert f.recordings == 1 and seen == [1]
+    torch.testing.assert_close(f([x]), x * 2)  # replayed
+    scale[0] = 3.0
+    torch.testing.assert_close(f([x], stale="scale 2.0 -> 3.0"), x * 3)
+    assert f.recordings == 2 and f.rerecord_reasons == ["scale 2.0 -> 3.0"] and seen == [1, 2]
