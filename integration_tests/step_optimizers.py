@@ -143,3 +143,30 @@ class ClippedAdam(optim.Optimizer):
             torch._foreach_addcmul_(vs, grads, grads, value=1 - group["beta2"])
             denominators = torch._foreach_add(torch._foreach_sqrt(vs), group["eps"])
             torch._foreach_addcdiv_(params, ms, denominators, value=-group["lr"])
+
+
+class CountedClippedMomentum(optim.Optimizer):
+    """A global-norm clip (the prelude) before a momentum step scaled by its CPU step
+    count's ``.item()``: the host computes the scale (and writes the counts back) each call,
+    the prelude's results are lane inputs of the kernel."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-2})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            grads = torch._foreach_mul(grads, (1.0 / (total + 1e-6)).clamp(max=1.0))
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"], state["m"] = torch.tensor(0.0), torch.zeros_like(p)
+            steps = [self.state[p]["step"] for p in params]
+            ms = [self.state[p]["m"] for p in params]
+            torch._foreach_add_(steps, 1.0)
+            torch._foreach_lerp_(ms, grads, 0.1)
+            for p, m, count in zip(params, ms, steps, strict=True):
+                p.add_(m, alpha=-group["lr"] / (1 - 0.9 ** count.item()))

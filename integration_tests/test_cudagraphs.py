@@ -14,7 +14,12 @@ import optcompile
 import pytest
 import torch
 from optguard import native
-from step_optimizers import ClippedAdam, ForeachLamb, StepScaledTrustSGD, TrustRatioSGD
+from step_optimizers import (
+    ClippedAdam,
+    ForeachLamb,
+    StepScaledTrustSGD,
+    TrustRatioSGD,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -191,6 +196,7 @@ def test_a_step_with_a_prelude_is_recorded_with_it_and_matches_eager(name):
     assert report.cudagraph_recordings == 1, report.cudagraphs
     assert report.cudagraph_replays == STEPS - report.traces
     assert report.kernel_launches_per_step == 1
+    assert "torch-backend op(s) before its kernels" in report.cudagraphs
 
 
 def test_a_number_the_prelude_takes_changed_re_records_the_graph_and_says_why():

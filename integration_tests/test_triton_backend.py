@@ -22,6 +22,7 @@ from optkernels.host import scalar_function
 from optkernels.triton_backend import LAUNCH_SIGNATURES, TritonPlan
 from step_optimizers import (
     ClippedAdam,
+    CountedClippedMomentum,
     DecayMatricesOnly,
     ForeachLamb,
     MaskedTrust,
@@ -664,7 +665,13 @@ PRELUDES = {
     "LAMB (foreach)": ForeachLamb,
     "trust ratio (for-loop)": TrustRatioSGD,
     "global-norm clip": ClippedAdam,
+    "global-norm clip, host step counts": CountedClippedMomentum,
 }
+
+
+# The host computes with the prelude's 0-dim results (under the interpreter, where they are
+# CPU tensors): ``prepare`` runs before the replay, so no graph.
+REFUSED = {"global-norm clip, host step counts": "the host computes with its 0-dim results"}
 
 
 @pytest.mark.parametrize("name", sorted(PRELUDES))
@@ -702,6 +709,10 @@ def test_a_prelude_runs_as_its_cuda_graph_would_and_matches_eager(name):
             plan = entry.plan.plan
             assert plan.split is not None
             assert capture_reason(plan.split.prelude, plan.device) is None
+            if name in REFUSED:
+                assert REFUSED[name] in plan.prelude_capture_reason()
+                return
+            assert plan.prelude_capture_reason() is None
             entry.plan = protocol = _GraphProtocol(plan)
     _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
     assert protocol.calls == 3 and _compiled_of(opt).stats.traces <= 2

@@ -108,6 +108,12 @@ class GraphedPlan:
             f"graph #{graphed.graph_id} on {graphed.manager.device}: "
             f"{graphed.recordings} recording(s), {graphed.replays} replay(s)"
         )
+        prelude = getattr(self.plan, "prelude", None)
+        if prelude is not None:
+            line += (
+                f" (with the {prelude.kernel_launches_per_step} torch-backend op(s) before its "
+                "kernels; the grads they read copied in before each replay)"
+            )
         if graphed.rerecord_reasons:
             line += "; re-recorded because: " + "; ".join(graphed.rerecord_reasons)
         return line

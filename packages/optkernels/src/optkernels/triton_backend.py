@@ -330,6 +330,14 @@ class _Part:
                 )
         staging.end()
 
+    def refresh_tables(self, inputs: Sequence[Any]) -> None:
+        """The address tables only (``prepare`` ran this call: its host values, which may
+        write back step counts, are not computed twice): new addresses of dynamic inputs."""
+        self.staging.begin()
+        for group in self.groups:
+            group.refresh(inputs, self.device, self.staging)
+        self.staging.end()
+
     def _stage_values(self, inputs: Sequence[Any], scalar_values: list[float]) -> None:
         """Write the scalars and (host mode) the groups' host vals into this round's staging
         array of ``values`` and send it: one copy. Each block starts 16-byte aligned."""
@@ -614,6 +622,7 @@ class TritonPlan:
         # The prelude's side of a CUDA graph (prepare / launch / finish with a prelude).
         self.capture: PreludeCapture | None = None
         self._call_inputs: Sequence[Any] = ()
+        self._parts_prepared = False  # this call's ``prepare`` reached the parts
         self._checked_devices = False
         # Values the prelude computes that the kernels need in a given layout: input index ->
         # (shape, stride) (see ``layouts.layouts``).
@@ -708,13 +717,28 @@ class TritonPlan:
                 f"the torch backend runs this graph ({self.reason}); its ops read the "
                 "gradients by address, which a graph would bake in"
             )
-        if self.split is not None:
-            reason = prelude_capture_reason(self.split.prelude, self.device)
-            if reason is not None:
-                return f"ops the kernels cannot take run on the torch backend before them: {reason}"
+        reason = self.prelude_capture_reason()
+        if reason is not None:
+            return f"ops the kernels cannot take run on the torch backend before them: {reason}"
         devices = {part.device for part in self.parts}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             return f"its kernels run on {', '.join(sorted(map(str, devices)))}, not one CUDA device"
+        return None
+
+    def prelude_capture_reason(self) -> str | None:
+        """Why the prelude (if any) cannot be recorded with the kernels, or None."""
+        if self.split is None:
+            return None
+        reason = prelude_capture_reason(self.split.prelude, self.device)
+        if reason is not None:
+            return reason
+        for part in self.parts:
+            if part.host and any(
+                small and any(self.index[n] >= self.num_inputs for n in column)
+                for column, small in zip(part.program.inputs, part.program.input_small, strict=True)
+            ):
+                # (prepare runs before the replay: it would read the previous call's values)
+                return "the host computes with its 0-dim results (a host read of device values)"
         return None
 
     @property
@@ -729,11 +753,23 @@ class TritonPlan:
         if capture is not None:
             capture.prepare(inputs)
             self._call_inputs = inputs
-            if not capture.results:
+            self._parts_prepared = bool(capture.results)
+            if not self._parts_prepared:
                 return  # not recorded yet: ``recorded`` or ``launch`` prepares the kernels
             inputs = [*inputs, *capture.results]
         for part in self.parts:
             part.prepare(inputs)
+
+    def _point_tables(self, results: Sequence[torch.Tensor]) -> None:
+        """The kernels read the prelude's new ``results``: the parts' tables take their
+        addresses (the rest of ``prepare`` ran once this call, or runs now)."""
+        inputs = [*self._call_inputs, *results]
+        for part in self.parts:
+            if self._parts_prepared:
+                part.refresh_tables(inputs)
+            else:
+                part.prepare(inputs)
+        self._parts_prepared = True
 
     def stale(self, inputs: Sequence[Any]) -> str | None:
         """Why the recorded graph no longer does this call's work (the Python numbers its
@@ -744,9 +780,7 @@ class TritonPlan:
         """After a recording, before its replay: the kernels' tables take the addresses of
         the prelude's results the recording allocated (in the graph's pool)."""
         if self.capture is not None:
-            inputs = [*self._call_inputs, *self.capture.results]
-            for part in self.parts:
-                part.prepare(inputs)
+            self._point_tables(self.capture.results)
 
     def finish(self, inputs: Sequence[Any]) -> None:
         """After the device work of ``prepare`` + ``launch`` (or its replay): the prelude's
@@ -778,9 +812,7 @@ class TritonPlan:
         if capture is not None:
             results = capture.run()
             if not capturing():
-                inputs = [*self._call_inputs, *results]
-                for part in self.parts:
-                    part.prepare(inputs)
+                self._point_tables(results)
         for part in self.parts:
             part.launch()
 
