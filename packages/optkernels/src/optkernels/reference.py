@@ -208,6 +208,7 @@ class TorchPlan:
                 raise ValueError(f"the torch backend cannot run {node.op} node {node.name}")
         self._size = len(slots)
         self.num_inputs = len(self._inputs)
+        self._dead = _dead_after(gm.graph, slots)
         # Each ATen op is at least one kernel launch on a device (Python scalar math is none).
         self.kernel_launches_per_step = launches
 
@@ -229,8 +230,10 @@ class TorchPlan:
         for slot, value in self._constants:
             env[slot] = value
         with torch.no_grad():
-            for slot, target, args, kwargs in self._steps:
+            for (slot, target, args, kwargs), dead in zip(self._steps, self._dead, strict=True):
                 env[slot] = target(*args(env), **kwargs(env))
+                for d in dead:  # (a temporary's memory goes back as eager's would)
+                    env[d] = None
             out = self._output(env)
         return tuple(out) if isinstance(out, list | tuple) else (out,)
 
@@ -239,6 +242,22 @@ class TorchPlan:
             return self.gm.code.strip()
         header = f"# torch backend, node by node (not batched: {self.reason})"
         return header + "\n" + self.gm.code.strip()
+
+
+def _dead_after(graph: fx.Graph, slots: dict[fx.Node, int]) -> list[tuple[int, ...]]:
+    """Per call_function node, the slots of the values computed in the graph that no later
+    node reads: dropped once it ran, so a step's temporaries do not all live until its end
+    (a CUDA graph recording keeps its pool to what eager would hold; Muon's Newton-Schulz
+    temporaries are gigabytes for a large model). Inputs, constants and outputs are kept."""
+    last: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        for arg in node.all_input_nodes:
+            last[arg] = node
+    dead: dict[fx.Node, list[int]] = {}
+    for value, user in last.items():
+        if value.op == "call_function" and user.op == "call_function":
+            dead.setdefault(user, []).append(slots[value])
+    return [tuple(dead.get(node, ())) for node in graph.nodes if node.op == "call_function"]
 
 
 def node_by_node(
