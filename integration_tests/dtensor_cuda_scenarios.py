@@ -4,8 +4,8 @@ two spawned processes (skipped where fewer than two CUDA devices are).
 Each optimizer's compiled step (the defaults) runs beside eager over a twin model on the
 rank's GPU: the norms of sharded tensors are partial sums that DTensor's rules all-reduce
 across the ranks (Muon's matmuls: all-gathers too), in the graph's prelude, each awaited
-there before a Triton kernel reads its result by address (a step with a prelude runs without
-a CUDA graph). ``main`` writes, per optimizer, "ok" or the error to ``<out>/rank<r>.json``.
+there before a Triton kernel reads its result by address (collectives are kept out of CUDA
+graphs: such a step runs without one, and explain() says so). ``main`` writes, per optimizer, "ok" or the error to ``<out>/rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def run(mesh: Any, name: str) -> None:
     explanation = optcompile.explain(opt)
     assert explanation.traces == traces, explanation.retrace_reasons
     assert_collectives(opt, "all_reduce(sum)")
+    assert explanation.cudagraph_recordings == 0, explanation.cudagraphs
+    assert "collectives are kept out of CUDA graphs" in explanation.cudagraphs
 
 
 def main(rank: int, world_size: int, out: str) -> None:

@@ -99,6 +99,8 @@ def test_sharded_step_on_the_device_matches_eager_and_launches_like_the_plain_st
     assert "@triton.jit" in sharded.graph_code
     assert sharded.kernel_launches_per_step == flat.kernel_launches_per_step
     assert not sharded.collectives
+    # One rank: no collective, so a step with a prelude (LAMB, LARS) is recorded with it.
+    assert sharded.cudagraph_recordings == flat.cudagraph_recordings == 1, sharded.cudagraphs
 
 
 @pytest.fixture(scope="module")
