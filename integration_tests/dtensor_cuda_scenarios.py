@@ -5,7 +5,8 @@ Each optimizer's compiled step (the defaults) runs beside eager over a twin mode
 rank's GPU: the norms of sharded tensors are partial sums that DTensor's rules all-reduce
 across the ranks (Muon's matmuls: all-gathers too), in the graph's prelude, each awaited
 there before a Triton kernel reads its result by address (collectives are kept out of CUDA
-graphs: such a step runs without one, and explain() says so). ``main`` writes, per optimizer, "ok" or the error to ``<out>/rank<r>.json``.
+graphs: such a step runs without one, and explain() says so). ``main`` writes, per
+optimizer, "ok" or the error to ``<out>/rank<r>.json``.
 """
 
 from __future__ import annotations
