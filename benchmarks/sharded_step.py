@@ -13,9 +13,11 @@ params keep changing. Variants, each a fresh AdamW (lr 1e-3, weight decay 0.01):
 
 With ``--optimizer muon``: torch.optim.Muon (defaults, lr 1e-2) over the blocks' matrices
 (tall, wide and square; the embeddings stay out, as Muon's docs advise), variants optcompile,
-eager, plain optcompile and plain eager (Muon has neither ``fused`` nor ``foreach``). Its
+eager, plain optcompile and plain eager (Muon has neither ``fused`` nor ``foreach``), and
+plain optcompile with ``cudagraphs=False`` ("no graph": the per-op host path). Its
 Newton-Schulz matmuls run on the torch backend (the same ATen ops as eager, with DTensor's
-collectives: none at world size 1) and its elementwise tail in one kernel; its floor counts
+collectives: none at world size 1), recorded with the kernels in the step's CUDA graph
+where no collective runs, and its elementwise tail in one kernel; its floor counts
 the tail's bytes only (read p, g, momentum; write p, momentum: 20 bytes a parameter), the
 matmuls are compute.
 
@@ -78,7 +80,7 @@ OPTIMIZERS = {
     "muon": Optimizer(
         lambda ps, **kw: torch.optim.Muon(ps, lr=1e-2, **kw),
         lambda m: [p for b in m.blocks for p in b.parameters() if p.dim() == 2],
-        ["optcompile", "eager", "plain optcompile", "plain eager"],
+        ["optcompile", "eager", "plain optcompile", "plain eager", "plain optcompile no graph"],
         5 * 4,  # its elementwise tail: p, g, momentum read; p, momentum written
     ),
 }
@@ -113,6 +115,8 @@ def make_step(variant: str, params: list[torch.nn.Parameter], optimizer: str) ->
         variant, params = variant[len("plain ") :], plain
     if variant == "optcompile":
         return optcompile.compile(make(params)).step
+    if variant == "optcompile no graph":  # the host path a graph saves (cudagraphs=False)
+        return optcompile.compile(make(params), cudagraphs=False).step
     if variant == "fused":
         return make(params, fused=True).step
     if variant == "foreach":

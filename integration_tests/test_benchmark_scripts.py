@@ -47,7 +47,10 @@ def _run(args: list[str], tmp_path: Path) -> tuple[dict, str]:
     ("optimizer", "variants"),
     [
         ("adamw", ["optcompile", "fused", "foreach", "plain optcompile"]),
-        ("muon", ["optcompile", "eager", "plain optcompile", "plain eager"]),
+        (
+            "muon",
+            ["optcompile", "eager", "plain optcompile", "plain eager", "plain optcompile no graph"],
+        ),
     ],
 )
 def test_sharded_step_benchmark_runs_every_variant_on_the_cpu(
