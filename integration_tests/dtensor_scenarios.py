@@ -657,6 +657,7 @@ def triton_backend_fuses_like_plain() -> None:
         assert prelude.startswith("# partly fused") and "wait_tensor" in prelude, code[:800]
         kernels = [line for line in code.splitlines() if line.startswith("def foreach_")]
         assert len([k for k in kernels if "_small(" not in k]) == 1, kernels
+        _assert_prelude_kept_out_of_graphs(opt)
     # Muon (defaults) over the sharded tall, wide and square matrices: the Newton-Schulz
     # matmuls with DTensor's all-gathers and all-reduces (and the momentum they read) run in
     # the prelude; the weight decay and the update, each matrix's lr scaled by its global
@@ -671,6 +672,19 @@ def triton_backend_fuses_like_plain() -> None:
     code = optcompile.explain(opt).graph_code
     kernels = [line for line in code.splitlines() if line.startswith("def foreach_")]
     assert len(kernels) == 1 and code.split("\n", 3)[2].startswith("# partly fused"), kernels
+    _assert_prelude_kept_out_of_graphs(opt)
+
+
+def _assert_prelude_kept_out_of_graphs(opt: Any) -> None:
+    """A prelude that runs DTensor's collectives is not recorded in a CUDA graph: the
+    reason explain() gives on CUDA names the collective."""
+    from optcompile.api import _compiled_of
+    from optcompile.driver import newest
+
+    entry = newest(_compiled_of(opt))
+    assert entry is not None
+    reason = entry.plan.plan.prelude_capture_reason()
+    assert reason is not None and "collectives are kept out of CUDA graphs" in reason, reason
 
 
 SCENARIOS: dict[str, Callable[..., None]] = {
