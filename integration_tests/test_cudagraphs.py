@@ -62,11 +62,17 @@ def _step(models, opts, schedules, step):
         schedule.step()
 
 
-def _assert_same(model, reference, opt, eager):
+def _assert_same(model, reference, opt, eager, rtol=1e-5, atol=1e-6):
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
         for key, value in eager.state[q].items():
-            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(opt.state[p][key], value, rtol=rtol, atol=atol)
+
+
+# Muon's Newton-Schulz matmuls are bfloat16: cuBLAS may pick another algorithm while a graph
+# records them than eagerly, which moves the orthogonalized update by bfloat16 rounding
+# (~4e-3 relative) and a param by lr times that.
+PRELUDE_TOLERANCE = {"Muon": {"rtol": 1e-4, "atol": 1e-4}}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -190,7 +196,7 @@ def test_a_step_with_a_prelude_is_recorded_with_it_and_matches_eager(name):
     model, reference, opt, eager, schedules = _pair(PRELUDES[name])
     for step in range(STEPS):
         _step((model, reference), (opt, eager), schedules, step)
-    _assert_same(model, reference, opt, eager)
+    _assert_same(model, reference, opt, eager, **PRELUDE_TOLERANCE.get(name, {}))
     report = optcompile.explain(opt)
     assert report.fallback_reason is None, report.fallback_reason
     assert report.cudagraph_recordings == 1, report.cudagraphs
@@ -206,7 +212,7 @@ def test_a_number_the_prelude_takes_changed_re_records_the_graph_and_says_why():
             for o in (opt, eager):
                 o.param_groups[0]["momentum"] = 0.8
         _step((model, reference), (opt, eager), schedules, step)
-    _assert_same(model, reference, opt, eager)
+    _assert_same(model, reference, opt, eager, **PRELUDE_TOLERANCE["Muon"])
     report = optcompile.explain(opt)
     assert report.cudagraph_recordings == 2, report.cudagraphs
     assert "re-recorded because: the Python numbers its torch-backend ops take" in (
