@@ -725,3 +725,4 @@ def test_a_prelude_runs_as_its_cuda_graph_would_and_matches_eager(name):
         assert last is None
     capture = protocol.plan.capture
     assert capture.inputs == [] and capture.statics  # the grads' copies; no grad kept
+    assert protocol.plan.launches_beside_graph == 1 + (1 if protocol.plan.split.writes else 0)

@@ -43,7 +43,8 @@ class GraphedPlan:
     @property
     def kernel_launches_per_step(self) -> int:
         if self.graphed is not None and self.graphed.recordings:
-            return 1  # one graph launch
+            # one graph launch (and a prelude's grad copy and deferred writes beside it)
+            return 1 + int(getattr(self.plan, "launches_beside_graph", 0))
         return self.plan.kernel_launches_per_step
 
     @property

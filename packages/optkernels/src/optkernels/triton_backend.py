@@ -771,6 +771,15 @@ class TritonPlan:
                 part.prepare(inputs)
         self._parts_prepared = True
 
+    @property
+    def launches_beside_graph(self) -> int:
+        """Launches a recorded call makes besides the graph's: the copy of the grads its
+        prelude reads, the prelude's deferred writes (one ``_foreach_copy_`` each)."""
+        capture, split = self.capture, self.split
+        if capture is None or split is None:
+            return 0
+        return (1 if capture.copied else 0) + (1 if split.writes else 0)
+
     def stale(self, inputs: Sequence[Any]) -> str | None:
         """Why the recorded graph no longer does this call's work (the Python numbers its
         prelude takes changed), or None."""
