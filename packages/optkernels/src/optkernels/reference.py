@@ -208,7 +208,7 @@ class TorchPlan:
                 raise ValueError(f"the torch backend cannot run {node.op} node {node.name}")
         self._size = len(slots)
         self.num_inputs = len(self._inputs)
-        self._dead = _dead_after(gm.graph, slots)
+        self._dead = _dead_after(graph, slots)
         # Each ATen op is at least one kernel launch on a device (Python scalar math is none).
         self.kernel_launches_per_step = launches
 
