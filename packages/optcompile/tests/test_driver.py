@@ -9,6 +9,7 @@ import torch
 from optcompile.driver import newest
 from optcompile.optimizer import registered
 from optcompile.testing import set_grads, small_model
+from optguard import native
 
 
 @pytest.fixture
@@ -41,6 +42,16 @@ def test_what_a_miss_builds_lands_in_the_oldest_generation(no_collections):
     _, node = _compiled_step()
     assert _in_generation(node, 2)
     assert not _in_generation(node, 0) and not _in_generation(node, 1)
+
+
+def test_the_native_module_is_started_before_an_entrys_first_run(monkeypatch):
+    # The first run's staged copies and address tables go through optguard's C++ module like
+    # every later call's: lowering starts it, not the prologue's fast tier at the first hit.
+    started: list[bool | None] = []
+    start = native.start
+    monkeypatch.setattr(native, "start", lambda wait=None: started.append(wait) or start(wait))
+    _compiled_step()  # one call: a miss (traced, lowered, run once)
+    assert started
 
 
 def test_objects_frozen_by_the_user_stay_frozen(no_collections):

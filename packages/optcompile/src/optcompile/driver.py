@@ -263,6 +263,10 @@ def interrupts_held() -> Iterator[None]:
 
 def lower(traced: TracedStep, backend: Backend, pin_inputs: bool = False) -> CompiledEntry:
     """Turn a TracedStep into a runnable entry on ``backend`` (see CompiledEntry)."""
+    # The module is loaded (once per process) before the entry's first run, not at its first
+    # hit (the prologue's fast tier): that run's staged copies and address tables go through
+    # it like every later call's, and the next call need not record its tables again.
+    native.start()
     prologue = Prologue(traced.guards, traced.input_sources, pin=pin_inputs)
     plan = backend.compile(traced.graph_module)
     # Every application of the prologue (either tier) has tested these inputs' data pointers.
