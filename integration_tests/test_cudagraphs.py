@@ -222,6 +222,28 @@ def test_a_number_the_prelude_takes_changed_re_records_the_graph_and_says_why():
     )
 
 
+def test_a_graph_re_recorded_past_its_limit_is_dropped_and_the_step_runs_without_it():
+    # Muon's momentum changed every step: each change re-records the graph (its prelude took
+    # the number), up to optcudagraph's limit; then the graph is dropped and the plan runs as
+    # it does without one (its prelude, kernels and deferred writes, each call), still
+    # matching eager; explain() says so and counts the plan's own launches.
+    from optcudagraph.tree import DEFAULT_MAX_RERECORDS
+
+    model, reference, opt, eager, schedules = _pair(PRELUDES["Muon"])
+    # (step 0 and 1 trace, 2 records, 3.. re-record, the next drops, the last runs without)
+    for step in range(DEFAULT_MAX_RERECORDS + 5):
+        if step >= 3:
+            for o in (opt, eager):
+                o.param_groups[0]["momentum"] = 0.9 - 0.01 * step
+        _step((model, reference), (opt, eager), schedules, step)
+    _assert_same(model, reference, opt, eager, **PRELUDE_TOLERANCE["Muon"])
+    report = optcompile.explain(opt)
+    assert report.cudagraphs.startswith("dropped: re-recorded"), report.cudagraphs
+    assert report.cudagraph_recordings == 1 + DEFAULT_MAX_RERECORDS
+    plan = _plan(opt)
+    assert report.kernel_launches_per_step == plan.kernel_launches_per_step > 3
+
+
 # Steps reading a tensor's value on the host (.item()): a host sync no graph can record.
 HOST_READS = {
     "trust ratio of a step count's .item()": StepScaledTrustSGD,

@@ -42,8 +42,11 @@ class GraphedPlan:
 
     @property
     def kernel_launches_per_step(self) -> int:
-        if self.graphed is not None and self.graphed.recordings:
-            # one graph launch (and a prelude's grad copy and deferred writes beside it)
+        """What a call launches: once a graph is recorded, its one launch (and a recorded
+        prelude's grad copy and deferred writes beside it); else (not recorded yet, no graph,
+        or dropped) the plan's own launches."""
+        graphed = self.graphed
+        if graphed is not None and graphed.recordings and graphed.fallback_reason is None:
             return 1 + int(getattr(self.plan, "launches_beside_graph", 0))
         return self.plan.kernel_launches_per_step
 

@@ -46,7 +46,7 @@ class Explanation:
     entries: int
     fallback_reason: str | None
     entry_guards: list[list[str]] = field(default_factory=list)  # per entry, newest first
-    kernel_launches_per_step: int = 0  # of the newest entry's plan
+    kernel_launches_per_step: int = 0  # a call of the newest entry (its graph, once recorded)
     cudagraphs: str = "off"  # the newest entry's graph, or why it has none
     cudagraph_recordings: int = 0  # over every entry
     cudagraph_replays: int = 0
