@@ -23,6 +23,7 @@ from typing import Any
 import optcompile
 import torch
 import torch.distributed as dist
+from step_optimizers import Lion
 from torch import nn
 
 D = 16
@@ -157,29 +158,6 @@ def step_pair(
             s.step()
 
 
-class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023), per tensor, state made lazily inside step()."""
-
-    def __init__(self, params: Any, lr: float = 1e-3, betas=(0.9, 0.99), weight_decay=0.1):
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                exp_avg = state["exp_avg"]
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                update = exp_avg.mul(beta1).add(p.grad, alpha=1 - beta1).sign_()
-                p.add_(update, alpha=-group["lr"])
-                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
-
-
 class ClippedSGD(torch.optim.Optimizer):
     """SGD on gradients clipped by their global norm inside the step (a reduction over
     every parameter: with DTensor, partial norms all-reduced across ranks)."""
@@ -294,7 +272,7 @@ def sgd_momentum_with_scheduler() -> None:
 
 
 def custom_lion() -> None:
-    _, opt, _, _ = run_pair(lambda ps: Lion(ps, lr=1e-3))
+    _, opt, _, _ = run_pair(lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1))
     assert traces(opt) == 2, optcompile.explain(opt).retrace_reasons
 
 

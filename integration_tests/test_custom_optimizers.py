@@ -17,69 +17,9 @@ import optcompile
 import pytest
 import torch
 from optcompile.testing import assert_same, run_pair, set_grads, small_model
+from step_optimizers import Lion
 
 STEPS = 5
-
-
-class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023): sign of an interpolated momentum, decoupled weight decay."""
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
-        foreach: bool = False,
-    ) -> None:
-        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "foreach": foreach}
-        super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params, grads, exp_avgs = [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if len(state) == 0:
-                    state["exp_avg"] = torch.zeros_like(p)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-            if group["foreach"]:
-                self._foreach_update(group, params, grads, exp_avgs)
-            else:
-                self._loop_update(group, params, grads, exp_avgs)
-        return loss
-
-    @staticmethod
-    def _loop_update(group: dict[str, Any], params: list, grads: list, exp_avgs: list) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        for p, g, m in zip(params, grads, exp_avgs, strict=True):
-            update = (m * beta1 + g * (1 - beta1)).sign_()
-            p.mul_(1 - lr * wd)
-            p.add_(update, alpha=-lr)
-            m.lerp_(g, 1 - beta2)
-
-    @staticmethod
-    def _foreach_update(group: dict[str, Any], params: list, grads: list, exp_avgs: list) -> None:
-        if not params:
-            return
-        lr, wd = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        updates = torch._foreach_mul(exp_avgs, beta1)
-        torch._foreach_add_(updates, grads, alpha=1 - beta1)
-        torch._foreach_sign_(updates)
-        torch._foreach_mul_(params, 1 - lr * wd)
-        torch._foreach_add_(params, updates, alpha=-lr)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta2)
 
 
 class Adafactor(torch.optim.Optimizer):

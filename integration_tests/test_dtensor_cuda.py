@@ -22,7 +22,8 @@ import optcompile
 import pytest
 import torch
 import torch.distributed as dist
-from dtensor_scenarios import Lamb, Lars, Lion, Tiny, assert_same, copy_grads, local
+from dtensor_scenarios import Lamb, Lars, Tiny, assert_same, copy_grads, local
+from step_optimizers import Lion
 from torch import nn
 
 DEVICE, BACKEND = "cuda", "nccl"
@@ -40,7 +41,7 @@ OPTIMIZERS: dict[str, tuple[Callable[[list[Any]], torch.optim.Optimizer], int]] 
     "AdamW": (lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.1), 1),
     "AdamW capturable": (lambda ps: optim.AdamW(ps, lr=1e-2, capturable=True), 1),
     "SGD momentum": (lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), 2),
-    "Lion": (lambda ps: Lion(ps, lr=1e-3), 2),
+    "Lion": (lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1), 2),
     # Trust ratios: the norms run before the kernel (on one rank DTensor all-reduces nothing)
     "LAMB": (lambda ps: Lamb(ps), 2),
     "LARS": (lambda ps: Lars(ps), 2),

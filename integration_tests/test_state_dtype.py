@@ -26,8 +26,7 @@ from optcompile.compressed_state import COUNTER_ATTR, MIN_NUMEL
 from optcompile.testing import set_grads
 from optkernels.compressed import dequantize_state, packed_numel, quantize_state
 from opttrace import TraceError
-from step_optimizers import SophiaLike
-from test_custom_optimizers import Lion
+from step_optimizers import Lion, SophiaLike
 
 MakeOpt = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
