@@ -293,8 +293,9 @@ def test_the_interpreter_rounds_as_the_gpu():
 def test_each_launch_configuration_gives_the_same_bits(dtype, config, monkeypatch):
     """The launch shape (elements per program, warps, registers) is tuned per dtype; every
     configuration, the default for this dtype included (None), must give the bits of the
-    untuned one (1024 by 4 warps, no register limit) on sizes that do not divide the block (the masked tail,
-    one-element lanes, a lane spanning several blocks), and agree with the torch backend."""
+    untuned one (1024 by 4 warps, no register limit) on sizes that do not divide the block
+    (the masked tail, one-element lanes, a lane spanning several blocks), and agree with the
+    torch backend."""
     from optkernels import foreach_kernel
     from optkernels.triton_backend import TritonPlan
 
