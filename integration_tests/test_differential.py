@@ -57,19 +57,15 @@ import os
 import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import optcompile
 import torch
 from differential_cases import (
-    CUSTOM,
-    DEVICE,
     KNOWN_BUGS,
     LONG,
     LONG_EXAMPLES,
-    LR,
-    LRS,
     PARAM_EVENTS,
     TORCH_OPTIMIZERS,
     TRITON_OK,
@@ -83,6 +79,8 @@ from differential_cases import (
     is_foreach,
     materialize,
 )
+from differential_compare import Magnitudes, assert_close, compare, compare_state_dicts, exact
+from differential_sides import Side, group_dict, make_side, set_grads
 from hypothesis import HealthCheck, example, given, note, reject, settings
 
 __all__ = ["KNOWN_BUGS", "Case", "Event", "Group", "N", "Param", "T", "run_case"]
@@ -105,297 +103,6 @@ FUZZ = settings(
 
 class Rejected(Exception):
     """Eager torch.optim refuses the case: it says nothing about the compiler."""
-
-
-# --------------------------------------------------------------------------- building
-
-
-def _randn(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    if dtype.is_complex:
-        return torch.randn(shape, generator=gen, dtype=dtype).to(DEVICE)
-    return torch.randn(shape, generator=gen).to(DEVICE, dtype)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return int(torch.Size(shape).numel())
-
-
-def _laid_out(shape: tuple[int, ...], layout: str, gen: torch.Generator, dtype: torch.dtype):
-    """A tensor of ``shape`` in ``layout`` ("transposed", "strided", else contiguous)."""
-    if layout == "transposed" and len(shape) >= 2:
-        return _randn(shape[::-1], gen, dtype).permute(*reversed(range(len(shape))))
-    if layout == "strided" and len(shape) >= 1:
-        return _randn((*shape[:-1], 2 * shape[-1]), gen, dtype)[..., ::2]
-    return _randn(shape, gen, dtype)
-
-
-def build_params(case: Case) -> list[torch.nn.Parameter]:
-    """The case's parameters (added groups' too), the same values and layouts every call."""
-    gen = torch.Generator().manual_seed(case.seed)
-    specs = case.param_specs()
-    flat: dict[str, torch.Tensor] = {}
-    for dtype in sorted({p.dtype for p in specs if p.layout == "flat"}):
-        total = sum(_numel(p.shape) for p in specs if p.layout == "flat" and p.dtype == dtype)
-        flat[dtype] = _randn((total + 1,), gen, getattr(torch, dtype))
-    offsets = dict.fromkeys(flat, 1)  # (views start one element in: not at the base)
-    params = []
-    for spec in specs:
-        if spec.layout == "flat":
-            start = offsets[spec.dtype]
-            offsets[spec.dtype] = start + _numel(spec.shape)
-            tensor = flat[spec.dtype][start : offsets[spec.dtype]].view(spec.shape)
-        else:
-            tensor = _laid_out(spec.shape, spec.layout, gen, getattr(torch, spec.dtype))
-        params.append(torch.nn.Parameter(tensor))
-    return params
-
-
-def _group_dict(group: Group, params: list[torch.nn.Parameter]) -> dict[str, Any]:
-    return {"params": params, **{k: materialize(v) for k, v in group.options.items()}}
-
-
-def build_optimizer(
-    case: Case, params: list[torch.nn.Parameter], added: int = 0
-) -> torch.optim.Optimizer:
-    """The case's optimizer over its groups and the first ``added`` groups added later."""
-    groups, i = [], 0
-    for group in case.group_specs()[: len(case.groups) + added]:
-        groups.append(_group_dict(group, params[i : i + len(group.params)]))
-        i += len(group.params)
-    defaults = {k: materialize(v) for k, v in case.defaults.items()}
-    cls = CUSTOM.get(case.optimizer) or getattr(optim, case.optimizer)
-    return cls(groups, **defaults)
-
-
-def _lambda(epoch: int) -> float:
-    return 0.9**epoch
-
-
-def build_scheduler(case: Case, opt: torch.optim.Optimizer) -> Any:
-    if case.scheduler == "StepLR":
-        return S.StepLR(opt, step_size=2, gamma=0.5)
-    if case.scheduler == "CosineAnnealingLR":
-        return S.CosineAnnealingLR(opt, T_max=case.steps)
-    if case.scheduler == "LambdaLR":
-        return S.LambdaLR(opt, _lambda)
-    if case.scheduler == "OneCycleLR":
-        defaults = opt.defaults
-        cycle = "momentum" in defaults or "betas" in defaults
-        max_lr = 10 * LRS.get(case.optimizer, LR)[0]
-        return S.OneCycleLR(opt, max_lr=max_lr, total_steps=case.steps + 1, cycle_momentum=cycle)
-    return None
-
-
-def set_grads(case: Case, params: list[torch.nn.Parameter], step: int) -> None:
-    """Gradients for ``step``: the same values (and layouts) on every call."""
-    gen = torch.Generator().manual_seed(1000 * case.seed + step)
-    none = case.none_grads[step] if step < len(case.none_grads) else ()
-    shared: dict[Any, torch.Tensor] = {}
-    for i, (p, spec) in enumerate(zip(params, case.param_specs(), strict=True)):
-        value = _randn(tuple(p.shape), gen, p.dtype)
-        key = (tuple(p.shape), p.dtype)
-        if i in none:
-            p.grad = None
-        elif case.grads_in_place and p.grad is not None:
-            p.grad.copy_(value)
-        elif case.share_grads and key in shared:
-            p.grad = shared[key]
-        elif spec.grad_layout == "like_param":
-            p.grad = torch.empty_like(p).copy_(value)
-        elif spec.grad_layout == "strided":
-            p.grad = _laid_out(tuple(p.shape), "strided", gen, p.dtype).copy_(value)
-        else:
-            p.grad = value
-        if p.grad is not None:
-            shared.setdefault(key, p.grad)
-
-
-@dataclass
-class Side:
-    """One optimizer (compiled or eager) over its own parameters, with its scheduler."""
-
-    params: list[torch.nn.Parameter]
-    opt: torch.optim.Optimizer
-    sched: Any
-    is_compiled: bool = False
-    # The compiled optimizers this side has stepped (one list for the side's successors).
-    stepped: list[torch.optim.Optimizer] = field(default_factory=list)
-    added: int = 0  # groups added so far
-    hook_calls: list[int] = field(default_factory=list)
-    losses: list[Any] = field(default_factory=list)
-
-
-def _halve_grads(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                p.grad.mul_(0.5)
-
-
-def make_side(
-    case: Case, compiled: bool, params: list[torch.nn.Parameter] | None = None, added: int = 0
-) -> Side:
-    params = build_params(case) if params is None else params
-    opt = build_optimizer(case, params, added)
-    side = Side(params, opt, None, added=added)
-    if case.scheduler_first:
-        side.sched = build_scheduler(case, opt)
-    if compiled:
-        limit = {} if case.recompile_limit is None else {"recompile_limit": case.recompile_limit}
-        graphs = "auto" if case.cudagraphs else False  # ("auto": where the step allows one)
-        opt = optcompile.compile(opt, backend=case.backend, cudagraphs=graphs, **limit)
-        side.is_compiled = True
-    if not case.scheduler_first:
-        side.sched = build_scheduler(case, opt)
-    if case.hooks:
-        opt.register_step_pre_hook(_halve_grads)
-        opt.register_step_post_hook(lambda *_: side.hook_calls.append(len(side.hook_calls)))
-    return side
-
-
-# torch.testing's default (rtol, atol) per dtype: what torch's test_optim allows between its
-# foreach and for-loop paths (test_foreach_matches_forloop).
-TOLERANCES = {
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float64: (1e-7, 1e-7),
-}
-
-
-def exact(case: Case) -> bool:
-    """Whether the compiled step must match eager bitwise: on the CPU where the graph runs
-    eager's own ATen ops (README: the torch backend, except RAdam and ASGD without
-    capturable, traced on the capturable path). (On a GPU, ATen's CUDA kernels for the
-    ops the trace records, a foreach op taken apart or Adafactor's scalars computed in the
-    graph, differ from eager's in the last bit.)"""
-    if case.backend != "torch" or DEVICE != "cpu":
-        return False
-    return case.optimizer not in ("RAdam", "ASGD") or bool(case.defaults.get("capturable"))
-
-
-def _close(
-    case: Case,
-    actual: Any,
-    expected: Any,
-    what: str,
-    twin: Any = None,
-    before: Any = None,
-    steps: int = 1,
-) -> None:
-    """``actual`` (compiled) matches ``expected`` (eager): bitwise where ``exact(case)``,
-    else within the dtype's tolerance plus how far eager's other path (``twin``: foreach
-    for a for-loop step and vice versa) is from eager here.
-
-    The relative part is taken of the largest magnitude the value has had (``before``):
-    rounding errors scale with the operands, and an update that cancels most of a param (or
-    ASGD's ``ax + (p - ax)``) leaves a small result with the operands' error. In float16
-    and bfloat16 the relative part grows by half an ulp per step taken (``steps``): a
-    rounding a step makes otherwise than eager is carried into the steps after it."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{what}: {type(actual)} is not a tensor"
-        assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} != {expected.dtype}"
-        assert actual.device == expected.device, f"{what}: {actual.device} != {expected.device}"
-        assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
-        if expected.is_complex():  # compared as (real, imag) pairs
-            actual, expected = torch.view_as_real(actual), torch.view_as_real(expected)
-            twin = _as_real(twin)
-        if exact(case) or not expected.is_floating_point():
-            equal = actual.eq(expected) | (actual.isnan() & expected.isnan())
-            assert bool(equal.all()), f"{what}: not bitwise equal: {_worst(actual, expected)}"
-            return
-        rtol, atol = TOLERANCES.get(expected.dtype, (0.0, 0.0))
-        if expected.dtype in (torch.float16, torch.bfloat16):
-            rtol = max(rtol, steps * torch.finfo(expected.dtype).eps / 2)
-        a, e = actual.detach().double(), expected.detach().double()
-        scale = e.abs()
-        if isinstance(before, torch.Tensor) and before.shape == expected.shape:
-            scale = torch.maximum(scale, before)
-        bound = atol + rtol * scale
-        if isinstance(twin, torch.Tensor) and twin.shape == expected.shape:
-            bound = bound + (twin.detach().double() - e).abs().nan_to_num(0.0)
-        ok = ((a - e).abs() <= bound) | (a == e) | (a.isnan() & e.isnan())
-        assert bool(ok.all()), f"{what}: beyond eager's tolerance: {_worst(actual, expected)}"
-    elif isinstance(expected, (tuple, list)):
-        assert isinstance(actual, (tuple, list)) and len(actual) == len(expected), what
-        twins = twin if isinstance(twin, (tuple, list)) and len(twin) == len(expected) else None
-        for i, (x, y) in enumerate(zip(actual, expected, strict=True)):
-            _close(case, x, y, f"{what}[{i}]", twins[i] if twins else None, None, steps)
-    else:
-        assert actual == expected or (actual != actual and expected != expected), (
-            f"{what}: {actual!r} != {expected!r}"
-        )
-
-
-def _as_real(t: Any) -> Any:
-    return torch.view_as_real(t) if isinstance(t, torch.Tensor) and t.is_complex() else t
-
-
-Magnitudes = dict[tuple[int, str], torch.Tensor]
-
-
-def _largest(magnitudes: Magnitudes, key: tuple[int, str], value: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude each element of ``value`` has had so far (and now)."""
-    now = _as_real(value.detach()).double().abs().nan_to_num(0.0, 0.0, 0.0)
-    seen = magnitudes.get(key)
-    if seen is not None and seen.shape == now.shape:
-        now = torch.maximum(seen, now)
-    magnitudes[key] = now
-    return now
-
-
-def _worst(actual: torch.Tensor, expected: torch.Tensor) -> str:
-    diff = (actual.detach().double() - expected.detach().double()).abs().nan_to_num(float("inf"))
-    if diff.numel() == 0:
-        return "(empty)"
-    i = int(diff.flatten().argmax())
-    got, want = actual.detach().flatten()[i].item(), expected.detach().flatten()[i].item()
-    return f"got {got!r}, eager {want!r} at flat index {i} ({int((diff > 0).sum())} differ)"
-
-
-def compare(
-    case: Case,
-    got: Side,
-    want: Side,
-    when: str,
-    twin: Side | None = None,
-    magnitudes: Magnitudes | None = None,
-    steps: int = 1,
-) -> None:
-    """Params, every state entry and the groups' hyperparameters match (``magnitudes``:
-    the largest each eager value has had, see _close; updated here)."""
-    twins = twin.params if twin is not None else [None] * len(want.params)
-    seen: Magnitudes = {} if magnitudes is None else magnitudes
-    for i, (p, q, r) in enumerate(zip(got.params, want.params, twins, strict=True)):
-        where = f"{when}, param {i} {tuple(q.shape)} {q.dtype}"
-        _close(case, p.detach(), q.detach(), where, r, _largest(seen, (i, ""), q), steps)
-        assert p.stride() == q.stride(), f"{where}: stride {p.stride()} != {q.stride()}"
-        assert (p in got.opt.state) == (q in want.opt.state), f"{where}: state exists?"
-        if q in want.opt.state:
-            mine, theirs = got.opt.state[p], want.opt.state[q]
-            other = twin.opt.state.get(r, {}) if twin is not None else {}
-            assert set(mine) == set(theirs), f"{where}: state keys {set(mine)} != {set(theirs)}"
-            for key, value in theirs.items():
-                what = f"{where}, state[{key!r}]"
-                largest = _largest(seen, (i, key), value) if torch.is_tensor(value) else None
-                _close(case, mine[key], value, what, other.get(key), largest, steps)
-    for i, (g, h) in enumerate(zip(got.opt.param_groups, want.opt.param_groups, strict=True)):
-        assert set(g) == set(h), f"{when}, group {i} keys: {set(g) ^ set(h)}"
-        for key in h:
-            if key != "params":
-                _close(case, g[key], h[key], f"{when}, group {i}[{key!r}]")
-
-
-def compare_state_dicts(case: Case, got: dict[str, Any], want: dict[str, Any], when: str) -> None:
-    """The compiled optimizer's state_dict() is eager's (the values compared by compare())."""
-    assert set(got["state"]) == set(want["state"]), f"{when}: state_dict state keys"
-    for index, entries in want["state"].items():
-        assert set(got["state"][index]) == set(entries), f"{when}: state_dict state[{index}]"
-    assert len(got["param_groups"]) == len(want["param_groups"]), f"{when}: groups"
-    for g, h in zip(got["param_groups"], want["param_groups"], strict=True):
-        assert set(g) == set(h), f"{when}: state_dict group keys {set(g) ^ set(h)}"
-        for key in h:
-            _close(case, g[key], h[key], f"{when}: state_dict group[{key!r}]")
 
 
 def _through(state: dict[str, Any], save: bool) -> dict[str, Any]:
@@ -479,7 +186,7 @@ def apply(case: Case, event: Event, side: Side) -> None:
     elif event.kind == "add_group":
         start = sum(len(g.params) for g in case.group_specs()[: len(case.groups) + side.added])
         params = side.params[start : start + len(event.args.params)]
-        side.opt.add_param_group(_group_dict(event.args, params))
+        side.opt.add_param_group(group_dict(event.args, params))
         side.added += 1
 
 
@@ -654,7 +361,7 @@ def run_case(case: Case) -> None:
             _step(compiled, step, case, compiled_log)
             compare(case, compiled, eager, f"after step {step}", twin, magnitudes, step + 1)
             assert compiled.hook_calls == eager.hook_calls, "step post-hook calls"
-            _close(case, compiled.losses, eager.losses, "losses returned by step(closure)")
+            assert_close(case, compiled.losses, eager.losses, "losses returned by step(closure)")
             for event in (e for e in case.events if e.after == step):
                 when = f"after step {step} and {event.kind} {event.args}"
                 if event.kind == "round_trip":
