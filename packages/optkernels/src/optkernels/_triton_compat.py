@@ -2,11 +2,14 @@
 
 Triton's JIT keys its disk cache by a hash of Triton's own source files (``triton_key``),
 computed once per process: about 0.4 s in a fresh process before any cached binary is
-found. So each generated kernel keeps a small record next to its source: for each JIT
-specialization it was launched with, Triton's cache entry (the hash and the files). A later
-process builds the compiled kernel from those files and puts it straight into the JIT's
-in-memory cache: Triton neither compiles nor hashes itself. Anything unexpected (another
-Triton version or target, files gone, a JIT that looks different) falls back to Triton's
+found; and its binder (``native_specialize_impl``) imports Triton's Gluon packages on its
+first call (0.17 s where they have no .pyc). So each generated kernel keeps a small record
+next to its source: for each fingerprint of the arguments it was launched with (what the
+JIT specializes on, or finer: ``_fingerprint``), Triton's cache entry (the hash and the
+files) and the signature its launcher is built for. A later process builds the compiled
+kernel from those files and launches it itself: Triton neither compiles, hashes itself nor
+binds. Anything unexpected (another Triton, target or setting, files gone, a JIT that
+specializes differently, a launcher that refuses the arguments) falls back to Triton's
 own path, which is always correct, only slower.
 
 A process whose kernels are not recorded yet (a cold cache) still pays for the hash before
@@ -28,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 log = logging.getLogger("optcompile.kernels")
 
 # What a Triton version whose JIT internals differ from the ones used below raises here.
@@ -35,34 +40,185 @@ _MISMATCH = (AttributeError, KeyError, TypeError, ValueError, IndexError)
 
 
 class Kernel:
-    """A generated ``@triton.jit`` function, launched as ``kernel[grid](*args, **kwargs)``;
-    its first launch in a process goes through the record (see the module docstring)."""
+    """A generated ``@triton.jit`` function, launched as ``kernel[grid](*args, **kwargs)``.
+
+    On CUDA a launch finds its compiled kernel by the arguments' fingerprint (``_fingerprint``:
+    what Triton's JIT specializes on, or finer) and launches it directly; the first launch of
+    a fingerprint in a process looks it up in the record (see the module docstring), else
+    goes through Triton's JIT, which compiles it, and records it."""
 
     def __init__(self, fn: Any, record: str) -> None:
         self.fn = fn
         self.record = record
-        self._ready = not hasattr(fn, "device_caches")  # the interpreter has no JIT cache
+        self._direct = hasattr(fn, "device_caches")  # the interpreter has no JIT cache
+        # (device, fingerprint) -> the compiled kernel, or None where Triton's JIT launches
+        # it; kept on the function, which a second Kernel of the same source shares.
+        self._compiled: dict[Any, Any] = (
+            fn.__dict__.setdefault("_optkernels_compiled", {}) if self._direct else {}
+        )
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
-        if self._ready:
+        if not self._direct:
             return self.fn[grid]
-        return lambda *args, **kwargs: self._first(grid, args, kwargs)
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
-    def _first(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        _await_runtime()  # (binding uses Triton's driver: built there, or being built)
+    def _launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        key = _fingerprint(self.fn, args, kwargs)
+        device = _current_device()
+        compiled = self._compiled.get((device, key), _UNSEEN)
+        if compiled is None:
+            self.fn[grid](*args, **kwargs)
+        elif compiled is _UNSEEN:
+            self._first(grid, args, kwargs, device, key)
+        else:
+            compiled[(*grid, 1, 1)[:3]](*args, *_constexpr_args(self.fn, len(args), kwargs))
+
+    def _first(
+        self,
+        grid: tuple[int, ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        device: int,
+        key: Any,
+    ) -> None:
+        """A fingerprint's first launch in this process: recorded, or Triton's."""
+        _await_runtime()  # (loading and binding use Triton's driver: built there, or being built)
+        compiled = None
+        if key is not None:
+            compiled = _load(self.fn, self.record, _entry_name(_current_target(), key))
+        if compiled is not None:
+            try:
+                compiled[(*grid, 1, 1)[:3]](*args, *_constexpr_args(self.fn, len(args), kwargs))
+            except _MISMATCH as exc:  # another Triton's launcher: its JIT launches it
+                log.debug("%s: recorded kernel not launched (%r)", self.fn.__name__, exc)
+            else:
+                self._compiled[device, key] = compiled
+                return
+        self._compiled[device, key] = self._through_triton(grid, args, kwargs, key)
+
+    def _through_triton(
+        self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any], key: Any
+    ) -> Any:
+        """Launch through Triton's JIT (which compiles, or loads from its cache) and record
+        the compiled kernel under ``key``; it, where later launches may use it directly."""
         try:
             launch = _bind(self.fn, args, kwargs)
         except _MISMATCH:
             launch = None
         if launch is not None and _runtime_threads:
             _check_prefetched(self.fn, launch)
-        seeded = launch is not None and _seed(self.fn, self.record, launch)
-        if not seeded:
+        if launch is None or launch.jit_key not in self.fn.device_caches[launch.device][0]:
             _await_triton_key()  # (Triton compiles: its key is computed, or being computed)
         self.fn[grid](*args, **kwargs)
-        if launch is not None and not seeded:
-            _remember(self.fn, self.record, launch)
-        self._ready = True
+        if launch is None or key is None:
+            return None
+        kernel_cache, _, _, backend, _ = self.fn.device_caches[launch.device]
+        compiled = kernel_cache.get(launch.jit_key)
+        entry = _entry(self.fn, backend, launch, compiled, key)
+        if entry is None:
+            return None
+        _remember(self.record, _entry_name(launch.target, key), entry)
+        return compiled
+
+
+_UNSEEN = object()
+
+# Python types of kernel arguments a fingerprint covers, and the one Triton's JIT gives them.
+_INT_RANGES = (("i32", -(2**31), 2**31), ("i64", -(2**63), 2**63), ("u64", 0, 2**64))
+
+
+def _fingerprint(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What picks a launch's compiled kernel, at least as finely as Triton's JIT picks it
+    (``native_specialize_impl``): per positional argument, a tensor's dtype and whether its
+    address is 16-byte aligned; an int's type (i32, i64, u64), whether it is 1 (a constexpr)
+    and whether it is a multiple of 16; floats and bools by type; then the keyword arguments
+    (constexprs, launch options) and the debug settings the JIT adds to them. None for
+    other arguments (Triton's JIT launches those)."""
+    parts: list[Any] = []
+    for arg in args:
+        kind = type(arg)
+        if isinstance(arg, torch.Tensor):
+            parts.append((arg.dtype, arg.data_ptr() & 15 == 0))
+        elif kind is int:
+            if arg == 1:
+                parts.append(1)
+                continue
+            ranges = [name for name, low, high in _INT_RANGES if low <= arg < high]
+            if not ranges:
+                return None
+            parts.append((ranges[0], arg & 15 == 0))
+        elif kind is float or kind is bool:
+            parts.append(kind.__name__)
+        else:
+            return None
+    try:
+        options = tuple(sorted(kwargs.items()))
+        hash(options)
+    except TypeError:
+        return None
+    return (tuple(parts), options, _debug_settings(fn))
+
+
+def _debug_settings(fn: Any) -> tuple[Any, ...]:
+    """What ``JITFunction.run`` adds to a launch's options from Triton's knobs."""
+    from triton import knobs
+
+    compilation = knobs.compilation
+    return (
+        getattr(fn, "debug", None),
+        getattr(knobs.runtime, "debug", None),
+        getattr(compilation, "instrumentation_mode", None),
+        getattr(compilation, "fpsan_homomorphic_casts", None),
+    )
+
+
+def _agrees(key: Any, specialization: Any) -> bool:
+    """Whether Triton's JIT specialized the launch fingerprinted ``key`` as ``_fingerprint``
+    expects (its vocabulary: "D" for 16-byte alignment, a constexpr for an int equal to 1):
+    only then is the fingerprint recorded."""
+    parts = key[0]
+    if len(specialization) < len(parts):
+        return False
+    for part, (kind, spec) in zip(parts, specialization, strict=False):
+        if part == 1:
+            if kind != "constexpr" or spec != 1:
+                return False
+        elif isinstance(part, tuple):
+            dtype_or_kind, aligned = part
+            pointer = isinstance(dtype_or_kind, torch.dtype)
+            if pointer != kind.startswith("*") or (not pointer and kind != dtype_or_kind):
+                return False
+            if spec not in (None, "D" if aligned else ""):
+                return False
+        elif kind != {"float": "fp32", "bool": "u1"}[part]:
+            return False
+    return True
+
+
+def _constexpr_args(fn: Any, given: int, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The values of ``fn``'s parameters after the ``given`` positional arguments, by keyword
+    or default: a compiled kernel takes every argument, constexprs included."""
+    out = []
+    for param in fn.params[given:]:
+        if param.name in kwargs:
+            out.append(kwargs[param.name])
+        elif param.has_default:
+            out.append(param.default)
+        else:
+            raise TypeError(f"{fn.__name__}: no value for {param.name}")
+    return tuple(out)
+
+
+def _current_device() -> int:
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_device()  # type: ignore[no-any-return]
+
+
+def _current_target() -> Any:
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_target()
 
 
 @dataclass(frozen=True)
@@ -78,55 +234,100 @@ class _Launch:
     specialization: Any
     options: Any
 
-    @property
-    def entry_name(self) -> str:
-        import triton
-
-        return f"{triton.__version__}|{self.target}|{self.jit_key}"
-
 
 def _bind(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Launch:
     from triton import knobs
-    from triton.runtime.driver import driver
     from triton.runtime.jit import compute_cache_key
 
-    device = driver.active.get_current_device()
+    device = _current_device()
     _, key_cache, target, _, binder = fn.device_caches[device]
     kw = dict(kwargs)  # what JITFunction.run adds before binding
     kw["debug"] = kw.get("debug", fn.debug) or knobs.runtime.debug
     kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):
+        kw["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
     bound, specialization, options = binder(*args, **kw)
     jit_key = compute_cache_key(key_cache, specialization, options)
     return _Launch(device, jit_key, target, kw, bound, specialization, options)
 
 
-def _seed(fn: Any, record: str, launch: _Launch) -> bool:
-    """Put the recorded compiled kernel into the JIT's cache; whether it was there to put."""
-    kernel_cache, _, _, backend, _ = fn.device_caches[launch.device]
-    if launch.jit_key in kernel_cache:
-        return True
-    entry = _read(record).get(launch.entry_name)
-    if entry is None or not all(os.path.exists(p) for p in entry["group"].values()):
-        return False
+def _entry(
+    fn: Any, backend: Any, launch: _Launch, compiled: Any, key: Any
+) -> dict[str, Any] | None:
+    """The record of a compiled kernel: Triton's cache entry (hash, files) and the source
+    its launcher is built from (signature, constexprs); None where it does not hold
+    (another JIT's specialization, values JSON does not keep)."""
+    group = getattr(compiled, "metadata_group", None)
+    if not group or not isinstance(getattr(compiled, "hash", None), str):
+        return None
+    if not _agrees(key, launch.specialization):
+        return None
+    _, signature, constexprs, attrs = fn._pack_args(
+        backend, launch.kwargs, launch.bound, launch.specialization, launch.options
+    )
+    entry = {
+        "hash": compiled.hash,
+        "group": dict(group),
+        "signature": dict(signature),
+        "constexprs": [[list(path), value] for path, value in constexprs.items()],
+        "attrs": [[list(path), value] for path, value in attrs.items()],
+    }
     try:
-        _, signature, constexprs, attrs = fn._pack_args(
-            backend, launch.kwargs, launch.bound, launch.specialization, launch.options
-        )
-        src = fn.ASTSource(fn, signature, constexprs, attrs)
-        kernel_cache[launch.jit_key] = fn.CompiledKernel(src, entry["group"], entry["hash"])
-    except (*_MISMATCH, OSError):
-        return False
-    return True
+        kept = json.loads(json.dumps(entry)) == entry
+    except (TypeError, ValueError):
+        return None
+    plain = all(isinstance(v, int | float | str | None) for _, v in entry["constexprs"])
+    return entry if kept and plain else None
 
 
-def _remember(fn: Any, record: str, launch: _Launch) -> None:
-    """Record the cache entry Triton made for this launch (if it made one)."""
-    kernel = fn.device_caches[launch.device][0].get(launch.jit_key)
-    group = getattr(kernel, "metadata_group", None)
-    if not group or not isinstance(getattr(kernel, "hash", None), str):
-        return
+def _load(fn: Any, record: str, name: str) -> Any:
+    """The compiled kernel recorded as ``name``, from Triton's cache files; None where
+    there is none (or it cannot be read)."""
+    from triton.compiler import ASTSource, CompiledKernel
+
+    try:
+        entry = _read(record).get(name)
+        if entry is None or not all(os.path.exists(p) for p in entry["group"].values()):
+            return None
+        constexprs = {tuple(path): value for path, value in entry["constexprs"]}
+        attrs = {tuple(path): value for path, value in entry["attrs"]}
+        src = ASTSource(fn, entry["signature"], constexprs, attrs)
+        return CompiledKernel(src, entry["group"], entry["hash"])
+    except (*_MISMATCH, OSError, StopIteration) as exc:
+        log.debug("%s: recorded kernel not loaded (%r)", fn.__name__, exc)
+        return None
+
+
+def _entry_name(target: Any, key: Any) -> str:
+    return f"{_installation()}|{target}|{key!r}"
+
+
+@functools.cache
+def _installation() -> str:
+    """This process's Triton: its version, its library's size and modification time, and
+    the environment variables that change what it compiles (a record made by another
+    Triton, or under other settings, is not used)."""
+    import triton
+
+    parts = [triton.__version__]
+    try:
+        from triton._C import libtriton
+
+        stat = os.stat(str(libtriton.__file__))
+        parts.append(f"{stat.st_size}:{stat.st_mtime_ns}")
+    except (ImportError, OSError, *_MISMATCH):
+        parts.append("?")
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+    except ImportError:
+        return "|".join(parts)
+    parts.append(repr(sorted(get_cache_invalidating_env_vars().items())))
+    return "|".join(parts)
+
+
+def _remember(record: str, name: str, entry: dict[str, Any]) -> None:
     entries = _read(record)
-    entries[launch.entry_name] = {"hash": kernel.hash, "group": dict(group)}
+    entries[name] = entry
     tmp = f"{record}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(entries, f)
