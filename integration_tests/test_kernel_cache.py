@@ -83,14 +83,14 @@ CHILD = textwrap.dedent(
 )
 
 
-def _child(tmp_path):
+def _child(tmp_path, script=CHILD):
     env = dict(
         os.environ,
         OPTKERNELS_CACHE_DIR=str(tmp_path / "src"),
         TRITON_CACHE_DIR=str(tmp_path / "triton"),
     )
     done = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -117,3 +117,75 @@ def test_a_second_process_reuses_the_generated_kernels(tmp_path):
         # And a fresh cache folder compiles again (the check above can fail).
         third = _child(tmp_path / "fresh")
         assert third["compiles"]
+
+
+# One generated kernel, launched with three fingerprints (an int argument equal to 1 is a
+# constexpr to Triton's JIT; an output 4 bytes off 16-byte alignment another kernel).
+LAUNCHES = textwrap.dedent(
+    """
+    import json, sys, textwrap
+    import torch
+    from triton.compiler import compiler
+    from triton.runtime import cache as triton_cache
+    from optkernels import _triton_compat
+    from optkernels.foreach_kernel import load_kernel
+
+    compiles = []
+    make_ir = compiler.ASTSource.make_ir
+
+    def counting(self, *args, **kwargs):
+        compiles.append(self.name)
+        return make_ir(self, *args, **kwargs)
+
+    compiler.ASTSource.make_ir = counting
+    SOURCE = '''
+    @triton.jit
+    def first_times(ptrs, n, out, SCALE, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        address = tl.load(ptrs + i, mask=mask, other=0)
+        x = tl.load(address.to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+        tl.store(out + i, x * SCALE, mask=mask)
+    '''
+    kernel = load_kernel(textwrap.dedent(SOURCE), "first_times")
+    xs = [torch.full((3,), float(i + 1), device="cuda") for i in range(5)]
+    ptrs = torch.tensor([x.data_ptr() for x in xs], device="cuda")
+    buffer = torch.zeros(6, device="cuda")
+    calls = [(ptrs, 5, buffer[:5], 2.0), (ptrs, 1, buffer[:5], 3.0), (ptrs, 5, buffer[1:], 0.5)]
+    results = []
+    for _ in range(2):  # (the second round: each fingerprint's compiled kernel, directly)
+        for args in calls:
+            buffer.zero_()
+            kernel[(1,)](*args, BLOCK=8)
+            results.append(buffer.tolist())
+    gluon = "triton.experimental.gluon" in sys.modules
+    self_hashes = triton_cache.triton_key.cache_info().misses
+    same = []  # the specialization made from the fingerprint, and Triton's binder's
+    for args in calls:
+        key = _triton_compat._fingerprint(kernel.fn, args, {"BLOCK": 8})
+        launch = _triton_compat._bind(kernel.fn, args, {"BLOCK": 8})
+        made = _triton_compat._specialization(kernel.fn, key, launch.bound)
+        same.append(made == launch.specialization and _triton_compat._agrees(key, made))
+    print(json.dumps({
+        "results": results, "compiles": compiles, "gluon": gluon,
+        "self_hashes": self_hashes, "same": same,
+    }))
+    """
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernels_compile_without_triton_s_self_hash_and_launch_from_the_record(tmp_path):
+    first = _child(tmp_path, LAUNCHES)
+    second = _child(tmp_path, LAUNCHES)
+    expected = [
+        [2.0, 4.0, 6.0, 8.0, 10.0, 0.0],
+        [3.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [0.0, 0.5, 1.0, 1.5, 2.0, 2.5],
+    ]
+    assert first["results"] == second["results"] == expected * 2
+    assert first["compiles"] == ["first_times"] * 3  # (one per fingerprint, once)
+    assert first["self_hashes"] == 0  # (compiled without Triton's cache: no key needed)
+    assert second["compiles"] == [] and second["self_hashes"] == 0
+    assert not second["gluon"]  # (Triton's binder never ran)
+    assert first["same"] == second["same"] == [True] * 3

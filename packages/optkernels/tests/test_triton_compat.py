@@ -248,3 +248,39 @@ def test_arguments_a_fingerprint_does_not_cover_go_to_the_jit(offline):
     assert _triton_compat._fingerprint(fn, (table, 5, table), {"BLOCK": [64]}) is None
     covered = _triton_compat._fingerprint(fn, (table, 5.0, True), {"BLOCK": 64})
     assert covered is not None and covered[0][1:] == ("float", "bool")
+
+
+def test_the_specialization_made_from_a_fingerprint_is_the_binders(offline):
+    fn = offline[0]
+    table, out = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.float16)
+    for args in ((table, 5, out), (table[1:], 1, out[3:]), (table, 2**40, out), (table, 32, out)):
+        kwargs = {"BLOCK": 64, "num_warps": 2}
+        key = _triton_compat._fingerprint(fn, args, kwargs)
+        launch = _bound(offline, args, kwargs)
+        made = _triton_compat._specialization(fn, key, launch.bound)
+        assert made == launch.specialization
+
+
+def test_a_kernel_compiled_without_triton_s_cache_is_the_one_triton_compiles(
+    offline, tmp_path, monkeypatch
+):
+    """What the first launch on a cold cache compiles without Triton's self-hash
+    (_triton_compat._compile): the binary and metadata triton.compile makes."""
+    import triton
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    fn, target, backend, _ = offline
+    args = (torch.zeros(8, dtype=torch.int64), 5, torch.zeros(8))
+    kwargs = {"BLOCK": 128, "num_warps": 4}
+    launch = _bound(offline, args, kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, launch.kwargs, launch.bound, launch.specialization, launch.options
+    )
+    source = ASTSource(fn, signature, constexprs, attrs)
+    theirs = triton.compile(source, target=target, options=options.__dict__)
+    ours = _triton_compat._run_stages(source, target, backend, options, str(tmp_path / "b"), "0a")
+    assert ours.asm["cubin"] == theirs.asm["cubin"]
+    assert ours.metadata._replace(hash="") == theirs.metadata._replace(hash="")
+    assert sorted(os.listdir(tmp_path / "b")) == ["twice_first.cubin", "twice_first.json"]

@@ -12,17 +12,22 @@ binds. Anything unexpected (another Triton, target or setting, files gone, a JIT
 specializes differently, a launcher that refuses the arguments) falls back to Triton's
 own path, which is always correct, only slower.
 
-A process whose kernels are not recorded yet (a cold cache) still pays for the hash before
-its first compile: most of it reading and hashing ``libtriton`` (hundreds of MB), which
-runs without the GIL. ``prefetch_triton_key`` starts it in a background thread when the
-backend is made (``compile()``), so the trace and lowering of the first call, and whatever
-the caller does before its first step, overlap it; the first compile waits for it.
+A process whose kernels are not recorded yet (a cold cache) compiles them: through
+Triton's stages as ``triton.compile`` does on a miss, but into files beside the record
+instead of Triton's cache (``_compile``), so without Triton's self-hash (its cache key)
+and without its binder (the specialization is made from the fingerprint). Where that
+cannot be done as Triton would (hooks, overrides or dumps set, parameters with settings,
+anything unexpected), Triton's JIT compiles, after its self-hash: most of it reading and
+hashing ``libtriton`` (hundreds of MB), which runs without the GIL. ``prefetch_triton_key``
+starts that in a background thread when the backend is made on a cold cache
+(``compile()``), so that such a first compile finds it done or under way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -85,7 +90,10 @@ class Kernel:
         _await_runtime()  # (loading and binding use Triton's driver: built there, or being built)
         compiled = None
         if key is not None:
-            compiled = _load(self.fn, self.record, _entry_name(_current_target(), key))
+            name = _entry_name(_current_target(), key)
+            compiled = _load(self.fn, self.record, name)
+            if compiled is None:
+                compiled = _compile(self.fn, self.record, name, key, args, kwargs)
         if compiled is not None:
             try:
                 compiled[(*grid, 1, 1)[:3]](*args, *_constexpr_args(self.fn, len(args), kwargs))
@@ -236,19 +244,146 @@ class _Launch:
 
 
 def _bind(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Launch:
-    from triton import knobs
     from triton.runtime.jit import compute_cache_key
 
     device = _current_device()
     _, key_cache, target, _, binder = fn.device_caches[device]
-    kw = dict(kwargs)  # what JITFunction.run adds before binding
+    kw = _jit_options(fn, kwargs)
+    bound, specialization, options = binder(*args, **kw)
+    jit_key = compute_cache_key(key_cache, specialization, options)
+    return _Launch(device, jit_key, target, kw, bound, specialization, options)
+
+
+def _specialization(fn: Any, key: Any, bound: dict[str, Any]) -> list[Any] | None:
+    """The specialization Triton's binder gives the launch fingerprinted ``key`` with the
+    arguments ``bound`` (by parameter name), made from the fingerprint; None for a kernel
+    whose parameters carry settings beyond constexpr-ness (annotations, const pointers,
+    do_not_specialize): the binder's own rules apply to those."""
+    from triton._utils import canonicalize_ptr_dtype
+
+    parts = iter(key[0])
+    out: list[Any] = []
+    for param in fn.params:
+        if param.is_constexpr:
+            out.append(("constexpr", bound[param.name]))
+            continue
+        plain = not (param.annotation_type or param.is_const or param.do_not_specialize)
+        if not plain or param.do_not_specialize_on_alignment:
+            return None
+        part = next(parts, None)
+        if part is None:
+            return None
+        if part == 1:
+            out.append(("constexpr", 1))
+        elif part in ("float", "bool"):
+            out.append(({"float": "fp32", "bool": "u1"}[part], None))
+        else:
+            dtype_or_kind, aligned = part
+            pointer = isinstance(dtype_or_kind, torch.dtype)
+            kind = canonicalize_ptr_dtype(dtype_or_kind, False) if pointer else dtype_or_kind
+            out.append((kind, "D" if aligned else ""))
+    return out if next(parts, None) is None else None
+
+
+def _jit_options(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A launch's keyword arguments with what ``JITFunction.run`` adds before binding."""
+    from triton import knobs
+
+    kw = dict(kwargs)
     kw["debug"] = kw.get("debug", fn.debug) or knobs.runtime.debug
     kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):
         kw["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
-    bound, specialization, options = binder(*args, **kw)
-    jit_key = compute_cache_key(key_cache, specialization, options)
-    return _Launch(device, jit_key, target, kw, bound, specialization, options)
+    return kw
+
+
+def _compile(
+    fn: Any, record: str, name: str, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Compile the launch fingerprinted ``key`` as Triton's JIT would, without Triton's
+    cache (whose key is Triton's self-hash: ``triton_key``), into files beside the record,
+    and record it as ``name``; None where this Triton, its settings or the kernel's
+    parameters ask for Triton's own path (hooks, overrides, dumps), or anything differs."""
+    from triton import knobs
+
+    compilation, runtime = knobs.compilation, knobs.runtime
+    customized = (
+        getattr(compilation, "override", False),
+        getattr(compilation, "dump_ir", False),
+        getattr(compilation, "always_compile", False),
+        getattr(compilation, "listener", None),
+        getattr(runtime, "jit_cache_hook", None),
+        getattr(runtime, "jit_post_compile_hook", None),
+        getattr(runtime, "add_stages_inspection_hook", None),
+    )
+    if any(customized):
+        return None
+    try:
+        from triton.compiler import ASTSource
+
+        _, _, target, backend, _ = fn.device_caches[_current_device()]
+        kw = _jit_options(fn, kwargs)
+        values = (*args, *_constexpr_args(fn, len(args), kwargs))
+        bound = dict(zip(fn.arg_names, values, strict=True))
+        specialization = _specialization(fn, key, bound)
+        if specialization is None:
+            return None
+        packed = fn._pack_args(backend, kw, bound, specialization, kw)
+        options, signature, constexprs, attrs = packed
+        if getattr(options, "ir_override", None):
+            return None
+        src = ASTSource(fn, signature, constexprs, attrs)
+        digest = hashlib.sha256(f"{os.path.basename(record)}|{name}".encode()).hexdigest()
+        folder = os.path.join(os.path.dirname(record), "bin", digest[:32])
+        compiled = _run_stages(src, target, backend, options, folder, digest)
+    except Exception as exc:  # (Triton's own path compiles it, and raises what it raises)
+        log.debug("%s: compiled through Triton's JIT (%r)", fn.__name__, exc)
+        return None
+    entry = _entry_of(compiled, signature, constexprs, attrs)
+    if entry is not None:
+        _remember(record, name, entry)
+    return compiled
+
+
+def _run_stages(src: Any, target: Any, backend: Any, options: Any, folder: str, digest: str) -> Any:
+    """What ``triton.compile`` does on a miss of its cache (Triton 3.6 to 3.9): the source's
+    IR through the backend's stages, the binary and the metadata written to ``folder``."""
+    import triton
+    from triton._C.libtriton import get_cache_invalidating_env_vars, ir
+    from triton.compiler import CompiledKernel
+
+    metadata = {
+        "hash": digest,
+        "target": target,
+        **options.__dict__,
+        **get_cache_invalidating_env_vars(),
+        "triton_version": triton.__version__,
+    }
+    stages: dict[str, Callable[[Any, dict[str, Any]], Any]] = {}
+    backend.add_stages(stages, options, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    codegen = backend.get_codegen_implementation(options)
+    module = src.make_ir(target, options, codegen, backend.get_module_map(), context)
+    for ext, stage in list(stages.items())[list(stages).index(src.ext) :]:
+        module = stage(module, metadata)
+        if ext == backend.binary_ext:
+            break
+    os.makedirs(folder, exist_ok=True)
+    stem = os.path.join(folder, src.name[:150])
+    group = {f"{src.name[:150]}.{backend.binary_ext}": f"{stem}.{backend.binary_ext}"}
+    group[f"{src.name[:150]}.json"] = f"{stem}.json"
+    _write(f"{stem}.{backend.binary_ext}", module)
+    _write(f"{stem}.json", json.dumps(metadata, default=vars).encode())
+    return CompiledKernel(src, group, digest)
+
+
+def _write(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _entry(
@@ -265,9 +400,15 @@ def _entry(
     _, signature, constexprs, attrs = fn._pack_args(
         backend, launch.kwargs, launch.bound, launch.specialization, launch.options
     )
+    return _entry_of(compiled, signature, constexprs, attrs)
+
+
+def _entry_of(compiled: Any, signature: Any, constexprs: Any, attrs: Any) -> dict[str, Any] | None:
+    """A record entry: where the compiled kernel's files are, and what its launcher is
+    built from; None where JSON would not keep it as it is."""
     entry = {
         "hash": compiled.hash,
-        "group": dict(group),
+        "group": dict(compiled.metadata_group),
         "signature": dict(signature),
         "constexprs": [[list(path), value] for path, value in constexprs.items()],
         "attrs": [[list(path), value] for path, value in attrs.items()],
