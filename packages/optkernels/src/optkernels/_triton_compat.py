@@ -87,13 +87,14 @@ class Kernel:
         key: Any,
     ) -> None:
         """A fingerprint's first launch in this process: recorded, or Triton's."""
-        _await_runtime()  # (loading and binding use Triton's driver: built there, or being built)
+        _await_driver()  # (loading, compiling, binding use Triton's driver, built there)
         compiled = None
         if key is not None:
             name = _entry_name(_current_target(), key)
             compiled = _load(self.fn, self.record, name)
             if compiled is None:
                 compiled = _compile(self.fn, self.record, name, key, args, kwargs)
+        _await_runtime()  # (the launchers: built there, while this compiled)
         if compiled is not None:
             try:
                 compiled[(*grid, 1, 1)[:3]](*args, *_constexpr_args(self.fn, len(args), kwargs))
@@ -366,16 +367,18 @@ def _run_stages(src: Any, target: Any, backend: Any, options: Any, folder: str, 
     backend.load_dialects(context)
     codegen = backend.get_codegen_implementation(options)
     module = src.make_ir(target, options, codegen, backend.get_module_map(), context)
+    kept: dict[str, Any] = {}  # (the binary, and the assembly a reader may want: PTX)
     for ext, stage in list(stages.items())[list(stages).index(src.ext) :]:
         module = stage(module, metadata)
-        if ext == backend.binary_ext:
-            break
+        if ext in ("ptx", "amdgcn", backend.binary_ext):
+            kept[ext] = module
+    kept["json"] = json.dumps(metadata, default=vars)
     os.makedirs(folder, exist_ok=True)
-    stem = os.path.join(folder, src.name[:150])
-    group = {f"{src.name[:150]}.{backend.binary_ext}": f"{stem}.{backend.binary_ext}"}
-    group[f"{src.name[:150]}.json"] = f"{stem}.json"
-    _write(f"{stem}.{backend.binary_ext}", module)
-    _write(f"{stem}.json", json.dumps(metadata, default=vars).encode())
+    group = {}
+    for ext, data in kept.items():
+        path = os.path.join(folder, f"{src.name[:150]}.{ext}")
+        _write(path, data if isinstance(data, bytes) else str(data).encode())
+        group[os.path.basename(path)] = path
     return CompiledKernel(src, group, digest)
 
 
@@ -577,6 +580,13 @@ def _build_launcher(signature: tuple[str, ...]) -> None:
 
 def _await_runtime() -> None:
     for thread in _runtime_threads:
+        thread.join()
+
+
+def _await_driver() -> None:
+    """Wait for Triton's driver and compiler modules (prefetch_runtime's first and last
+    jobs), not for the launchers, which the first launch waits for."""
+    for thread in (_runtime_threads[:1] + _runtime_threads[-1:]) if _runtime_threads else ():
         thread.join()
 
 
