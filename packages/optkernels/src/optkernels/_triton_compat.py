@@ -114,8 +114,8 @@ class Kernel:
             launch = _bind(self.fn, args, kwargs)
         except _MISMATCH:
             launch = None
-        if launch is not None and _runtime_threads:
-            _check_prefetched(self.fn, launch)
+        if launch is not None:
+            _check_prefetched(self.fn, launch.specialization)
         if launch is None or launch.jit_key not in self.fn.device_caches[launch.device][0]:
             _await_triton_key()  # (Triton compiles: its key is computed, or being computed)
         self.fn[grid](*args, **kwargs)
@@ -329,6 +329,7 @@ def _compile(
         specialization = _specialization(fn, key, bound)
         if specialization is None:
             return None
+        _check_prefetched(fn, specialization)
         packed = fn._pack_args(backend, kw, bound, specialization, kw)
         options, signature, constexprs, attrs = packed
         if getattr(options, "ir_override", None):
@@ -599,11 +600,13 @@ def launch_signature(fn: Any, args: Sequence[Any]) -> tuple[str, ...]:
     return (*(mangle_type(a, True) for a in args), *("constexpr" for _ in rest))
 
 
-def _check_prefetched(fn: Any, launch: _Launch) -> None:
-    """Say so when a first launch's signature was not among those prefetched (Triton 3.6
-    then builds its launcher in the foreground)."""
+def _check_prefetched(fn: Any, specialization: Any) -> None:
+    """Say so when a first launch's signature (from its ``specialization``) was not among
+    those prefetched (Triton 3.6 then builds its launcher in the foreground)."""
+    if not _runtime_threads:
+        return
     try:
-        signature = tuple(kind for kind, _ in launch.specialization)
+        signature = tuple(kind for kind, _ in specialization)
     except _MISMATCH:
         return
     if signature not in _prefetched:
