@@ -313,3 +313,15 @@ def test_a_kernel_compiled_without_triton_s_cache_is_the_one_triton_compiles(
     assert ours.asm["ptx"] == theirs.asm["ptx"]
     files = sorted(os.listdir(tmp_path / "b"))
     assert files == ["twice_first.cubin", "twice_first.json", "twice_first.ptx"]
+
+
+@pytest.mark.parametrize("setting", ["TRITON_KERNEL_DUMP", "TRITON_KERNEL_OVERRIDE"])
+def test_triton_s_dumps_and_overrides_leave_the_compile_to_triton(offline, tmp_path, setting):
+    fn = offline[0]
+    args = (torch.zeros(8, dtype=torch.int64), 5, torch.zeros(8))
+    key = _triton_compat._fingerprint(fn, args, {"BLOCK": 64})
+    record = str(tmp_path / "k_0123.twice_first.json")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(setting, "1")
+        assert _triton_compat._compile(fn, record, "name", key, args, {"BLOCK": 64}) is None
+    assert not os.path.exists(record)

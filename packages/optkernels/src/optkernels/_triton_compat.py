@@ -312,6 +312,7 @@ def _compile(
         getattr(compilation, "override", False),
         getattr(compilation, "dump_ir", False),
         getattr(compilation, "always_compile", False),
+        getattr(compilation, "use_ir_loc", None),
         getattr(compilation, "listener", None),
         getattr(runtime, "jit_cache_hook", None),
         getattr(runtime, "jit_post_compile_hook", None),
