@@ -64,9 +64,12 @@ def test_the_cache_counts_as_cold_until_a_kernel_record_is_there(tmp_path, monke
     assert kernels_recorded()
 
 
-def test_the_runtime_modules_are_built_in_background_threads_once(monkeypatch):
+@pytest.mark.parametrize("compiler", [True, False], ids=["cold cache", "warm cache"])
+def test_the_runtime_modules_are_built_in_background_threads_once(monkeypatch, compiler):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(_triton_compat, "_runtime_threads", [])
+    monkeypatch.setattr(_triton_compat, "_compiler_threads", [])
+    monkeypatch.setattr(_triton_compat, "_driver_pending", False)
     monkeypatch.setattr(_triton_compat, "_prefetched", set())
     built: list[tuple[str, object]] = []
 
@@ -75,11 +78,16 @@ def test_the_runtime_modules_are_built_in_background_threads_once(monkeypatch):
 
     monkeypatch.setattr(_triton_compat, "_build_driver", lambda: record("driver"))
     monkeypatch.setattr(_triton_compat, "_build_launcher", record)
+    monkeypatch.setattr(_triton_compat, "_import_compiler", lambda: record("compiler"))
     signatures = [("*i64", "constexpr"), ("*fp64", "i32", "constexpr")]
-    _triton_compat.prefetch_runtime(signatures)
+    _triton_compat.prefetch_runtime(signatures, compiler=compiler)
     _triton_compat.prefetch_runtime(signatures)  # (once per process)
+    assert _triton_compat._driver_pending  # (until the first launch waited for it)
+    _triton_compat._await_driver()
+    assert not _triton_compat._driver_pending
     _triton_compat._await_runtime()
-    assert sorted((what for _, what in built), key=str) == sorted(["driver", *signatures], key=str)
+    expected = ["driver", *signatures, *(["compiler"] if compiler else [])]
+    assert sorted((what for _, what in built), key=str) == sorted(expected, key=str)
     assert all(name.startswith("optkernels-triton-runtime-") for name, _ in built)
     assert _triton_compat._prefetched == set(signatures)
 

@@ -221,6 +221,8 @@ def _constexpr_args(fn: Any, given: int, kwargs: dict[str, Any]) -> tuple[Any, .
 def _current_device() -> int:
     from triton.runtime.driver import driver
 
+    if _driver_pending:  # (Triton makes its driver on first use, in no thread-safe way)
+        _await_driver()
     return driver.active.get_current_device()  # type: ignore[no-any-return]
 
 
@@ -530,24 +532,30 @@ def _await_triton_key() -> None:
 
 
 _runtime_threads: list[threading.Thread] = []
+_compiler_threads: list[threading.Thread] = []  # (the one importing Triton's compiler)
+_driver_pending = False  # a background thread is making Triton's driver (prefetch_runtime)
 _prefetched: set[tuple[str, ...]] = set()
 
 
-def prefetch_runtime(signatures: Sequence[tuple[str, ...]]) -> None:
-    """Build Triton's CUDA driver utilities and the launchers of kernels whose arguments have
-    the types ``signatures`` (as ``launch_signature`` gives them), and import its compiler,
-    in background threads; see the module docstring. Once per process; never under the
-    interpreter."""
+def prefetch_runtime(signatures: Sequence[tuple[str, ...]], compiler: bool = True) -> None:
+    """Build (or, on a warm cache, load) Triton's CUDA driver utilities and the launchers of
+    kernels whose arguments have the types ``signatures`` (as ``launch_signature`` gives
+    them) and, with ``compiler``, import its compiler, in background threads; see the module
+    docstring. Once per process; never under the interpreter."""
+    global _driver_pending
     if _runtime_threads or os.environ.get("TRITON_INTERPRET") == "1":
         return
     _prefetched.update(signatures)
     launchers = [functools.partial(_build_launcher, s) for s in signatures]
-    jobs = [_build_driver, *launchers, _import_compiler]
+    jobs = [_build_driver, *launchers, *([_import_compiler] if compiler else [])]
     for i, job in enumerate(jobs):
         name = f"optkernels-triton-runtime-{i}"
         thread = threading.Thread(target=_quietly, args=(job,), name=name, daemon=True)
         thread.start()
         _runtime_threads.append(thread)
+        if job is _import_compiler:
+            _compiler_threads.append(thread)
+    _driver_pending = True
 
 
 def _build_driver() -> None:
@@ -588,8 +596,10 @@ def _await_runtime() -> None:
 def _await_driver() -> None:
     """Wait for Triton's driver and compiler modules (prefetch_runtime's first and last
     jobs), not for the launchers, which the first launch waits for."""
-    for thread in (_runtime_threads[:1] + _runtime_threads[-1:]) if _runtime_threads else ():
+    global _driver_pending
+    for thread in _runtime_threads[:1] + _compiler_threads:
         thread.join()
+    _driver_pending = False
 
 
 def launch_signature(fn: Any, args: Sequence[Any]) -> tuple[str, ...]:
