@@ -160,7 +160,7 @@ def _bound(offline, args, kwargs):
     from triton.runtime.jit import compute_cache_key
 
     _, target, _, binder = offline
-    kw = dict(kwargs, debug=False, instrumentation_mode="", fpsan_homomorphic_casts=False)
+    kw = _triton_compat._jit_options(offline[0], kwargs)
     bound, specialization, options = binder(*args, **kw)
     jit_key = compute_cache_key({}, specialization, options)
     return _triton_compat._Launch(0, jit_key, target, kw, bound, specialization, options)
