@@ -308,7 +308,7 @@ def test_a_kernel_compiled_without_triton_s_cache_is_the_one_triton_compiles(
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     fn, target, backend, _ = offline
     args = (torch.zeros(8, dtype=torch.int64), 5, torch.zeros(8))
-    kwargs = {"BLOCK": 128, "num_warps": 4}
+    kwargs = {"BLOCK": 128, "num_warps": 4, "maxnreg": 64}  # (as 16-bit lanes launch)
     launch = _bound(offline, args, kwargs)
     options, signature, constexprs, attrs = fn._pack_args(
         backend, launch.kwargs, launch.bound, launch.specialization, launch.options
