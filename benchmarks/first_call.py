@@ -184,6 +184,7 @@ def _patch_phases(timer: Timer) -> None:
         return
     timer.patch(optkernels._triton_compat.Kernel, "_first", "Triton compile")
     timer.patch(optkernels._triton_compat, "_await_runtime", "Triton wait")
+    timer.patch(optkernels._triton_compat, "_await_driver", "Triton wait")
     timer.patch(optkernels._triton_compat, "_await_triton_key", "Triton wait")
     timer.patch(optcudagraph.tree.Graphed, "_record", "graph capture")
 
@@ -318,9 +319,9 @@ def triton_offline(arch: int, capturable: bool) -> dict[str, Any]:
     """What the GPU's first call does before its first launch, on this CPU: trace AdamW
     (foreach; the Triton backend traces its capturable path) over GPT-2 124M's shapes,
     build the prologue, lower to Triton kernels; then compile each generated kernel for an
-    ``sm_<arch>`` target with Triton's compiler (as the first launch would), timing each
-    and its ptxas stage. Triton's self-hash starts in the background first, as the backend
-    starts it on a cold cache. ``capturable=False`` (``gpt2-adamw``: torch's default) keeps
+    ``sm_<arch>`` target, timing each and its ptxas stage, as a first launch on a cold cache
+    compiles it: through Triton's stages without Triton's cache, so without its self-hash
+    (``_triton_compat._compile``). ``capturable=False`` (``gpt2-adamw``: torch's default) keeps
     the step counts on the CPU: on a GPU the plan then computes what depends on them on the
     host, with its own kernel (``_Part.check_devices``), which is the one compiled here."""
     import optguard
@@ -331,7 +332,7 @@ def triton_offline(arch: int, capturable: bool) -> dict[str, Any]:
     from opttrace import trace_step
     from opttrace.optimizer import init_state
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
 
     params, _ = _params("gpt2-adamw", "cpu")
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=True, capturable=capturable)
@@ -339,7 +340,6 @@ def triton_offline(arch: int, capturable: bool) -> dict[str, Any]:
     start = time.perf_counter()
     init_state(opt)  # (the state's allocation, as eager's first step: not timed below)
     seconds["state init (as eager's first step)"] = time.perf_counter() - start
-    _triton_compat.prefetch_triton_key()  # (after the CPU's slow state init)
     start = time.perf_counter()
     traced = trace_step(opt, capturable=True)
     seconds["trace"] = time.perf_counter() - start
@@ -352,10 +352,9 @@ def triton_offline(arch: int, capturable: bool) -> dict[str, Any]:
         if part.host_small and not part.host:  # (what check_devices does on the GPU)
             part._build(host=True)
     seconds["lowering and kernel source"] = time.perf_counter() - start
-    start = time.perf_counter()
-    _triton_compat._await_triton_key()
-    seconds["Triton self-hash (its wait)"] = time.perf_counter() - start
     target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    folder = Path(tempfile.mkdtemp(prefix="first-call-offline-"))
     stages = _time_stages()
     kernels = []
     for part in plan.parts:
@@ -370,8 +369,11 @@ def triton_offline(arch: int, capturable: bool) -> dict[str, Any]:
                 source = ASTSource(fn=fn, signature=signature, constexprs={"BLOCK": block})
                 stages.clear()
                 start = time.perf_counter()
-                options = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
-                compiled = triton.compile(source, target=target, options=options)
+                given = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+                options = backend.parse_options(given)
+                compiled = _triton_compat._run_stages(
+                    source, target, backend, options, str(folder / fn.__name__), fn.__name__
+                )
                 spent = time.perf_counter() - start
                 ptx = compiled.asm["ptx"]
                 kernels.append(
@@ -436,8 +438,9 @@ def _triton_table(results: list[dict[str, Any]]) -> str:
         f"(Triton {result['triton']}, on this CPU: the compile to PTX and cubin needs no "
         "GPU). The same trace, prologue and lowering the GPU's first call runs, on CPU "
         f"tensors of GPT-2's shapes ({result['params']} tensors, {result['graph_ops']} graph "
-        "ops), then `triton.compile` of each generated kernel as its first launch would; "
-        "Triton's self-hash prefetched. capturable=False (torch's default, `gpt2-adamw`): "
+        "ops), then the compile of each generated kernel as its first launch does on a "
+        "cold cache (Triton's stages, not its cache: no self-hash). capturable=False "
+        "(torch's default, `gpt2-adamw`): "
         "the step counts stay on the CPU, the host computes what depends on them and the "
         "GPU runs one kernel. Not here: the C compiler's builds of Triton's runtime "
         "modules (they need libcuda; on a GPU they run in background threads).",

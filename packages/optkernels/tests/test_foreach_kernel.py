@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 from optkernels import TorchPlan
-from optkernels.foreach_kernel import kernel_source, load_kernel
+from optkernels.foreach_kernel import kernel_source, load_kernel, prelude_for
 from optkernels.lanes import analyze
 from torch import fx
 
@@ -364,3 +364,14 @@ def test_whole_aligned_blocks_and_the_rest_give_the_same_bits(dtype):
     for a, b in zip(aligned, odd, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(aligned[0], values[0])  # the step ran
+
+
+def test_a_kernel_module_defines_only_the_prelude_helpers_it_uses():
+    # (each helper a module defines is a JITFunction built on import: ~1 ms in a warm process)
+    assert "@triton.jit" not in prelude_for("def k(x):\n    return x\n")
+    rounding = prelude_for("y = _bf16_rn(x)\n")
+    assert "def _bf16_rn(" in rounding and "def _bf16(" not in rounding
+    # a helper used by another (here as reduce's combine function, not called) comes along
+    quantizing = prelude_for("_store_int8(codes, scales, x, offs, start, mask, BLOCK)\n")
+    assert quantizing.count("@triton.jit") == 2 and "def _max_nan(" in quantizing
+    assert prelude_for("").startswith("import triton\nimport triton.language as tl\n")

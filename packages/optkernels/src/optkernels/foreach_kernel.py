@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -698,6 +699,33 @@ def _bf16(x):
 """
 
 
+_HELPERS = {
+    match.group(1): block
+    for block in re.split(r"\n(?=@triton\.jit\n)", _PRELUDE)[1:]
+    if (match := re.match(r"@triton\.jit\ndef (\w+)\(", block))
+}
+
+
+def prelude_for(source: str) -> str:
+    """The prelude's imports and the helpers ``source`` uses, directly or through another
+    helper: a warm process imports the module for its kernel, and each helper there is a
+    JITFunction that Triton builds from its source lines on import (~1 ms each)."""
+    needed: set[str] = set()
+    text = source
+    while True:
+        more = [
+            name
+            for name in _HELPERS
+            if name not in needed and re.search(rf"\b{name}\b", text) is not None
+        ]
+        if not more:
+            break
+        needed.update(more)
+        text += "".join(_HELPERS[name] for name in more)
+    header = _PRELUDE.split("\n@triton.jit\n", 1)[0]
+    return header + "".join("\n" + block for name, block in _HELPERS.items() if name in needed)
+
+
 def source_dir() -> str:
     """Where generated kernel sources live: $OPTKERNELS_CACHE_DIR, else a per-user folder
     in the temp dir."""
@@ -717,7 +745,7 @@ def load_kernel(source: str, name: str) -> Kernel:
     imports the same file, and the compiled binary Triton stored for it (keyed by that
     source, the Triton version, the target and the compile options) is loaded without
     running the compiler or Triton's per-process self-hash (``_triton_compat.Kernel``)."""
-    text = _PRELUDE + source
+    text = prelude_for(source) + source
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     directory = source_dir()
     os.makedirs(directory, exist_ok=True)

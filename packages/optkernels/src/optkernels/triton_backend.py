@@ -894,10 +894,11 @@ class TritonBackend:
         reason = triton_usable()
         if reason is not None:
             raise BackendError(f"backend='triton' cannot run here: {reason}")
-        if not kernels_recorded():  # a cold cache: the first call will compile
+        cold = not kernels_recorded()  # a cold cache: the first call will compile
+        if cold:
             prefetch_triton_key()
-            if torch.cuda.is_available():
-                prefetch_runtime(LAUNCH_SIGNATURES)
+        if torch.cuda.is_available():  # (on a warm cache: loads, and no compiler import)
+            prefetch_runtime(LAUNCH_SIGNATURES, compiler=cold)
 
     def compile(self, gm: fx.GraphModule) -> TritonPlan:
         plan = TritonPlan(gm)

@@ -287,8 +287,19 @@ def clear_dtensor_caches() -> None:
     """Empty DTensor's sharding-propagation caches (Python and C++): entries made during a
     trace hold its symbolic scalars (and through them its graph), and a later trace must
     not compare its scalars with those."""
-    if dtensor_class() is None:
+    cls = dtensor_class()
+    if cls is None:
         return
-    from torch.distributed.tensor import debug
+    # What torch.distributed.tensor.debug._clear_sharding_prop_cache does, without importing
+    # that package (its CommDebugMode and visualizer: 0.06 s, in every process that imported
+    # DTensor, on the first trace of any step).
+    try:
+        propagate = cls._op_dispatcher.sharding_propagator.propagate_op_sharding  # type: ignore[attr-defined]
+        clear_fast_path = torch._C._clear_DTensor_sharding_propagator_cache
+    except AttributeError:  # another torch: its own way
+        from torch.distributed.tensor import debug
 
-    debug._clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
+        debug._clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
+        return
+    propagate.cache_clear()
+    clear_fast_path()
