@@ -153,6 +153,8 @@ class _Group:
         self.dptrs: torch.Tensor | None = None
         self.small_out: torch.Tensor | None = None
         self.host_vals: torch.Tensor | None = None  # host-computed values (host mode)
+        # Host mode: its host functions (_Part._build: every lane's, and one for all)
+        self.host_fns: tuple[HostFunction, HostFunction | None] | None = None
         self.table_uploads = 0  # times an address table was (re)built
         # Host mode: per 0-dim input column, one CPU buffer the lanes' tensors alias (see
         # _Part._host_values), and the addresses that aliasing gives them.
@@ -241,6 +243,8 @@ class _Part:
             _Group(program, lanes, d, self.index, dynamic, host_cols, self.guarded)
             for (d, _), lanes in self._by_dtypes.items()
         ]
+        for group in self.groups:  # (looked up once: a key of 200 lanes hashes in ~1.6 µs)
+            group.host_fns = self._host_fns.get(tuple(group.lanes))
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
         # (each group's kernel, and its copy of the 0-dim results where the kernel makes them)
         self.launches = len(self.groups) * (2 if small_writes and not host else 1)
@@ -425,7 +429,8 @@ class _Part:
         # device tensors (tests): copies, written back with copy_.
         on_cpu = len(group.small_views) == len(buffers)
         views = group.small_views if on_cpu else {k: b.cpu().numpy() for k, b in buffers.items()}
-        every, one = self._host_fns[tuple(group.lanes)]
+        assert group.host_fns is not None, "host values of a group built without host mode"
+        every, one = group.host_fns
         values = self._uniform_host_values(one, views, scalar_values) if on_cpu else None
         if values is not None:  # one number per var: every lane's row is the same
             for var, k in program.writes:
