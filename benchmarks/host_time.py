@@ -7,7 +7,8 @@ For optcompile with the defaults and with capturable=True, times (host microseco
 mean over ``--calls`` after warm-up) the whole ``opt.step()`` and each part of it: the guard
 check (the prologue's C++ fast tier), the fast gather of the inputs, the whole prologue (both,
 as a step runs them), the plan's host preparation (scalars, host-side step counts,
-address-table checks, staging copies) and the graph replay. With
+address-table checks, staging copies) and the graph replay (as a step replays: the plan's
+buffers compared only when it replaced one, ``buffers_version``). With
 ``--profile ROWS``, also a cProfile of ``--calls`` steps per variant, sorted by own time.
 ``fused=True`` (torch's fused kernel, same run) is timed as a whole step beside them. With
 ``--slope``, the whole step's host time at 200, 2,000 and 20,000 tensors of 4x4 and the
@@ -216,10 +217,14 @@ def _row(step: Callable[[], Any], calls: int) -> list[float]:
     inputs = list(found[1])  # its list is reused and released by each step
     prologue.release()
     plan, graphed = entry.plan.plan, entry.plan.graphed
+    buffers = plan.buffers()
 
     def prologue_alone() -> None:
         prologue(L)
         prologue.release()
+
+    def replay() -> None:  # as a step replays (its buffers listed and compared once)
+        graphed(buffers, same=plan.buffers_version is not None)
 
     return [
         _time(step, calls),
@@ -227,7 +232,7 @@ def _row(step: Callable[[], Any], calls: int) -> list[float]:
         _time(lambda: fast.gather(L) if fast.gather is not None else None, calls),
         _time(prologue_alone, calls),
         _time(lambda: plan.prepare(inputs), calls),
-        _time(lambda: graphed(plan.buffers()), calls),
+        _time(replay, calls),
     ]
 
 
