@@ -1,23 +1,32 @@
 """Where the host time of one compiled step goes (200 tensors of 64x64, CUDA graphs on).
 
     python benchmarks/host_time.py [--set 200x64x64] [--optimizer AdamW] [--calls 1000]
-                                   [--profile ROWS] [--slope]
+                                   [--profile ROWS] [--slope] [--device cuda|cpu]
 
 For optcompile with the defaults and with capturable=True, times (host microseconds per call,
 mean over ``--calls`` after warm-up) the whole ``opt.step()`` and each part of it: the guard
 check (the prologue's C++ fast tier), the fast gather of the inputs, the whole prologue (both,
 as a step runs them), the plan's host preparation (scalars, host-side step counts,
-address-table checks, staging copies) and the graph replay. With
+address-table checks, staging copies) and the graph replay (as a step replays: the plan's
+buffers compared only when it replaced one, ``buffers_version``). With
 ``--profile ROWS``, also a cProfile of ``--calls`` steps per variant, sorted by own time.
 ``fused=True`` (torch's fused kernel, same run) is timed as a whole step beside them. With
 ``--slope``, the whole step's host time at 200, 2,000 and 20,000 tensors of 4x4 and the
-slope per 1,000 tensors (what each guarded tensor costs per call).
+slope per 1,000 tensors (what each guarded tensor costs per call). Also printed: how many
+host-to-device copies of the plans' staged values went through the CUDA driver, and how many
+times a staging round waited for the device (an event) per call.
+
+``--device cpu`` (``TRITON_INTERPRET=1``, no GPU): the same parts but the step and the graph
+replay (the interpreted kernels take milliseconds, and there is no graph): every part the
+host runs before the launch, measured where no GPU is at hand (the numbers in commit
+messages); min over 5 rounds of ``--calls`` each, the machine being shared.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import sys
 import time
@@ -31,16 +40,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 import step_time
 
 
-def _time(fn: Callable[[], Any], calls: int) -> float:
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time(fn: Callable[[], Any], calls: int, rounds: int = 1) -> float:
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    return host * 1e6
+    _sync()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+        _sync()
+    return best * 1e6
 
 
 def main() -> None:
@@ -50,10 +66,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS")
     parser.add_argument("--slope", action="store_true")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
     from optguard import native
 
     native.start(wait=True)  # the steady state (it builds in the background otherwise)
+    if args.device == "cpu":
+        _cpu_parts(args.set, args.optimizer, args.calls)
+        return
     params = step_time.make_params(args.set, "cuda")
     print(
         f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.set} "
@@ -69,9 +89,11 @@ def main() -> None:
         row = _row(step, args.calls)
         print(f"| {variant} | " + " | ".join(f"{v:.1f} µs" for v in row) + " |")
     copies = "; ".join(f"{v} {_driver_copies(step)}" for v, step in steps.items())
+    waits = "; ".join(f"{v} {_staging_waits(step)}" for v, step in steps.items())
     fused = step_time.build("fused", args.optimizer, params)
     print(f"| fused=True | {_time(fused, args.calls):.1f} µs | | | | | |")
     print(f"\nHost-to-device copies of the plans' staged values through the CUDA driver: {copies}")
+    print(f"Staging rounds that waited for the device: {waits}")
     if args.slope:
         _slope(args.optimizer, args.calls)
     if args.profile:
@@ -108,13 +130,75 @@ def _profile(variant: str, step: Callable[[], Any], calls: int, rows: int) -> No
     pstats.Stats(profile).sort_stats("tottime").print_stats(rows)
 
 
-def _driver_copies(step: Callable[[], Any]) -> str:
-    """How many of the plan's host-to-device copies went through the CUDA driver so far."""
+def _stagings(step: Callable[[], Any]) -> list[Any]:
     from optcompile.api import _OPTIMIZERS
 
-    plan = _OPTIMIZERS[step.__self__].cache.entries[0].value.plan.plan  # type: ignore[attr-defined]
-    stagings = [part.staging for part in plan.parts]
+    plan = _OPTIMIZERS[step.__self__].cache.entries[0].value.plan  # type: ignore[attr-defined]
+    plan = getattr(plan, "plan", plan)  # (behind its CUDA graph on a GPU)
+    return [part.staging for part in plan.parts]
+
+
+def _driver_copies(step: Callable[[], Any]) -> str:
+    """How many of the plan's host-to-device copies went through the CUDA driver so far."""
+    stagings = _stagings(step)
     return f"{sum(s.native_sends for s in stagings)} of {sum(s.sends for s in stagings)}"
+
+
+def _staging_waits(step: Callable[[], Any]) -> str:
+    """How many of the plan's staging rounds so far waited for an event (one wait per event
+    at most), against the rounds and the events recorded."""
+    stagings = _stagings(step)
+    rounds, waits = sum(s.round for s in stagings), sum(s.waits for s in stagings)
+    events = sum(s.events_recorded for s in stagings)
+    return f"{waits} waits in {rounds} rounds ({events} events)"
+
+
+def _cpu_parts(set_name: str, optimizer: str, calls: int) -> None:
+    """``--device cpu``: the host parts before the launch (see the module docstring)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu runs the Triton backend's host side: set TRITON_INTERPRET=1")
+    from optguard import native
+
+    params = step_time.make_params(set_name, "cpu")
+    print(f"CPU; torch {torch.__version__}; {set_name} {optimizer}; native: {native.status()}")
+    print("| variant | guard check | fast gather | prologue | prepare |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for variant in ["optcompile", "optcompile-capturable"]:
+        row = _cpu_row(step_time.build(variant, optimizer, params), calls)
+        print(f"| {variant} | " + " | ".join(f"{v:.1f} µs" for v in row) + " |")
+
+
+def _cpu_row(step: Callable[[], Any], calls: int) -> list[float]:
+    from optcompile.api import _OPTIMIZERS
+
+    for _ in range(3):
+        step()
+    opt = step.__self__  # type: ignore[attr-defined]
+    compiled, L = _OPTIMIZERS[opt], {"opt": opt}
+    entry = compiled.cache.entries[0].value
+    prologue, fast = entry.prologue, entry.prologue.fast
+    assert fast is not None and fast.gather is not None, prologue.fast_note
+    gather = fast.gather
+    found = compiled.cache.find(L)
+    assert found is not None
+    inputs = list(found[1])
+    prologue.release()
+    plan = getattr(entry.plan, "plan", entry.plan)
+
+    def prologue_alone() -> None:
+        prologue(L)
+        prologue.release()
+
+    def gather_alone() -> None:
+        gather(L)
+        gather.release()
+
+    return [
+        _time(lambda: fast(L), calls, rounds=5),
+        _time(gather_alone, calls, rounds=5),
+        _time(prologue_alone, calls, rounds=5),
+        _time(lambda: plan.prepare(inputs), calls, rounds=5),
+    ]
 
 
 def _row(step: Callable[[], Any], calls: int) -> list[float]:
@@ -133,10 +217,14 @@ def _row(step: Callable[[], Any], calls: int) -> list[float]:
     inputs = list(found[1])  # its list is reused and released by each step
     prologue.release()
     plan, graphed = entry.plan.plan, entry.plan.graphed
+    buffers = plan.buffers()
 
     def prologue_alone() -> None:
         prologue(L)
         prologue.release()
+
+    def replay() -> None:  # as a step replays (its buffers listed and compared once)
+        graphed(buffers, same=plan.buffers_version is not None)
 
     return [
         _time(step, calls),
@@ -144,7 +232,7 @@ def _row(step: Callable[[], Any], calls: int) -> list[float]:
         _time(lambda: fast.gather(L) if fast.gather is not None else None, calls),
         _time(prologue_alone, calls),
         _time(lambda: plan.prepare(inputs), calls),
-        _time(lambda: graphed(plan.buffers()), calls),
+        _time(replay, calls),
     ]
 
 

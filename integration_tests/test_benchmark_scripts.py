@@ -3,7 +3,8 @@ run them: the sharded ones on gloo, benchmarks/sharded_step.py (world size 1, in
 and benchmarks/fsdp_train.py (torchrun, world size 2), each in its --smoke mode (a tiny model,
 a few steps; they raise if optcompile falls back or retraces, or if the compiled and eager runs
 or the checkpoint round trip differ); benchmarks/first_call.py and
-benchmarks/in_backward_host.py on a tiny case."""
+benchmarks/in_backward_host.py on a tiny case; benchmarks/host_time.py's host parts on the CPU
+(the Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,20 @@ def test_in_backward_host_benchmark_times_hooks_and_bucket_updates(tmp_path: Pat
     # timed outside backward (grad mode on), the updates hit the entries traced inside it
     assert all(r["traces"] == 1 and r["fast_hits"] > 3 for r in result["per_bucket"])
     assert result["per_hook"]["hook"] > 0 and "Per hook:" in done.stdout
+
+
+def test_host_time_benchmark_times_the_host_parts_on_the_cpu() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    args = ["--device", "cpu", "--set", "200x4x4", "--calls", "20"]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "host_time.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| optcompile")]
+    assert [r.split(" | ")[0] for r in rows] == ["| optcompile", "| optcompile-capturable"]
+    assert all(r.count(" µs") == 4 for r in rows)  # guard check, gather, prologue, prepare

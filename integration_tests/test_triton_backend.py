@@ -269,6 +269,25 @@ def test_new_grad_tensors_each_step_update_the_address_table_only():
     assert _OPTIMIZERS[opt].stats.traces == 1
 
 
+def test_the_buffers_version_stands_while_every_buffer_stays_and_moves_when_one_is_replaced():
+    """A CUDA graph's static inputs (``buffers()``) are compared only when this count moves
+    (optcompile.cudagraphs): new grads rewrite their table in place, which keeps it."""
+    params, opt, *_ = _run(FUSED["Adam"], steps=2)
+    plan = _unwrap(_OPTIMIZERS[opt].cache.entries[0].value.plan)
+    version, buffers = plan.buffers_version, plan.buffers()
+    for p in params:
+        p.grad = torch.ones_like(p)  # new addresses: the grads' table is rewritten
+    opt.step()
+    opt.step()
+    assert plan.buffers_version == version
+    assert [b.data_ptr() for b in plan.buffers()] == [b.data_ptr() for b in buffers]
+    (group,) = plan.groups
+    group.dptrs = None  # as when a table must grow: the next call makes a new buffer
+    opt.step()
+    assert plan.buffers_version != version
+    assert any(a is not b for a, b in zip(plan.buffers(), buffers, strict=True))
+
+
 def test_a_param_moved_to_new_storage_is_seen_by_the_kernel():
     """``p.data = ...`` keeps the object but moves its address: the entry's data-pointer
     guards (tested on every hit, by either tier) reject the call, so the kernel never reads

@@ -78,6 +78,20 @@ def test_a_moved_static_input_re_records_with_the_reason_until_the_limit_then_ru
 
 
 @cuda
+def test_a_call_vouching_for_the_same_static_inputs_replays_without_comparing_them():
+    x = torch.ones(2, device="cuda")
+    f = tree_manager("cuda").graphed(lambda: x * 3, "triple")
+    f([x], same=True)  # warm-up and recording take the static inputs as given
+    f([x], same=True)
+    x.copy_(torch.full((2,), 2.0))  # new contents at the same address: replayed
+    torch.testing.assert_close(f([x], same=True), torch.full((2,), 6.0, device="cuda"))
+    assert f.recordings == 1 and f.replays >= 2 and not f.rerecord_reasons
+    moved = torch.full((2,), 5.0, device="cuda")
+    f([moved])  # without the promise a moved static input is compared and re-records
+    assert f.recordings == 2 and "moved" in f.rerecord_reasons[0]
+
+
+@cuda
 def test_two_functions_called_alternately_share_the_pool_and_each_record_once():
     manager = tree_manager("cuda")
     a = torch.ones(8, device="cuda")

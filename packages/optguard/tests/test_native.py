@@ -141,6 +141,13 @@ def test_held_pointers_see_every_way_a_tensor_moves(module, kind, monkeypatch):
     held = check()
     tensors[1].t_()  # metadata changed in place: the same object and storage
     assert not held(None)
+    held = check()
+    tensors[1].as_strided_((2, 2), (2, 1))  # strides alone (t_() left (1, 2)), same storage
+    assert not held(None)
+    held = check()
+    address = tensors[0].data_ptr()
+    tensors[0].resize_(2)  # a smaller shape fits in place: same object, storage, address
+    assert tensors[0].data_ptr() == address and not held(None)
 
 
 def test_held_refuses_what_is_not_a_tensor_with_a_pointer(module):

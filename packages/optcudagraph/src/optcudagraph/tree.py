@@ -224,17 +224,21 @@ class Graphed:
     def graph_id(self) -> int | None:
         return self.node.graph_id if self.node is not None else None
 
-    def __call__(self, static: Sequence[torch.Tensor] = (), stale: str | None = None) -> Any:
+    def __call__(
+        self, static: Sequence[torch.Tensor] = (), stale: str | None = None, same: bool = False
+    ) -> Any:
         """Run, record or replay; ``stale``: why the recorded graph no longer does this
         call's work though its static inputs stayed (numbers it baked in changed): it is
-        re-recorded, as for a moved static input."""
+        re-recorded, as for a moved static input. ``same``: the caller vouches that
+        ``static`` holds the very tensors of its last call, none moved since (its own
+        buffers, which only it replaces): their addresses are not compared again."""
         self.calls += 1
         if self.fallback_reason is not None or self.calls <= self.warmup:
             return self.fn()
         node = self.node
         if node is None:
             return self._record(static, "first recording")
-        moved = stale if stale is not None else node.moved(static)
+        moved = stale if stale is not None or same else node.moved(static)
         if moved is not None:
             if len(self.rerecord_reasons) >= self.max_rerecords:
                 self._fall_back(

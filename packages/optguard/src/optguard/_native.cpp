@@ -250,7 +250,9 @@ PyObject* match_list(Spec* s, bool grad, const Spec* items, PyObject* container)
         Py_RETURN_FALSE;
       }
       if (is_plain(item)) {  // the grad checked in C++ first, then wrapped for the stash
-        const at::Tensor& gt = THPVariable_Unpack(item).grad();
+        // (the impl's own: TensorBase::grad() also asks autograd, out of line, whether the
+        // item is a leaf, only to warn when a non-leaf's undefined grad is read)
+        const at::Tensor& gt = THPVariable_Unpack(item).unsafeGetTensorImpl()->grad();
         if (!grad_matches(m, gt)) {
           Py_DECREF(read);
           Py_RETURN_FALSE;

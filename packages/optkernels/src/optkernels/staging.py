@@ -9,7 +9,9 @@ refreshes. Rather than one event per round (recording one and waiting on it cost
 about as much as the copy), a round records an event after its copies only when the oldest
 copy no event covers yet is ``EVERY - 1`` rounds old (or the stream changed); a round that
 comes back to a slot waits for the first event recorded at or after the slot's last copy
-(normally long past: the host may run up to ``SLOTS - EVERY`` rounds ahead of the device).
+(normally long past: the host may run up to ``SLOTS - EVERY`` rounds ahead of the device),
+unless that event was waited for already: one wait per event, not one per round. (An event
+covers the copies of consecutive rounds on one stream: those since the event before it.)
 Device buffers keep their addresses from call to call: a recorded CUDA graph reads them.
 
 The copy itself is queued through the CUDA driver where it can be (optguard's native
@@ -47,8 +49,14 @@ class Staging:
         self.events_recorded = 0
         # The round whose copies last read each slot, until a later round waited for them.
         self._written: list[int | None] = [None] * SLOTS
-        # (round, event): the event was recorded after the copies of every round up to it.
-        self._covers: deque[tuple[int, Any]] = deque()
+        # (first, last, event): the event was recorded after the copies of rounds first to
+        # last (on its stream; earlier ones are covered by earlier events).
+        self._covers: deque[tuple[int, int, Any]] = deque()
+        self._done = (0, -1)  # rounds whose copies the device has done (an event waited for)
+        # False once a round copied on two streams: its copies then lie under two events,
+        # and each round waits for its own as before.
+        self._one_stream_rounds = True
+        self.waits = 0  # events waited for
         self._spare: list[Any] = []  # events no slot waits for any more
         self._uncovered: int | None = None  # the first round with copies no event covers
         self._last_copy = 0  # the last round with a copy
@@ -64,7 +72,9 @@ class Staging:
         self.slot = self.round % SLOTS
         written = self._written[self.slot]
         if written is not None:
-            self._wait_for(written)
+            first, last = self._done
+            if not (self._one_stream_rounds and first <= written <= last):
+                self._wait_for(written)
             self._written[self.slot] = None
 
     def end(self) -> None:
@@ -102,6 +112,8 @@ class Staging:
             return  # written in place
         stream = current_stream(buffer.device)
         if self._uncovered is not None and stream is not self._stream:
+            if self._last_copy == self.round:
+                self._one_stream_rounds = False
             self._cover()  # the earlier copies went to another stream: cover them there
         ring = self._rings[id(buffer)]
         self.sends += 1
@@ -130,18 +142,22 @@ class Staging:
     def _cover(self) -> None:
         event = self._spare.pop() if self._spare else torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._stream)
-        self._covers.append((self._last_copy, event))
+        first = self._uncovered if self._uncovered is not None else self._last_copy
+        self._covers.append((first, self._last_copy, event))
         self.events_recorded += 1
         self._uncovered = self._stream = None
 
     def _wait_for(self, written: int) -> None:
         """Wait until the device has done the copies of round ``written``."""
         covers = self._covers
-        while covers and covers[0][0] < written:  # older: no slot waits for them any more
-            self._spare.append(covers.popleft()[1])
+        while covers and covers[0][1] < written:  # older: no slot waits for them any more
+            self._spare.append(covers.popleft()[2])
         if not covers:  # the round was never closed (an error between begin and end)
             self._cover()
-        covers[0][1].synchronize()
+        first, last, event = covers[0]
+        event.synchronize()
+        self.waits += 1
+        self._done = (first, last)
 
 
 class _Ring:

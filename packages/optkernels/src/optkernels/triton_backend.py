@@ -87,6 +87,18 @@ def _aligned(count: int) -> int:
     return -(-count // 2) * 2
 
 
+class BufferChanges:
+    """How many times one of a plan's buffers (``buffers()``: a CUDA graph's static inputs)
+    became another tensor. The buffers are the plan's own, made by it and never moved in
+    place: while this count stands, ``buffers()`` holds the same tensors at the same
+    addresses, and a caller may skip comparing them (``TritonPlan.buffers_version``)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class _Group:
     """The lanes sharing one dtype signature: one kernel, its address tables and buffers.
 
@@ -105,7 +117,9 @@ class _Group:
         dynamic: list[bool],
         host: dict[int, int | None] | None = None,
         guarded: frozenset[int] = frozenset(),
+        changes: BufferChanges | None = None,
     ):
+        self.changes = changes if changes is not None else BufferChanges()
         self.lanes = lanes
         self.dtypes = dtypes
         self.name = "foreach_" + "_".join(str(d).replace("torch.", "") for d in dtypes)
@@ -153,6 +167,8 @@ class _Group:
         self.dptrs: torch.Tensor | None = None
         self.small_out: torch.Tensor | None = None
         self.host_vals: torch.Tensor | None = None  # host-computed values (host mode)
+        # Host mode: its host functions (_Part._build: every lane's, and one for all)
+        self.host_fns: tuple[HostFunction, HostFunction | None] | None = None
         self.table_uploads = 0  # times an address table was (re)built
         # Host mode: per 0-dim input column, one CPU buffer the lanes' tensors alias (see
         # _Part._host_values), and the addresses that aliasing gives them.
@@ -170,9 +186,15 @@ class _Group:
         tables keep their own addresses, which a recorded CUDA graph reads)."""
         static = self.static
         if self.ptrs is None or (static.compared and not static.equal(inputs)):
-            self.ptrs = self._write(static, inputs, self.ptrs, device, staging)
+            ptrs = self._write(static, inputs, self.ptrs, device, staging)
+            if ptrs is not self.ptrs:
+                self.ptrs = ptrs
+                self.changes.count += 1
         if self.dptrs is None or not self.dynamic.equal(inputs):
-            self.dptrs = self._write(self.dynamic, inputs, self.dptrs, device, staging)
+            dptrs = self._write(self.dynamic, inputs, self.dptrs, device, staging)
+            if dptrs is not self.dptrs:
+                self.dptrs = dptrs
+                self.changes.count += 1
 
     def _write(
         self,
@@ -191,10 +213,15 @@ class _Part:
     tables and the host-side state of its 0-dim values."""
 
     def __init__(
-        self, program: LaneProgram, index: dict[Any, int], host_small: bool | None
+        self,
+        program: LaneProgram,
+        index: dict[Any, int],
+        host_small: bool | None,
+        changes: BufferChanges | None = None,
     ) -> None:
         self.program = program
         self.index = index
+        self.changes = changes if changes is not None else BufferChanges()
         self._scalars = scalar_function(program, index)
         self.host_small = host_small
         self.guarded: frozenset[int] = frozenset()  # see TritonPlan.guarded_addresses
@@ -238,9 +265,11 @@ class _Part:
             for column in program.inputs
         ]
         self.groups = [
-            _Group(program, lanes, d, self.index, dynamic, host_cols, self.guarded)
+            _Group(program, lanes, d, self.index, dynamic, host_cols, self.guarded, self.changes)
             for (d, _), lanes in self._by_dtypes.items()
         ]
+        for group in self.groups:  # (looked up once: a key of 200 lanes hashes in ~1.6 µs)
+            group.host_fns = self._host_fns.get(tuple(group.lanes))
         small_writes = sum(1 for _, k in program.writes if program.input_small[k])
         # (each group's kernel, and its copy of the 0-dim results where the kernel makes them)
         self.launches = len(self.groups) * (2 if small_writes and not host else 1)
@@ -328,6 +357,7 @@ class _Part:
                     dtype=torch.float64,
                     device=device,
                 )
+                self.changes.count += 1
         staging.end()
 
     def refresh_tables(self, inputs: Sequence[Any]) -> None:
@@ -359,6 +389,7 @@ class _Part:
         values, host = self.staging.stage(self.values, (size,), torch.float64, self.device)
         if values is not self.values:  # new: views of it for the kernels
             self.values = values
+            self.changes.count += 1
             self.scalars = values[: max(len(scalar_values), 1)]
             for group, start, length in starts:
                 group.host_vals = values[start : start + length]
@@ -425,7 +456,8 @@ class _Part:
         # device tensors (tests): copies, written back with copy_.
         on_cpu = len(group.small_views) == len(buffers)
         views = group.small_views if on_cpu else {k: b.cpu().numpy() for k, b in buffers.items()}
-        every, one = self._host_fns[tuple(group.lanes)]
+        assert group.host_fns is not None, "host values of a group built without host mode"
+        every, one = group.host_fns
         values = self._uniform_host_values(one, views, scalar_values) if on_cpu else None
         if values is not None:  # one number per var: every lane's row is the same
             for var, k in program.writes:
@@ -503,6 +535,7 @@ class _Part:
             blk_lane = torch.repeat_interleave(torch.arange(len(numels)), blocks)
             first = torch.cumsum(blocks, 0) - blocks  # each lane's first block
             blk_start = (torch.arange(int(blocks.sum())) - first[blk_lane]) * block
+            self.changes.count += 1
             tables = self._tables[g] = (
                 sizes.to(device),
                 blk_lane.to(device, torch.int32),
@@ -624,6 +657,7 @@ class TritonPlan:
         self._call_inputs: Sequence[Any] = ()
         self._parts_prepared = False  # this call's ``prepare`` reached the parts
         self._checked_devices = False
+        self._changes = BufferChanges()  # shared by its parts and their groups
         # Values the prelude computes that the kernels need in a given layout: input index ->
         # (shape, stride) (see ``layouts.layouts``).
         self.layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -658,7 +692,7 @@ class TritonPlan:
         self.index = {n: i for i, n in enumerate(placeholders)}
         programs = analyze_parts(gm.graph)
         self.layouts = layouts(programs, self.index, self.num_inputs)
-        return [_Part(p, self.index, host_small) for p in programs]
+        return [_Part(p, self.index, host_small, self._changes) for p in programs]
 
     @property
     def program(self) -> LaneProgram | None:
@@ -824,6 +858,14 @@ class TritonPlan:
                 self._point_tables(results)
         for part in self.parts:
             part.launch()
+
+    @property
+    def buffers_version(self) -> int | None:
+        """A number that changes whenever ``buffers()`` would hold another tensor: while it
+        stands, the last ``buffers()`` are still the buffers, at the same addresses (they
+        are the plan's own and never move in place). None with a prelude whose captured
+        tensors (``capture.statics``) it does not count: compare ``buffers()`` then."""
+        return self._changes.count if self.capture is None else None
 
     def buffers(self) -> list[torch.Tensor]:
         """The tensors ``launch`` reads or writes directly: a graph's static inputs."""
