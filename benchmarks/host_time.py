@@ -13,8 +13,8 @@ buffers compared only when it replaced one, ``buffers_version``). With
 ``fused=True`` (torch's fused kernel, same run) is timed as a whole step beside them. With
 ``--slope``, the whole step's host time at 200, 2,000 and 20,000 tensors of 4x4 and the
 slope per 1,000 tensors (what each guarded tensor costs per call). Also printed: how many
-host-to-device copies of the plans' staged values went through the CUDA driver, and how many
-times a staging round waited for the device (an event) per call.
+host-to-device copies of the plans' staged values went through the CUDA driver, and how the
+staging rounds checked the device (events queried, slots replaced; a round never waits).
 
 ``--device cpu`` (``TRITON_INTERPRET=1``, no GPU): the same parts but the step and the graph
 replay (the interpreted kernels take milliseconds, and there is no graph): every part the
@@ -93,7 +93,7 @@ def main() -> None:
     fused = step_time.build("fused", args.optimizer, params)
     print(f"| fused=True | {_time(fused, args.calls):.1f} µs | | | | | |")
     print(f"\nHost-to-device copies of the plans' staged values through the CUDA driver: {copies}")
-    print(f"Staging rounds that waited for the device: {waits}")
+    print(f"Staging rounds (none waits for the device): {waits}")
     if args.slope:
         _slope(args.optimizer, args.calls)
     if args.profile:
@@ -135,7 +135,7 @@ def _stagings(step: Callable[[], Any]) -> list[Any]:
 
     plan = _OPTIMIZERS[step.__self__].cache.entries[0].value.plan  # type: ignore[attr-defined]
     plan = getattr(plan, "plan", plan)  # (behind its CUDA graph on a GPU)
-    return [part.staging for part in plan.parts]
+    return [plan.staging]  # (one for all its parts)
 
 
 def _driver_copies(step: Callable[[], Any]) -> str:
@@ -145,12 +145,13 @@ def _driver_copies(step: Callable[[], Any]) -> str:
 
 
 def _staging_waits(step: Callable[[], Any]) -> str:
-    """How many of the plan's staging rounds so far waited for an event (one wait per event
-    at most), against the rounds and the events recorded."""
+    """The plan's staging rounds so far: events queried (a round never waits; one query per
+    event when the device keeps up) and slots replaced (the device that far behind), against
+    the rounds and the events recorded."""
     stagings = _stagings(step)
-    rounds, waits = sum(s.round for s in stagings), sum(s.waits for s in stagings)
-    events = sum(s.events_recorded for s in stagings)
-    return f"{waits} waits in {rounds} rounds ({events} events)"
+    rounds, queries = sum(s.round for s in stagings), sum(s.queries for s in stagings)
+    events, grown = sum(s.events_recorded for s in stagings), sum(s.grown for s in stagings)
+    return f"{queries} events queried, {grown} slots replaced in {rounds} rounds ({events} events)"
 
 
 def _cpu_parts(set_name: str, optimizer: str, calls: int) -> None:

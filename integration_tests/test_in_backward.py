@@ -284,6 +284,112 @@ def test_on_cuda_peak_memory_drops_by_about_the_gradients():
     assert inside <= after - grads * 3 // 4, (after, inside, grads)
 
 
+def _bucket_plans(opt: torch.optim.Optimizer) -> list[Any]:
+    """Each bucket's backend plan (inside its CUDA-graph wrapper, where there is one)."""
+    plans = [compiled.cache.entries[0].value.plan for _, compiled in buckets(opt)]
+    return [getattr(plan, "plan", plan) for plan in plans]
+
+
+# What makes the host wait for the device, as torch.profiler names it (CUDA runtime calls).
+_SYNC_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+@needs_cuda
+def test_on_cuda_a_bucket_update_never_waits_for_the_device(monkeypatch):
+    """The backward keeps the stream fed: no bucket update synchronizes, also once each
+    plan's staging slots come back around (after SLOTS updates). Counted by wrappers of
+    torch's Python-level synchronizations, and by torch's profiler (every CUDA runtime
+    call, on the autograd thread too) against the same iterations of the eager copy."""
+    from optkernels.staging import SLOTS
+    from torch.profiler import ProfilerActivity, profile
+
+    model, opt, reference, eager = make_pair("AdamW", device="cuda", bucket_bytes=8192)
+    for step in range(SLOTS + 2):
+        model(batch(step)).backward()
+        eager_iteration(reference, eager, step)
+    tokens = [batch(SLOTS + 2 + k).cuda() for k in range(6)]  # (no copy in the forwards)
+    rounds = [plan.staging.round for plan in _bucket_plans(opt)]
+    calls: list[str] = []
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for owner in (torch.cuda.Event, torch.cuda.Stream):
+        monkeypatch.setattr(owner, "synchronize", counted(owner.__name__, owner.synchronize))
+    monkeypatch.setattr(torch.cuda, "synchronize", counted("cuda", torch.cuda.synchronize))
+    for k in range(3):
+        model(tokens[k]).backward()
+    monkeypatch.undo()
+    assert calls == []
+
+    def syncs(m: torch.nn.Module, step: Callable[[], None]) -> dict[str, int]:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for k in range(3, 6):
+                m(tokens[k]).backward()
+                step()
+        return {e.key: e.count for e in prof.key_averages() if e.key in _SYNC_CALLS}
+
+    for k in range(3):
+        reference(tokens[k]).backward()
+        eager.step()
+        eager.zero_grad()
+    ours = syncs(model, lambda: None)
+    assert ours == syncs(reference, lambda: (eager.step(), eager.zero_grad())), ours
+    plans = _bucket_plans(opt)
+    assert len(plans) > 1
+    assert [plan.staging.round for plan in plans] == [r + 6 for r in rounds]  # all updated
+    assert all(plan.staging.grown == 0 for plan in plans)  # no slot was still being read
+    torch.cuda.synchronize()
+    assert_same(model, opt, reference, eager)
+
+
+@needs_triton
+def test_a_bucket_update_is_one_staging_round_for_all_of_its_plans_parts():
+    """Two param groups: each bucket's plan has two parts (one per group), which stage
+    their buffers in one round (one slot check, at most one event) per update."""
+    device, backend = TRITON_DEVICE, "triton"
+    torch.manual_seed(0)
+    model = TinyTransformer().to(device)
+    adamw = torch.optim.AdamW(groups(model, weight_decay=0.1), foreach=True)  # (CPU: for-loop)
+    opt = optcompile.compile(adamw, backend=backend, in_backward=True, bucket_bytes=8192)
+    steps = 3
+    for step in range(steps):
+        model(batch(step)).backward()
+    plans = _bucket_plans(opt)
+    assert any(len(plan.parts) == 2 for plan in plans)
+    for plan in plans:
+        assert {id(part.staging) for part in plan.parts} == {id(plan.staging)}
+        assert plan.staging.round == steps
+
+
+def test_the_packages_wait_for_the_device_only_where_a_staging_ring_is_dropped():
+    """Structural: the only host synchronization in optcompile's packages is the one that
+    keeps a dropped staging ring's pinned memory until its copies are done (``_drain``, not
+    reachable from a step); a step, and so a bucket update, has none to make. An added
+    ``synchronize()``/``.item()`` on a device tensor in the hot path shows up in the GPU
+    test above; this one catches a ``synchronize`` anywhere, on the CPU."""
+    import ast
+    from pathlib import Path
+
+    packages = Path(__file__).resolve().parents[1] / "packages"
+    found = []
+    for path in sorted(packages.glob("*/src/*/*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for func in ast.walk(tree):
+            if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(func):
+                called = node.func if isinstance(node, ast.Call) else None
+                name = getattr(called, "attr", getattr(called, "id", None))
+                if name in ("synchronize", "cudaDeviceSynchronize", "cudaStreamSynchronize"):
+                    found.append(f"{path.parent.name}/{path.name}:{func.name}")
+    assert sorted(set(found)) == ["optkernels/staging.py:_drain"], found
+
+
 def test_buckets_follow_the_order_gradients_arrive_in():
     model, opt, _, _ = make_pair("AdamW", bucket_bytes=1)  # one param per bucket
     model(batch(0)).backward()

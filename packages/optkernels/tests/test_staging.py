@@ -65,7 +65,7 @@ def test_the_host_running_far_ahead_never_overwrites_a_copy_the_device_has_not_d
     expected = torch.arange(rounds, dtype=torch.float32, device=device)[:, None].expand(-1, 64)
     torch.testing.assert_close(history, expected, rtol=0, atol=0)
     assert staging.events_recorded <= rounds // EVERY + 1  # not one per round
-    assert staging.waits <= staging.events_recorded  # each event waited for once at most
+    assert staging.queries <= rounds  # (an event found done: the rounds it covers skip it)
 
 
 @CUDA
@@ -93,4 +93,4 @@ def test_rounds_alternating_between_streams_wait_for_their_own_copies():
     torch.cuda.synchronize()
     expected = torch.arange(rounds, dtype=torch.float32, device=device)[:, None].expand(-1, 16)
     torch.testing.assert_close(history, expected, rtol=0, atol=0)
-    assert staging.waits <= staging.events_recorded
+    assert staging.queries <= rounds

@@ -5,13 +5,16 @@ A copy from pageable memory makes the host wait; from pinned memory it is queued
 stream like a kernel, and the host goes on at once. The catch: the pinned source must not be
 rewritten until the device has read it. Each buffer therefore has a ring of ``SLOTS`` pinned
 sources; a round (one ``prepare`` of a plan) writes slot ``round % SLOTS`` of every buffer it
-refreshes. Rather than one event per round (recording one and waiting on it cost the host
-about as much as the copy), a round records an event after its copies only when the oldest
-copy no event covers yet is ``EVERY - 1`` rounds old (or the stream changed); a round that
-comes back to a slot waits for the first event recorded at or after the slot's last copy
-(normally long past: the host may run up to ``SLOTS - EVERY`` rounds ahead of the device),
-unless that event was waited for already: one wait per event, not one per round. (An event
-covers the copies of consecutive rounds on one stream: those since the event before it.)
+refreshes. Rather than one event per round (recording one cost the host about as much as the
+copy), a round records an event after its copies only when the oldest copy no event covers
+yet is ``EVERY - 1`` rounds old (or the stream changed). A round that comes back to a slot
+never waits for the device (a step inside backward must keep the stream fed): the first
+event recorded at or after the slot's last copy is queried, unless it was found done
+already (one query per event: an event covers the copies of consecutive rounds on one
+stream, those since the event before it); if the device has not done that copy yet, the
+slot gets new pinned sources (the old ones are held until the device has read them).
+Normally the copy is long done (the host would have to run ``SLOTS - EVERY`` rounds ahead
+of the device): ``queries`` counts the events queried, ``grown`` the slots replaced.
 Device buffers keep their addresses from call to call: a recorded CUDA graph reads them.
 
 The copy itself is queued through the CUDA driver where it can be (optguard's native
@@ -47,16 +50,18 @@ class Staging:
         self.round = 0
         self.slot = 0
         self.events_recorded = 0
-        # The round whose copies last read each slot, until a later round waited for them.
+        # The round whose copies last read each slot, until the slot's next round.
         self._written: list[int | None] = [None] * SLOTS
         # (first, last, event): the event was recorded after the copies of rounds first to
         # last (on its stream; earlier ones are covered by earlier events).
         self._covers: deque[tuple[int, int, Any]] = deque()
-        self._done = (0, -1)  # rounds whose copies the device has done (an event waited for)
+        self._done = (0, -1)  # rounds whose copies the device has done (an event found done)
         # False once a round copied on two streams: its copies then lie under two events,
-        # and each round waits for its own as before.
+        # and each round checks its own.
         self._one_stream_rounds = True
-        self.waits = 0  # events waited for
+        self.queries = 0  # events queried (each a driver call that does not wait)
+        self.grown = 0  # slots given new pinned sources (the device was that far behind)
+        self._retiring: list[_Ring] = []  # rings holding replaced sources (see _Ring.replace)
         self._spare: list[Any] = []  # events no slot waits for any more
         self._uncovered: int | None = None  # the first round with copies no event covers
         self._last_copy = 0  # the last round with a copy
@@ -68,13 +73,16 @@ class Staging:
     def begin(self) -> None:
         if _HELD:
             _drain_held()
+        if self._retiring:
+            self._retiring = [ring for ring in self._retiring if ring.release()]
         self.round += 1
         self.slot = self.round % SLOTS
         written = self._written[self.slot]
         if written is not None:
             first, last = self._done
-            if not (self._one_stream_rounds and first <= written <= last):
-                self._wait_for(written)
+            done = self._one_stream_rounds and first <= written <= last
+            if not done and not self._device_done(written):
+                self._replace_slot()
             self._written[self.slot] = None
 
     def end(self) -> None:
@@ -147,17 +155,27 @@ class Staging:
         self.events_recorded += 1
         self._uncovered = self._stream = None
 
-    def _wait_for(self, written: int) -> None:
-        """Wait until the device has done the copies of round ``written``."""
+    def _device_done(self, written: int) -> bool:
+        """Whether the device has done the copies of round ``written`` (never waits)."""
         covers = self._covers
-        while covers and covers[0][1] < written:  # older: no slot waits for them any more
+        while covers and covers[0][1] < written:  # older: no slot needs them any more
             self._spare.append(covers.popleft()[2])
         if not covers:  # the round was never closed (an error between begin and end)
             self._cover()
         first, last, event = covers[0]
-        event.synchronize()
-        self.waits += 1
+        self.queries += 1
+        if not event.query():
+            return False
         self._done = (first, last)
+        return True
+
+    def _replace_slot(self) -> None:
+        """New pinned sources for this round's slot in every ring (the old ones are held
+        until the device has read them: ``_Ring.replace``)."""
+        for ring in self._rings.values():
+            if ring.replace(self.slot) and ring not in self._retiring:
+                self._retiring.append(ring)
+        self.grown += 1
 
 
 class _Ring:
@@ -168,6 +186,8 @@ class _Ring:
         self.shape = shape
         self.dtype = dtype
         self.pinned = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(SLOTS)]
+        # Replaced sources a driver copy may still read, with the events that say when not.
+        self.retired: list[tuple[list[Any], torch.Tensor]] = []
         self.arrays = [p.numpy() for p in self.pinned]
         self._dst = buffer.data_ptr()  # the device buffer keeps its address (see Staging)
         self._srcs = [p.data_ptr() for p in self.pinned]
@@ -178,6 +198,29 @@ class _Ring:
 
     def fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         return shape == self.shape and dtype == self.dtype
+
+    def replace(self, slot: int) -> bool:
+        """Give ``slot`` a new pinned source. The old one may still be read by a copy: one
+        queued by ``copy_`` is protected by torch's pinned-memory allocator; one queued
+        through the driver is held here, with an event recorded now on each stream the
+        ring's driver copies went to, until those events are done (``release``). True when
+        it is held."""
+        old = self.pinned[slot]
+        new = self.pinned[slot] = torch.zeros(self.shape, dtype=self.dtype, pin_memory=True)
+        self.arrays[slot] = new.numpy()
+        self._srcs[slot] = new.data_ptr()
+        if not self._streams:
+            return False
+        events = [torch.cuda.Event() for _ in self._streams]  # type: ignore[no-untyped-call]
+        for event, stream in zip(events, self._streams, strict=True):
+            event.record(stream)
+        self.retired.append((events, old))
+        return True
+
+    def release(self) -> bool:
+        """Drop the held sources whose events are done; whether some are still held."""
+        self.retired[:] = [r for r in self.retired if not all(e.query() for e in r[0])]
+        return bool(self.retired)
 
     def native(self, stream: Any, slot: int) -> bool:
         """Queue the copy of ``slot`` into the buffer on ``stream`` through the CUDA driver;
@@ -190,13 +233,13 @@ class _Ring:
         streams = self._streams
         if not streams or streams[-1] is not stream:  # (by identity: current_stream's)
             if not any(s is stream for s in streams):
-                weakref.finalize(self, _drain, stream, self.pinned)
+                weakref.finalize(self, _drain, stream, [self.pinned, self.retired])
             streams[:] = [*(s for s in streams if s is not stream), stream]
             self._handle = stream.cuda_stream
         return module.h2d(self._dst, self._srcs[slot], self._nbytes, self._handle, self._device)
 
 
-def _drain(stream: Any, pinned: list[torch.Tensor]) -> None:
+def _drain(stream: Any, pinned: list[Any]) -> None:
     """Wait for ``stream`` (its copies from ``pinned`` included) before ``pinned`` is freed:
     its allocator would hand the memory out again at once. While this thread captures a CUDA
     graph, waiting would break the capture: ``pinned`` is held until a later round runs
@@ -210,7 +253,7 @@ def _drain(stream: Any, pinned: list[torch.Tensor]) -> None:
 
 
 # Pinned memory of rings dropped during a capture, with the stream to wait for (see _drain).
-_HELD: list[tuple[Any, list[torch.Tensor]]] = []
+_HELD: list[tuple[Any, list[Any]]] = []
 
 
 def _drain_held() -> None:

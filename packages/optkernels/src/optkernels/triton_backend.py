@@ -8,6 +8,7 @@ inside the same plan. ``describe()`` says which.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -217,6 +218,7 @@ class _Part:
         program: LaneProgram,
         index: dict[Any, int],
         host_small: bool | None,
+        staging: Staging,
         changes: BufferChanges | None = None,
     ) -> None:
         self.program = program
@@ -226,7 +228,7 @@ class _Part:
         self.host_small = host_small
         self.guarded: frozenset[int] = frozenset()  # see TritonPlan.guarded_addresses
         self.groups: list[_Group] = []
-        self.staging = Staging()
+        self.staging = staging  # the plan's: one round per call for all its parts
         self.launches = 0
         self.device = torch.device("cpu")  # where the kernels run; set by check_devices
         # (Python arithmetic on .item() values is computed on the host only: numbers.py)
@@ -334,16 +336,12 @@ class _Part:
             )
         return None
 
-    def run(self, inputs: Sequence[Any]) -> None:
-        self.prepare(inputs)
-        self.launch()
-
     def prepare(self, inputs: Sequence[Any]) -> None:
         """The host side of a call: scalars, host-computed values and address tables go
-        into device buffers that keep their addresses from call to call."""
+        into device buffers that keep their addresses from call to call (inside a staging
+        round of the plan: ``TritonPlan.staged``)."""
         device = self.device
         staging = self.staging
-        staging.begin()
         scalar_values = self._scalars(inputs)
         if self.host or self.values is None or scalar_values != self._scalar_values:
             self._scalar_values = scalar_values
@@ -358,15 +356,13 @@ class _Part:
                     device=device,
                 )
                 self.changes.count += 1
-        staging.end()
 
     def refresh_tables(self, inputs: Sequence[Any]) -> None:
         """The address tables only (``prepare`` ran this call: its host values, which may
-        write back step counts, are not computed twice): new addresses of dynamic inputs."""
-        self.staging.begin()
+        write back step counts, are not computed twice): new addresses of dynamic inputs
+        (inside a staging round of the plan)."""
         for group in self.groups:
             group.refresh(inputs, self.device, self.staging)
-        self.staging.end()
 
     def _stage_values(self, inputs: Sequence[Any], scalar_values: list[float]) -> None:
         """Write the scalars and (host mode) the groups' host vals into this round's staging
@@ -649,6 +645,7 @@ class TritonPlan:
         self.gm = gm
         self.num_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         self.parts: list[_Part] = []
+        self.staging = Staging()  # host -> device copies of every part's buffers
         self.reason: str | None = None
         self.split: Split | None = None  # ops run by the torch backend around the kernels
         self.prelude: TorchPlan | None = None
@@ -692,7 +689,7 @@ class TritonPlan:
         self.index = {n: i for i, n in enumerate(placeholders)}
         programs = analyze_parts(gm.graph)
         self.layouts = layouts(programs, self.index, self.num_inputs)
-        return [_Part(p, self.index, host_small, self._changes) for p in programs]
+        return [_Part(p, self.index, host_small, self.staging, self._changes) for p in programs]
 
     @property
     def program(self) -> LaneProgram | None:
@@ -735,8 +732,11 @@ class TritonPlan:
                     self.parts, self.reason = [], reason
                     self.split = self.prelude = self.capture = None
                     return self.reference(inputs[: self.num_inputs])
+        with self.staged():
+            for part in self.parts:
+                part.prepare(inputs)
         for part in self.parts:
-            part.run(inputs)
+            part.launch()
         if self.split is not None:
             write_back(self.split.writes, inputs, results)
         return ()
@@ -791,18 +791,30 @@ class TritonPlan:
             if not self._parts_prepared:
                 return  # not recorded yet: ``recorded`` or ``launch`` prepares the kernels
             inputs = [*inputs, *capture.results]
-        for part in self.parts:
-            part.prepare(inputs)
+        with self.staged():
+            for part in self.parts:
+                part.prepare(inputs)
+
+    @contextlib.contextmanager
+    def staged(self) -> Iterator[None]:
+        """One staging round for every part's copies (one slot check, at most one event;
+        a part's ``prepare`` or ``refresh_tables`` runs inside one)."""
+        self.staging.begin()
+        try:
+            yield
+        finally:
+            self.staging.end()
 
     def _point_tables(self, results: Sequence[torch.Tensor]) -> None:
         """The kernels read the prelude's new ``results``: the parts' tables take their
         addresses (the rest of ``prepare`` ran once this call, or runs now)."""
         inputs = [*self._call_inputs, *results]
-        for part in self.parts:
-            if self._parts_prepared:
-                part.refresh_tables(inputs)
-            else:
-                part.prepare(inputs)
+        with self.staged():
+            for part in self.parts:
+                if self._parts_prepared:
+                    part.refresh_tables(inputs)
+                else:
+                    part.prepare(inputs)
         self._parts_prepared = True
 
     @property
