@@ -26,7 +26,9 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
 - on CUDA, which parts wait for the device: each probe queues ~20 ms of device work
   (``torch.cuda._sleep``), then times the part on the host; a part that returns only after
   that work is done synchronizes the host with the device ("WAITS"). Probed: a hook, each
-  bucket update, each phase of an iteration of both optimizers;
+  bucket update (with its parts timed in that call: compiled step, plan, its prepare; the
+  plan less its prepare is the graph's launch), each phase of an iteration of both
+  optimizers;
 - ``--profile ROWS``: the in-backward iteration under torch.profiler (CPU and CUDA
   activities): every ``cuda*Synchronize`` call with its count per iteration and the rows with
   the most self CPU time; ``--cprofile ROWS``: cProfile of in-backward iterations.
@@ -337,6 +339,10 @@ def per_bucket(state: backward.InBackward, reps: int, device: str) -> list[dict[
         # (a bucket retraced, or its prologue off its fast tier, would show in its times)
         row["traces"] = compiled.stats.traces
         row["fast_hits"] = sum(e.prologue.fast_hits for e in entries)
+        plan = getattr(entries[0].plan, "plan", entries[0].plan)
+        staging = getattr(plan, "staging", None)
+        if staging is not None:  # (rounds, events queried, slots replaced: never a wait)
+            row["staging"] = [staging.round, staging.queries, staging.grown]
         rows.append(row)
     return rows
 
@@ -371,8 +377,10 @@ def probe(setup: dict[str, Any], state: backward.InBackward) -> list[dict[str, A
     cycles = sleep_cycles(SLEEP_S)
     rows = []
 
-    def row(name: str, seconds: float) -> None:
+    def row(name: str, seconds: float, parts: dict[str, list[float]] | None = None) -> None:
         rows.append({"part": name, "host_us": seconds * 1e6, "waits": seconds > SLEEP_S / 2})
+        if parts:  # the update's parts, timed in that very call
+            rows[-1]["parts_us"] = {k: v[0] * 1e6 for k, v in parts.items() if v}
 
     bucket = max(state.buckets, key=lambda b: len(b.params))
     p = bucket.params[0]
@@ -380,10 +388,10 @@ def probe(setup: dict[str, Any], state: backward.InBackward) -> list[dict[str, A
     with mid_backward(state, bucket):
         row("hook", waits(lambda: hook(p), cycles)[0])
     for number, b in enumerate(state.buckets):
-        row(
-            f"bucket {number} update",
-            waits(lambda b=b: state.update(b), cycles, _giver(b, "cuda"))[0],
-        )
+        parts: dict[str, list[float]] = {"compiled step": [], "plan": [], "prepare": []}
+        with timed_parts(b, parts):
+            seconds = waits(lambda b=b: state.update(b), cycles, _giver(b, "cuda"))[0]
+        row(f"bucket {number} update", seconds, parts)
     for name in ("in-backward", "after"):
         model, opt = setup["variants"][name]
         for k, phase in enumerate(PHASES):
@@ -552,9 +560,18 @@ def report(result: dict[str, Any]) -> str:
         )
     total = sum(r["update"] for r in result["per_bucket"])
     lines.append(f"\nAll bucket updates, each timed alone: {total:,.0f} µs per iteration")
+    stagings = [r["staging"] for r in result["per_bucket"] if "staging" in r]
+    if stagings:
+        rounds, queries, grown = (sum(column) for column in zip(*stagings, strict=True))
+        lines.append(
+            f"Staging (all buckets): {rounds:,} rounds, {queries:,} events queried, "
+            f"{grown} slots replaced (the device that far behind; no round waits)"
+        )
     for r in result.get("probe", []):
         verdict = "WAITS for the device" if r["waits"] else "does not wait"
-        lines.append(f"probe: {r['part']}: {r['host_us']:,.0f} µs host, {verdict}")
+        parts = ", ".join(f"{k} {v:,.0f} µs" for k, v in r.get("parts_us", {}).items())
+        parts = f" (of which {parts})" if parts else ""
+        lines.append(f"probe: {r['part']}: {r['host_us']:,.0f} µs host, {verdict}{parts}")
     return "\n".join(lines)
 
 
