@@ -17,6 +17,9 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
   it: the backward's host time, the time spent in hooks (updates included) and in bucket
   updates. Backward minus hooks, against the backward of the after-backward copy, is what
   the hooks cost the engine beyond their own time (thread switches, the GIL);
+- Python's own speed inside backward: a fixed piece of pure Python timed in a hook during
+  backward and on the main thread between iterations (the hooks and updates ran ~3x
+  slower inside backward than alone on the H100 host: is it Python there, or our code?);
 - per hook: one call of the post-accumulate-grad hook for a gradient whose bucket is not
   complete (135 of GPT-2's 148 hooks), and of its body alone;
 - per bucket update: the whole update (what the hook of a bucket's last gradient runs), the
@@ -262,6 +265,45 @@ def mid_backward(state: backward.InBackward, bucket: backward.Bucket) -> Iterato
         bucket.arrived = 0
 
 
+def _python_work() -> int:
+    """A fixed piece of pure Python (no tensors, no allocation to speak of)."""
+    total = 0
+    for i in range(400):
+        total += i * i
+    return total
+
+
+def python_speed(setup: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+    """The same pure-Python work timed inside a post-accumulate-grad hook during the
+    in-backward iterations' backwards (on autograd's thread, between its ops and bucket
+    updates) and on the main thread between iterations: whether Python itself runs slower
+    inside backward (caches, the thread), or only optcompile's code does."""
+    model, opt = setup["variants"]["in-backward"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    inside: list[float] = []
+    outside: list[float] = []
+
+    def hook(_: torch.Tensor) -> None:
+        start = time.perf_counter()
+        _python_work()
+        inside.append(time.perf_counter() - start)
+
+    handle = params[len(params) // 2].register_post_accumulate_grad_hook(hook)
+    try:
+        for _ in range(args.iters):
+            phases(model, opt, setup["tokens"], args.device)
+            sync(args.device)
+            start = time.perf_counter()
+            _python_work()
+            outside.append(time.perf_counter() - start)
+    finally:
+        handle.remove()
+    return {
+        "inside_us": statistics.median(inside) * 1e6,
+        "outside_us": statistics.median(outside) * 1e6,
+    }
+
+
 def per_hook(state: backward.InBackward, reps: int) -> dict[str, float]:
     """A hook for a gradient whose bucket stays incomplete, and its body alone."""
     bucket = max(state.buckets, key=lambda b: len(b.params))
@@ -501,6 +543,7 @@ def main() -> None:
     state = backward._STATES[opt]
     result["buckets"] = len(state.buckets)
     result["inside_backward"] = inside_backward(setup, state, args)
+    result["python_speed"] = python_speed(setup, args)
     result["per_hook"] = per_hook(state, args.reps * 10)
     result["per_bucket"] = per_bucket(state, args.reps, args.device)
     if args.device == "cuda":
@@ -541,6 +584,12 @@ def report(result: dict[str, Any]) -> str:
         f"without the hooks {rest:,.0f} µs (the after-backward copy's backward: "
         f"{after['backward']:,.0f} µs)",
     ]
+    speed = result["python_speed"]
+    lines.append(
+        f"The same pure Python: {speed['inside_us']:.1f} µs in a hook inside backward, "
+        f"{speed['outside_us']:.1f} µs on the main thread between iterations "
+        f"({speed['inside_us'] / speed['outside_us']:.2f}x)"
+    )
     hook = result["per_hook"]
     lines += [
         "",

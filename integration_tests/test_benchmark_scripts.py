@@ -121,6 +121,9 @@ def test_in_backward_host_benchmark_times_hooks_and_bucket_updates(tmp_path: Pat
     # timed outside backward (grad mode on), the updates hit the entries traced inside it
     assert all(r["traces"] == 1 and r["fast_hits"] > 3 for r in result["per_bucket"])
     assert result["per_hook"]["hook"] > 0 and "Per hook:" in done.stdout
+    speed = result["python_speed"]
+    assert speed["inside_us"] > 0 and speed["outside_us"] > 0
+    assert "The same pure Python:" in done.stdout
 
 
 def test_host_time_benchmark_times_the_host_parts_on_the_cpu() -> None:
