@@ -20,8 +20,9 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
 - Python's own speed inside backward: a fixed piece of pure Python timed in a hook during
   backward and on the main thread between iterations (the hooks and updates ran ~3x
   slower inside backward than alone on the H100 host: is it Python there, or our code?);
-- per hook: one call of the post-accumulate-grad hook for a gradient whose bucket is not
-  complete (135 of GPT-2's 148 hooks), and of its body alone;
+- per hook: one call of a bucket's last param's post-accumulate-grad hook that leaves its
+  bucket alone, and of its body alone (once the buckets are learned only the first param
+  and each bucket's last one keep a hook: 14 of GPT-2's 148 params at 13 buckets);
 - per bucket update: the whole update (what the hook of a bucket's last gradient runs), the
   compiled step inside it (prologue, plan, replay) and the plan alone (on CUDA: the host
   preparation, also shown alone, and the graph launch); the rest is the update's own
@@ -304,10 +305,17 @@ def python_speed(setup: dict[str, Any], args: argparse.Namespace) -> dict[str, f
     }
 
 
-def per_hook(state: backward.InBackward, reps: int) -> dict[str, float]:
-    """A hook for a gradient whose bucket stays incomplete, and its body alone."""
+def _hooked(state: backward.InBackward) -> tuple[backward.Bucket, torch.Tensor]:
+    """The largest bucket and its param whose hook is timed: its last one, which keeps its
+    hook once the buckets are learned (``thin_out``); outside a backward (no graph task)
+    that hook checks its bucket and leaves it alone."""
     bucket = max(state.buckets, key=lambda b: len(b.params))
-    p = bucket.params[0]
+    return bucket, bucket.params[-1]
+
+
+def per_hook(state: backward.InBackward, reps: int) -> dict[str, float]:
+    """A hook for a gradient whose bucket is not updated, and its body alone."""
+    bucket, p = _hooked(state)
     hook, ref = _hook_of(p), weakref.ref(state)
 
     def reset() -> None:
@@ -424,8 +432,7 @@ def probe(setup: dict[str, Any], state: backward.InBackward) -> list[dict[str, A
         if parts:  # the update's parts, timed in that very call
             rows[-1]["parts_us"] = {k: v[0] * 1e6 for k, v in parts.items() if v}
 
-    bucket = max(state.buckets, key=lambda b: len(b.params))
-    p = bucket.params[0]
+    bucket, p = _hooked(state)
     hook = _hook_of(p)
     with mid_backward(state, bucket):
         row("hook", waits(lambda: hook(p), cycles)[0])
@@ -542,6 +549,7 @@ def main() -> None:
     _, opt = setup["variants"]["in-backward"]
     state = backward._STATES[opt]
     result["buckets"] = len(state.buckets)
+    result["hooks"] = len(state.handles)  # kept once the buckets are learned
     result["inside_backward"] = inside_backward(setup, state, args)
     result["python_speed"] = python_speed(setup, args)
     result["per_hook"] = per_hook(state, args.reps * 10)

@@ -10,6 +10,7 @@ Triton cases run their kernels under TRITON_INTERPRET=1 on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
@@ -135,6 +136,29 @@ def test_in_backward_under_compiled_autograd_matches_eager(name):
     with _torch_compat.compiled_autograd(lambda graph: graph):
         opt = train_side_by_side(name, steps=4, bucket_bytes=4096)
     assert [c.stats.traces for _, c in buckets(opt)] == [TRACES[name]] * len(buckets(opt))
+
+
+def test_compiled_autograd_after_eager_backwards_gives_every_param_its_hook_back():
+    """Eager backwards thin the hooks out (see backward.py); under compiled autograd the
+    first backward's buckets are updated by step(), and every param is hooked again."""
+    from optcompile.backward import _STATES
+
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    state = _STATES[opt]
+    for step in range(4):
+        if step == 2:
+            assert state.thin
+            context: Any = _torch_compat.compiled_autograd(lambda graph: graph)
+        else:
+            context = contextlib.nullcontext()
+        with context:
+            model(batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        eager_iteration(reference, eager, step)
+        assert_same(model, opt, reference, eager)
+    assert not state.thin and len(state.handles) == len(list(model.parameters()))
 
 
 def test_in_backward_under_compiled_autograd_compiled_by_dynamo_matches_eager():
@@ -388,6 +412,49 @@ def test_the_packages_wait_for_the_device_only_where_a_staging_ring_is_dropped()
                 if name in ("synchronize", "cudaDeviceSynchronize", "cudaStreamSynchronize"):
                     found.append(f"{path.parent.name}/{path.name}:{func.name}")
     assert sorted(set(found)) == ["optkernels/staging.py:_drain"], found
+
+
+def test_once_learned_only_the_first_and_each_buckets_last_param_keep_a_hook():
+    """Fewer hooks, fewer switches into Python per backward: the first param in arrival
+    order and each bucket's last one. The updates still run inside backward: when the last
+    gradient arrives, every other bucket's gradients are applied and freed."""
+    from optcompile.backward import _STATES
+
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    state = _STATES[opt]
+    model(batch(0)).backward()
+    eager_iteration(reference, eager, 0)
+    learned = [params for params, _ in buckets(opt)]
+    assert len(learned) > 2
+    assert sorted(state.handles) == sorted({id(learned[0][0]), *(id(b[-1]) for b in learned)})
+    freed: list[bool] = []
+    last = learned[-1][-1]
+    earlier = [p for params in learned[:-1] for p in params]
+    handle = last.register_post_accumulate_grad_hook(
+        lambda _: freed.append(all(p.grad is None for p in earlier))
+    )
+    for step in range(1, 4):
+        model(batch(step)).backward()
+        eager_iteration(reference, eager, step)
+        assert_same(model, opt, reference, eager)
+    handle.remove()
+    assert freed == [True] * 3
+
+
+def test_a_gradient_held_before_backward_defers_the_updates_to_its_end():
+    """A gradient set before backward (accumulated into, as eager does): the first hook
+    finds it, so no bucket updates before the backward's end, with the summed gradient."""
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    for step in range(4):
+        for m in (model, reference):
+            if step == 2:
+                m.layers.layers[0].linear1.weight.grad = torch.ones_like(
+                    m.layers.layers[0].linear1.weight
+                )
+        model(batch(step)).backward()
+        assert all(p.grad is None for p in model.parameters())
+        eager_iteration(reference, eager, step)
+        assert_same(model, opt, reference, eager)
 
 
 def test_buckets_follow_the_order_gradients_arrive_in():

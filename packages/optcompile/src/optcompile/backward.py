@@ -12,7 +12,16 @@ copied only where they differ). The view is a compiled optimizer of its own: tra
 guarded, one fused launch (one CUDA graph where graphs are on). Each gradient is set to
 None after its update.
 
-Hooks cost a plain Python call where dynamo is not running (``_torch_compat.autograd_hook``).
+Hooks cost a plain Python call where dynamo is not running (``_torch_compat.autograd_hook``),
+and autograd's engine a switch into Python per call: once the buckets are learned (at the
+end of the first backward that gave every parameter a gradient), only two kinds of hooks
+stay (``thin_out``): the first parameter's in arrival order, which checks that no other
+parameter holds a gradient yet (then every gradient seen later in the same backward, the
+same graph task, arrived in it), and each bucket's last one, which runs the bucket's update
+when that check passed in this backward and all of the bucket's gradients are there. A
+bucket whose check fails (a parameter without gradient this time, another order, gradients
+kept from before) is left to the end of the backward. Under torch's compiled autograd every
+parameter keeps its hook (its graph may run outside a graph task).
 
 The end of a backward (eager autograd: a callback queued on the engine) updates what a
 bucket left: a bucket with parameters that got no gradient this time, gradients kept by
@@ -122,7 +131,16 @@ class InBackward:
         self.lock = threading.RLock()
         self.accumulating = 0
         self.callback_queued = False
-        self.handles: list[Any] = []
+        self.handles: dict[int, Any] = {}  # id(param) -> its hook's handle
+        self.hook: Callable[[torch.Tensor], None] | None = None
+        self.params: list[torch.Tensor] = []  # those with a hook, when all have one
+        # Thin hooks (see the module): the first param, the others, each bucket's last one.
+        self.thin = False
+        self.first: torch.Tensor | None = None
+        self.others: list[torch.Tensor] = []
+        self.trigger_of: dict[int, Bucket] = {}
+        self.clean_task: int | None = None  # the backward whose first hook found no grads
+        self.compiled_autograd = False  # seen: every param keeps its hook
         self.owned: list[tuple[int, tuple[weakref.ref[torch.Tensor], str]]] = []
         self.key: tuple[Any, ...] = ()
         self.group_of: dict[int, int] = {}  # id(param) -> index of its group
@@ -144,7 +162,7 @@ class InBackward:
         self.detach()
         self.key = key
         ref = weakref.ref(self)
-        hook = _torch_compat.autograd_hook(lambda p: _arrived(ref, p))
+        hook = self.hook = _torch_compat.autograd_hook(lambda p: _arrived(ref, p))
         for index, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 if id(p) in self.group_of:
@@ -152,19 +170,45 @@ class InBackward:
                 self.group_of[id(p)] = index
                 if p.requires_grad:
                     self.hooked.add(id(p))
-                    self.handles.append(p.register_post_accumulate_grad_hook(hook))
+                    self.params.append(p)
+                    self.handles[id(p)] = p.register_post_accumulate_grad_hook(hook)
                     owned = _OWNED[id(p)] = (weakref.ref(p), self.name)
                     self.owned.append((id(p), owned))
 
+    def thin_out(self) -> None:
+        """Keep only the first param's hook and each bucket's last one (see the module),
+        once every hooked param is in a bucket."""
+        if self.thin or self.compiled_autograd or self.open or not self.buckets:
+            return
+        if len(self.bucket_of) != len(self.hooked) or len(self.params) != len(self.hooked):
+            return
+        first = self.buckets[0].params[0]
+        self.trigger_of = {id(b.params[-1]): b for b in self.buckets}
+        keep = {id(first), *self.trigger_of}
+        for key in [k for k in self.handles if k not in keep]:
+            self.handles.pop(key).remove()
+        self.first, self.thin = first, True
+        self.others = [p for p in self.params if p is not first]
+
+    def thicken(self) -> None:
+        """Every hooked param gets its hook back (torch's compiled autograd was seen)."""
+        assert self.hook is not None
+        for p in self.params:
+            if id(p) not in self.handles:
+                self.handles[id(p)] = p.register_post_accumulate_grad_hook(self.hook)  # type: ignore[no-untyped-call]
+        self.thin, self.first, self.others, self.trigger_of = False, None, [], {}
+
     def detach(self) -> None:
         """Remove the hooks and the ownership marks (also when the optimizer is gone)."""
-        for handle in self.handles:
+        for handle in self.handles.values():
             handle.remove()
         for key, owned in self.owned:
             if _OWNED.get(key) is owned:
                 del _OWNED[key]
         self.owned.clear()
         self.handles.clear()
+        self.params.clear()
+        self.thin, self.first, self.others, self.trigger_of = False, None, [], {}
         self.group_of.clear()
         self.hooked.clear()
         self.bucket_of.clear()
@@ -178,9 +222,16 @@ class InBackward:
     def arrived(self, p: torch.Tensor) -> None:
         if self.accumulating:
             return
-        if not self.callback_queued and not _torch_compat.in_compiled_autograd():
-            _torch_compat.queue_backward_callback(self.end_of_backward)
-            self.callback_queued = True
+        if not self.callback_queued:
+            if _torch_compat.in_compiled_autograd():
+                self.compiled_autograd = True  # (thin hooks: step() updates, then thickens)
+            else:
+                _torch_compat.queue_backward_callback(self.end_of_backward)
+                self.callback_queued = True
+        if self.thin:
+            if not self.compiled_autograd:
+                self.arrived_thin(p)
+            return
         bucket = self.bucket_of.get(id(p))
         if bucket is not None:
             bucket.arrived += 1
@@ -194,6 +245,20 @@ class InBackward:
         placed = len(self.bucket_of) + len(self.open)
         if self.open_bytes >= self.bucket_bytes or placed >= len(self.hooked):
             self.update(self.close())
+
+    def arrived_thin(self, p: torch.Tensor) -> None:
+        """A thin hook (see the module): the first param's checks that the backward started
+        with no gradient held; a bucket's last param's updates the bucket when that held in
+        this backward and all of its gradients are there (else the end of backward does)."""
+        task = _torch_compat.graph_task_id()
+        if p is self.first:
+            clean = task >= 0 and not any(q.grad is not None for q in self.others)
+            self.clean_task = task if clean else None
+        bucket = self.trigger_of.get(id(p))
+        if bucket is None or self.clean_task != task:
+            return
+        if all(q.grad is not None for q in bucket.params):
+            self.update(bucket)
 
     def close(self) -> Bucket:
         """Make the params being learned a bucket."""
@@ -216,6 +281,9 @@ class InBackward:
         opt = self.ref()
         if opt is None:
             return
+        self.clean_task = None
+        if self.thin and self.compiled_autograd:
+            self.thicken()
         self.refresh(opt)
         if self.open:
             self.update(self.close())
@@ -231,6 +299,7 @@ class InBackward:
         if left:
             self.open = left
             self.update(self.close())
+        self.thin_out()
 
     # -- a bucket's update --
 
