@@ -43,6 +43,7 @@ from operator import is_
 from typing import Any
 
 import torch
+from optguard import native
 from opttrace import closure_reason
 
 from optcompile import _torch_compat
@@ -252,7 +253,10 @@ class InBackward:
         this backward and all of its gradients are there (else the end of backward does)."""
         task = _torch_compat.graph_task_id()
         if p is self.first:
-            clean = task >= 0 and not any(q.grad is not None for q in self.others)
+            others = self.others
+            module = native.module()  # (its grads(): every .grad read in one C loop)
+            grads = module.grads(others) if module is not None else [q.grad for q in others]
+            clean = task >= 0 and grads.count(None) == len(grads)
             self.clean_task = task if clean else None
         bucket = self.trigger_of.get(id(p))
         if bucket is None or self.clean_task != task:
