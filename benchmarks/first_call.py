@@ -25,7 +25,8 @@ from the first step's start) and, as a phase, how long the first launch waited f
   state init      the optimizer's ``_init_group`` run for real before the trace
   trace           recording the step into an ATen graph (opttrace)
   audit           the side-effect audit of globals, cells and random generators
-  guards          the prologue: guard and gather codegen and compile (optguard)
+  guards          the prologue: guard and gather codegen and compile (optguard), and its
+                  fast tier, armed after the first run
   families        finding the per-parameter lane programs / families (optkernels)
   kernel source   generating Triton or C source
   C compile       building (or loading) the C kernels (CPU backend)
@@ -170,6 +171,7 @@ def _patch_phases(timer: Timer) -> None:
     for name in ("user_functions", "snapshot", "constant_globals", "check_and_restore"):
         timer.patch(opttrace.audit, name, "audit")
     timer.patch(optguard.prologue.Prologue, "__init__", "guards")
+    timer.patch(optguard.prologue.Prologue, "arm", "guards")
     timer.patch(optkernels.lanes, "analyze_parts", "families")
     timer.patch(optkernels.families, "families", "families")
     timer.patch(optkernels.foreach_kernel, "kernel_source", "kernel source")

@@ -80,3 +80,18 @@ def test_objects_frozen_by_the_user_stay_frozen(no_collections):
         assert _in_generation(node, 0)  # (nothing moved)
     finally:
         gc.unfreeze()
+
+
+def test_a_miss_arms_the_fast_tier_so_the_next_call_is_a_fast_hit(no_collections):
+    """The fast tier is built after the miss's first run, with the miss's objects (into the
+    oldest generation): the second call neither builds it nor pays a full collection."""
+    model = small_model()
+    set_grads(model, 0)
+    opt = optcompile.compile(torch.optim.AdamW(model.parameters(), lr=0.1))
+    opt.step()
+    prologue = newest(registered(opt)).prologue
+    if prologue.fast_note == "off: not available with this torch":
+        pytest.skip("this torch lacks the C++ guards (no fast tier)")
+    assert prologue.fast is not None and _in_generation(prologue.fast, 2)
+    opt.step()
+    assert prologue.fast_hits == 1 and prologue.rebuilds == 1

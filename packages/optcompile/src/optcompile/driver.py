@@ -135,19 +135,27 @@ class Compiled:
     def _miss(self, L: Locals) -> Any:
         """Trace, lower and run a new entry, or run eagerly; interrupts wait until done."""
         with interrupts_held():
-            entry = self._traced_entry(L)
-            # The first run gathers in full (the trace has just read these very inputs).
-            return self.eager(L) if entry is None else entry.run(L, entry.gather(L))
+            entry, outputs = self._traced_run(L)
+            return self.eager(L) if entry is None else outputs
 
-    def _traced_entry(self, L: Locals) -> CompiledEntry | None:
-        # Tracing and lowering build tens of thousands of long-lived objects at 1,000 params;
-        # the cyclic collector would rescan them again and again (up to half the time).
+    def _traced_run(self, L: Locals) -> tuple[CompiledEntry | None, Any]:
+        """A new entry and what its first run returned, or (None, None): eager instead.
+
+        Tracing and lowering build tens of thousands of long-lived objects at 1,000 params;
+        the cyclic collector would rescan them again and again (up to half the time), so it
+        is off until they (and the fast tier, armed after the first run: the next call is a
+        plain hit) are in its oldest generation."""
         collecting = gc.isenabled()
         gc.disable()
         entry = None
         try:
             entry = self._trace_and_lower(L)
-            return entry
+            if entry is None:
+                return None, None
+            # The first run gathers in full (the trace has just read these very inputs).
+            outputs = entry.run(L, entry.gather(L))
+            entry.prologue.arm(L)
+            return entry, outputs
         finally:
             if entry is not None:
                 as_long_lived()

@@ -7,9 +7,10 @@ None. Inside, two ways to the same answer:
 - the generated check (check.py: every guard, in Python) and the full gather
   (``compile_fetch``: every input's access path);
 - the fast tier (fast.py), armed from the live values the first time the generated check
-  passes: a C++ guard tree, native loops over lists of tensors, dict versions of the
-  optimizer state, and its own gather (gather.py) that fetches only what can change (grads,
-  hyperparameters) and reuses the objects the tree proved unchanged.
+  passes (``arm(L)``: a miss asks right after its first run): a C++ guard tree, native
+  loops over lists of tensors, dict versions of the optimizer state, and its own gather
+  (gather.py) that fetches only what can change (grads, hyperparameters) and reuses the
+  objects the tree proved unchanged.
 
 The fast tier answers first; when it fails, the generated check decides (a tier whose
 pinned state was replaced is dropped; one whose check passes again is rebuilt, at most
@@ -81,6 +82,14 @@ class Prologue:
         if self.fast_note is None:
             self._arm(L, inputs)
         return inputs
+
+    def arm(self, L: Locals) -> bool:
+        """Arm the fast tier now, from ``L``, if the generated check passes on it (a miss
+        calls this after its first run: the next call is then a plain hit); whether it is
+        armed. Nothing fetched is kept but what the tier pins."""
+        if self.fast is None and self.fast_note is None and self.check(L):
+            self._arm(L, self.gather(L))
+        return self.fast is not None
 
     def release(self) -> None:
         """Drop what the last call fetched into the fast tier's reused list."""
