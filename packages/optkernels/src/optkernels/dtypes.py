@@ -42,9 +42,14 @@ def lanes_by_dtypes(program: LaneProgram) -> dict[tuple[Any, ...], list[int]]:
     """The lanes of ``program`` by their inputs' dtypes and what each op computes in and
     returns (``op_dtypes``, sorted by var): one kernel per group."""
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for lane, ops in enumerate(op_dtypes_by_lane(program)):
+    items: dict[int, tuple[Any, ...]] = {}  # id of a shared dict -> its sorted items
+    by_lane = op_dtypes_by_lane(program)
+    for lane, ops in enumerate(by_lane):
         dtypes = tuple(column[lane].meta["val"].dtype for column in program.inputs)
-        groups.setdefault((dtypes, tuple(sorted(ops.items()))), []).append(lane)
+        found = items.get(id(ops))
+        if found is None:
+            found = items[id(ops)] = tuple(sorted(ops.items()))
+        groups.setdefault((dtypes, found), []).append(lane)
     return groups
 
 

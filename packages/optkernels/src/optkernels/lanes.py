@@ -203,12 +203,14 @@ def _components(
     scalars and 0-dim constants, which every op may read, do not connect them; Python
     arithmetic on a tensor's value, ``numbers``, does); each group in graph order.
     ``scalars``: the graph's Python scalars (``_scalar_nodes``)."""
-    shared = {
-        n
-        for n in graph.nodes
-        if (n in scalars and n not in numbers) or scalar_constant(n) is not None
-    }
-    ops = [n for n in graph.nodes if n.op == "call_function" and n not in shared]
+    shared = {n for n in scalars if n not in numbers}
+    ops = []
+    for n in graph.nodes:
+        if n.op == "call_function":
+            if n not in shared:
+                ops.append(n)
+        elif n.op == "get_attr" and scalar_constant(n) is not None:
+            shared.add(n)
     parent: dict[fx.Node, fx.Node] = {n: n for n in graph.nodes}
 
     def find(n: fx.Node) -> fx.Node:
@@ -218,9 +220,12 @@ def _components(
         return n
 
     for node in ops:
+        root = find(node)
         for arg in node.all_input_nodes:
             if arg not in shared:
-                parent[find(arg)] = find(node)
+                other = find(arg)
+                if other is not root:
+                    parent[other] = root
     components: dict[fx.Node, list[fx.Node]] = {}
     for node in ops:
         components.setdefault(find(node), []).append(node)
@@ -237,9 +242,18 @@ def _lane_count(part: set[fx.Node]) -> int:
 
 
 def _is_foreach(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "__name__", "").startswith(
-        "_foreach_"
-    )
+    if node.op != "call_function":
+        return False
+    target = node.target
+    found = _FOREACH_TARGETS.get(target)
+    if found is None:
+        found = getattr(target, "__name__", "").startswith("_foreach_")
+        if len(_FOREACH_TARGETS) < 4096:  # (a step's few distinct ops, asked per node)
+            _FOREACH_TARGETS[target] = found
+    return found
+
+
+_FOREACH_TARGETS: dict[Any, bool] = {}
 
 
 def _scalar_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
@@ -253,11 +267,18 @@ def _is_scalar(node: Any) -> bool:
         return False
     if node.op == "placeholder":
         return not isinstance(node.meta.get("val"), torch.Tensor)
-    return (
-        node.op == "call_function"
-        and node.target is not operator.getitem
-        and getattr(node.target, "__module__", "") == "_operator"
-    )
+    if node.op != "call_function":
+        return False
+    target = node.target
+    found = _OPERATOR_TARGETS.get(target)
+    if found is None:
+        found = target is not operator.getitem and getattr(target, "__module__", "") == "_operator"
+        if len(_OPERATOR_TARGETS) < 4096:  # (a step's few distinct ops, asked per node)
+            _OPERATOR_TARGETS[target] = found
+    return found
+
+
+_OPERATOR_TARGETS: dict[Any, bool] = {}
 
 
 def _analyze_per_tensor(graph: fx.Graph) -> LaneProgram:
@@ -320,29 +341,38 @@ def _signature(
     component: list[fx.Node], scalar_ref: dict[fx.Node, Any]
 ) -> tuple[tuple[Any, ...], list[fx.Node]]:
     """What a component computes, with its own nodes and inputs numbered by first use."""
-    local: dict[fx.Node, int] = {}
-    placeholders: dict[fx.Node, int] = {}  # (in order of first use)
+    local: dict[fx.Node, Any] = {}
+    placeholders: dict[fx.Node, Any] = {}  # (in order of first use)
 
     def ref(a: Any) -> Any:
         if isinstance(a, fx.Node):
-            if a in scalar_ref:
-                return scalar_ref[a]
+            # (asked for every argument of every lane's ops: the common answers first)
+            found = local.get(a) or scalar_ref.get(a) or placeholders.get(a)
+            if found is not None:
+                return found
             if a.op == "placeholder":
-                return ("input", placeholders.setdefault(a, len(placeholders)))
+                found = placeholders[a] = ("input", len(placeholders))
+                return found
             constant = scalar_constant(a)
             if constant is not None:
                 return ("constant", *constant)
-            if a not in local:  # a constant the step made (get_attr): the torch backend's
-                raise NotLanes(f"{a.name} is a tensor the step made from Python data")
-            return ("local", local[a])
+            # a constant the step made (get_attr): the torch backend's
+            raise NotLanes(f"{a.name} is a tensor the step made from Python data")
         if isinstance(a, list | tuple):
             return tuple(ref(x) for x in a)
         return ("const", a)
 
     sig = []
     for i, node in enumerate(component):
-        local[node] = i
-        sig.append((node.target, ref(tuple(node.args)), ref(tuple(sorted(node.kwargs.items())))))
+        local[node] = ("local", i)
+        kwargs = node.kwargs
+        sig.append(
+            (
+                node.target,
+                tuple(ref(a) for a in node.args),
+                ref(tuple(sorted(kwargs.items()))) if kwargs else (),
+            )
+        )
     return tuple(sig), list(placeholders)
 
 
@@ -491,6 +521,10 @@ def _result_dtypes(node: fx.Node) -> tuple[torch.dtype, ...]:
 def _lane_dtypes(nodes: list[fx.Node]) -> tuple[torch.dtype, ...]:
     """One recorded result dtype per lane for ``nodes`` (one node per lane), or none when
     some node records none."""
+    vals = [n.meta.get("val") for n in nodes]
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    if len(tensors) == len(vals):  # (the usual case, in one pass)
+        return tuple(t.dtype for t in tensors)
     dtypes = [_result_dtypes(n) for n in nodes]
     if not all(len(d) == 1 for d in dtypes):
         return ()
