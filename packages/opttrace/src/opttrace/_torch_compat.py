@@ -130,30 +130,31 @@ class OpInfo:
     recorded_as: Any = None  # the op the graph holds instead (see _RECORDED_AS), or None
 
 
-_OP_INFO: dict[Any, OpInfo] = {}
+# id(op) -> (op, its OpInfo): an OpOverload hashes in Python, and the recorder asks per op.
+_OP_INFO: dict[int, tuple[Any, OpInfo]] = {}
 _READ_OPS = {"aten::_local_scalar_dense"}
 _REFUSED_OPS = {"aten::nonzero", "aten::equal"}  # results read back into Python
 
 
 def op_info(func: Any) -> OpInfo:
-    info = _OP_INFO.get(func)
-    if info is None:
-        name = func.name()
-        base = name.split(".")[0]
-        kind = (
-            "foreach"
-            if name.startswith("aten::_foreach_")
-            else "read"
-            if base in _READ_OPS
-            else "refused"
-            if base in _REFUSED_OPS
-            else "op"
-        )
-        pointwise = torch.Tag.pointwise in func.tags
-        recorded_as = _RECORDED_AS.get(name)
-        info = _OP_INFO[func] = OpInfo(
-            kind, pointwise, written_args(func), is_view(func), recorded_as and recorded_as()
-        )
+    known = _OP_INFO.get(id(func))
+    if known is not None and known[0] is func:
+        return known[1]
+    name = func.name()
+    base = name.split(".")[0]
+    kind = (
+        "foreach"
+        if name.startswith("aten::_foreach_")
+        else "read"
+        if base in _READ_OPS
+        else "refused"
+        if base in _REFUSED_OPS
+        else "op"
+    )
+    pointwise = torch.Tag.pointwise in func.tags
+    recorded_as = _RECORDED_AS.get(name)
+    info = OpInfo(kind, pointwise, written_args(func), is_view(func), recorded_as and recorded_as())
+    _OP_INFO[id(func)] = (func, info)
     return info
 
 

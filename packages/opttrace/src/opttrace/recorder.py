@@ -35,7 +35,8 @@ from opttrace.view_writes import ViewStep, bound
 aten = torch.ops.aten
 
 _SCALAR_TYPES = {True: float, False: int}
-_NAMES: dict[Any, str] = {}  # node name stem per call target
+# id(target) -> (target, its node name stem): an OpOverload hashes in Python.
+_NAMES: dict[int, tuple[Any, str]] = {}
 _NOT_IDENT = re.compile("[^0-9a-zA-Z_]+")
 # View ops whose output, when it has its input's shape and strides, is all of its input.
 _FULL_ALIAS = {aten.alias.default, aten.detach.default, aten.view.default, aten.expand.default}
@@ -139,6 +140,9 @@ class TracedTensor(torch.Tensor):
         return f"TracedTensor({dtype}, shape={list(self.shape)}, device={self.device})"
 
 
+_TRACED_ONLY = (TracedTensor,)  # the types of an op on traced tensors alone
+
+
 class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
     """Records every ATen op run while it is active into ``graph``."""
 
@@ -206,10 +210,13 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         """Append a ``call_function`` node (not through fx's ``create_node``: its checks
         of each node's arguments cost more than everything else it does, for the
         hundreds of thousands of nodes of a large step)."""
-        name = _NAMES.get(target)
-        if name is None:
+        known = _NAMES.get(id(target))
+        if known is not None and known[0] is target:
+            name = known[1]
+        else:
             # (an identifier already: fx would otherwise clean ``mul.tensor`` per node)
-            name = _NAMES[target] = _NOT_IDENT.sub("_", self.graph._target_to_str(target))
+            name = _NOT_IDENT.sub("_", self.graph._target_to_str(target))
+            _NAMES[id(target)] = (target, name)
         return compat.append_node(self.graph, "call_function", name, target, args, kwargs or {})
 
     def assert_true(self, node: ScalarNode, where: str) -> None:
@@ -280,7 +287,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if any(t is not TracedTensor for t in types):
+        if types != _TRACED_ONLY and any(t is not TracedTensor for t in types):
             # A subclass with its own dispatch (a DTensor, an AsyncCollectiveTensor) decides;
             # the local ops and collectives it runs on traced tensors come back here. Until
             # its first one on a traced tensor does, symbolic scalars hash by identity (see
