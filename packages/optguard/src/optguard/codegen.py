@@ -45,8 +45,9 @@ class SourceCode:
 
     def var(self, source: Source) -> str:
         """The local variable holding ``source``'s value, emitting its fetch if needed."""
-        if source in self.names:
-            return self.names[source]
+        known = self.names.get(source)
+        if known is not None:
+            return known
         parents = tuple(self.var(p) for p in source.parents())
         name = self._fresh(variable_name(source))
         self.lines.append(f"{self.indent}{name} = {source.expr(parents)}")

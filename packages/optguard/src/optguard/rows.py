@@ -64,8 +64,9 @@ class _RowCode(SourceCode):
         self.lines.append(f"    {self.names[row.item]} = {outer.var(row.item.base)}[{index}]")
 
     def var(self, source: Source) -> str:
-        if source in self.names:
-            return self.names[source]
+        known = self.names.get(source)
+        if known is not None:
+            return known
         if self.row.item not in _items(source, self._memo):
             return self.outer.var(source)
         parents = tuple(self.var(p) for p in source.parents())
@@ -124,8 +125,11 @@ def _rows(
             keys.setdefault(item.base, set()).add(int(item.key))
     long = {base for base, k in keys.items() if len(k) >= MIN_ROWS}
     rows: dict[ItemSource, _Row] = {}
+    mine_of: dict[int, list[ItemSource]] = {}  # by id: the memo's sets are shared
     for index, found in enumerate(items):
-        mine = [item for item in found if item.base in long]
+        mine = mine_of.get(id(found))
+        if mine is None:
+            mine = mine_of[id(found)] = [item for item in found if item.base in long]
         if len(mine) == 1:
             rows.setdefault(mine[0], _Row(mine[0], [])).statements.append(index)
     return rows
