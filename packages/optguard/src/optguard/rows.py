@@ -67,9 +67,10 @@ class _RowCode(SourceCode):
         known = self.names.get(source)
         if known is not None:
             return known
-        if self.row.item not in _items(source, self._memo):
+        items = self._memo.get(source)
+        if self.row.item not in (_items(source, self._memo) if items is None else items):
             return self.outer.var(source)
-        parents = tuple(self.var(p) for p in source.parents())
+        parents = tuple([self.var(p) for p in source.parents()])
         relative = variable_name(source).replace(self._item_name, "item")
         name = self.names[source] = self._marker(source, relative)
         self.lines.append(f"{self.indent}{name} = {source.expr(parents)}")
@@ -144,6 +145,15 @@ def _key(value: Any) -> Any:
         return ("id", id(value))
 
 
+def _same(values: list[Any]) -> bool:
+    """Whether every value is the first (by type and ==; unhashable ones by identity)."""
+    try:
+        return len({(type(v), v) for v in values}) == 1  # (one pass, hashed in C mostly)
+    except TypeError:
+        first = _key(values[0])
+        return all(_key(v) == first for v in values)
+
+
 def emit(body: SourceCode, statements: Sequence[Statement]) -> bool:
     """Emit ``statements`` onto ``body``, rows of one template as one loop each (see the
     module docstring); True if any loop was emitted."""
@@ -195,8 +205,10 @@ def emit(body: SourceCode, statements: Sequence[Statement]) -> bool:
         _emit_loop(body, looped[n], {name: lists[(n, name)] for name in wanted.get(n, {})})
 
     for index, (sources, emitter) in enumerate(statements):
-        if index in owner:
-            loop(owner[index])
+        in_loop = owner.get(index)
+        if in_loop is not None:
+            if in_loop not in emitted:  # (once per loop: most statements are in one)
+                loop(in_loop)
             continue
         for s in sources:
             if s in where:
@@ -210,7 +222,7 @@ def _emit_loop(body: SourceCode, group: list[_Row], collect: dict[str, str]) -> 
     text = first.text
     varying: list[tuple[int, str]] = []  # (slot, loop variable)
     for k, (inline, value, hint) in enumerate(first.slots):
-        if all(_key(row.slots[k][1]) == _key(value) for row in group):
+        if _same([row.slots[k][1] for row in group]):
             shown = repr(value) if inline else body.constant(value, hint)
         else:
             shown = body._fresh(hint)
