@@ -59,7 +59,10 @@ def append_node(
     ``__setattr__`` bookkeeping when its arguments are set after creation. A placeholder's
     target is ``stem``. The graph must have no owning module yet (no creation hooks)."""
     namespace = graph._graph_namespace
-    used = op == "call_function" and _plain_stem(stem) and stem in namespace._used_names
+    plain = _PLAIN_STEMS.get(stem)  # (asked per node: the memo first, without a call)
+    if plain is None:
+        plain = _plain_stem(stem)
+    used = op == "call_function" and plain and stem in namespace._used_names
     last = namespace._base_count.get(stem) if used else None
     if last is None:
         name = namespace.create_name(stem, None)

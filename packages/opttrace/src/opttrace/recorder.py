@@ -294,7 +294,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             # symbolic.py).
             symbolic.subclass_dispatch(True)
             return NotImplemented
-        if types:
+        if types and symbolic.SUBCLASS_DISPATCH[0]:
             symbolic.subclass_dispatch(False)
         if self.closed_by is not None:
             raise TraceError(
@@ -361,13 +361,15 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         gives float32), else None. Only then is it worth inferring."""
         if len(specs) == 1:  # (the common case, without building sets)
             dtype = specs[0].dtype
-            if all(
-                a._spec.dtype is dtype
-                if type(a) is TracedTensor
-                else not isinstance(a, torch.Tensor)
-                for a in args
-            ) and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
-                return [None]
+            for a in args:
+                if type(a) is TracedTensor:
+                    if a._spec.dtype is not dtype:
+                        break
+                elif isinstance(a, torch.Tensor):
+                    break
+            else:
+                if not kwargs or not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+                    return [None]
         dtypes = {s.dtype for s in specs}
         others = {
             a.dtype for a in (*args, *kwargs.values()) if isinstance(a, TracedTensor | torch.Tensor)
@@ -467,8 +469,18 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         return found
 
     def _record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> fx.Node:
-        node_args = tuple(self._arg(a) for a in args)
-        node_kwargs = {k: self._arg(v) for k, v in kwargs.items()}
+        node_args = tuple(
+            [
+                a._node  # (the common case, without a call)
+                if type(a) is TracedTensor
+                and a._node is not None
+                and a._recorder is self
+                and a._stale is None
+                else self._arg(a)
+                for a in args
+            ]
+        )
+        node_kwargs = {k: self._arg(v) for k, v in kwargs.items()} if kwargs else {}
         return self.call(func, node_args, node_kwargs)
 
     def _wrap(self, node: fx.Node, specs: Any, device: torch.device) -> Any:
@@ -631,11 +643,11 @@ def _single(s: Any) -> Spec:
 
 
 def _specs(args: Sequence[Any]) -> list[Any]:
-    return [_spec_arg(a) for a in args]
+    return [a._spec if type(a) is TracedTensor else _spec_arg(a) for a in args]
 
 
 def _specs_kw(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: _spec_arg(v) for k, v in kwargs.items()}
+    return {k: _spec_arg(v) for k, v in kwargs.items()} if kwargs else {}
 
 
 def _spec_arg(a: Any) -> Any:

@@ -118,19 +118,23 @@ class ScalarNode:
         self, name: str, fn: Callable[..., Any], text: str, rtype: type | None, *others: Any
     ) -> ScalarNode:
         operands = (self, *others)
-        hints = [o.hint for o in operands]
-        hint = None if any(h is None for h in hints) else fn(*hints)
+        # (one pass over the operands: a step applies the same few operations per param)
+        hints, exprs, args, types = [], [], [], set()
+        for o in operands:
+            hints.append(o.hint)
+            exprs.append(o.expr)
+            args.append(o.fx_node if o.fx_node is not None else o.hint)
+            types.add(o.pytype)
+        hint = None if None in hints else fn(*hints)
         if rtype is None:
-            rtype = float if any(o.pytype is float for o in operands) else int
-            if all(o.pytype is bool for o in operands) and name in ("sym_min", "sym_max"):
+            rtype = float if float in types else int
+            if types == {bool} and name in ("sym_min", "sym_max"):
                 rtype = bool
         if hint is not None and rtype is not type(hint):
             hint = rtype(hint)
         assert hint is None or isinstance(hint, bool | int | float)
-        exprs = [o.expr for o in operands]
-        expr = None if any(e is None for e in exprs) else ("op", text, tuple(exprs))
-        args = tuple(o.fx_node if o.fx_node is not None else o.hint for o in operands)
-        node = self.recorder.scalar_op(fn, args, hint if hint is not None else rtype())
+        expr = None if None in exprs else ("op", text, tuple(exprs))
+        node = self.recorder.scalar_op(fn, tuple(args), hint if hint is not None else rtype())
         result = ScalarNode(self.recorder, rtype, hint, node, expr)
         if name in ("eq", "ne") and len(others) == 1:
             result.identical = (self is others[0]) == (name == "eq")
@@ -367,7 +371,7 @@ def extrema_in_graph() -> Iterator[None]:
 
 # -- hashing inside a tensor subclass's dispatch ------------------------------------------------
 
-_SUBCLASS_DISPATCH = [False]  # whether a subclass's dispatch (a DTensor's) is deciding
+SUBCLASS_DISPATCH = [False]  # whether a subclass's dispatch (a DTensor's) is deciding
 _HASH: dict[type, Callable[[Any], int]] = {
     torch.SymFloat: torch.SymFloat.__hash__,
     torch.SymInt: torch.SymInt.__hash__,
@@ -381,12 +385,12 @@ def subclass_dispatch(pending: bool) -> None:
     arguments to cache a decision that depends on the op and the placements, never on a
     scalar's value, and hashing by value would decide on it (a guard on the learning rate,
     or a refusal for a value read from a tensor)."""
-    _SUBCLASS_DISPATCH[0] = pending
+    SUBCLASS_DISPATCH[0] = pending
 
 
 def _identity_hash(self: Any) -> int:
     node = self.node
-    if isinstance(node, ScalarNode) and (_SUBCLASS_DISPATCH[0] or _called_from_dtensor()):
+    if isinstance(node, ScalarNode) and (SUBCLASS_DISPATCH[0] or _called_from_dtensor()):
         return hash(id(node))
     return _HASH[type(self)](self)
 
@@ -416,4 +420,4 @@ def hashable_in_subclass_dispatch() -> Iterator[None]:
         ):
             yield
     finally:
-        _SUBCLASS_DISPATCH[0] = False
+        SUBCLASS_DISPATCH[0] = False
