@@ -87,8 +87,13 @@ class Prologue:
         """Arm the fast tier now, from ``L``, if the generated check passes on it (a miss
         calls this after its first run: the next call is then a plain hit); whether it is
         armed. Nothing fetched is kept but what the tier pins."""
-        if self.fast is None and self.fast_note is None and self.check(L):
-            self._arm(L, self.gather(L))
+        if self.fast is None and self.fast_note is None:
+            try:  # (the call it follows is done: nothing here may fail it)
+                inputs = self.gather(L) if self.check(L) else None
+            except Exception:
+                inputs = None
+            if inputs is not None:
+                self._arm(L, inputs)
         return self.fast is not None
 
     def release(self) -> None:
