@@ -474,8 +474,11 @@ class ChainCall:
         chain = self.chain
         env: dict[fx.Node, Any] = dict(zip(chain.tensors, args[: len(chain.tensors)], strict=True))
         env.update(zip(chain.scalars, args[len(chain.tensors) :], strict=True))
+        # (kwargs too hold nodes: a number computed in the step, e.g. Adafactor's weight
+        # decay ``add_(p, alpha=-lr * wd)``, read at the call as the chain's scalars)
         for node, target, node_args, kwargs in self.aten_ops:
-            env[node] = target(*fx.map_arg(node_args, env.__getitem__), **kwargs)
+            called_args, called_kwargs = fx.map_arg((node_args, kwargs), env.__getitem__)
+            env[node] = target(*called_args, **called_kwargs)
         return env[chain.nodes[-1]]  # type: ignore[no-any-return]
 
     def _ready(self) -> bool:
