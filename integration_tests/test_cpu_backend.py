@@ -298,3 +298,44 @@ def test_adafactor_chains_in_c_give_the_bits_of_atens_ops(foreach, monkeypatch):
         assert torch.equal(p, q)
         for key, value in plain.state[q].items():
             assert torch.equal(opt.state[p][key], value), key
+
+
+def test_adafactor_steps_while_the_chains_c_is_still_building_run_their_aten_ops(monkeypatch):
+    """Until the chains' library is built (in the background: ``c_kernel.build_async``) a
+    chain runs its own ATen ops; a cold disk cache on a loaded machine is when that happens.
+    The build is held here (an Event) over the first two steps, then let go: the chains
+    ran ATen's ops (weight decay's ``add_(p, alpha=<a number computed in the step>)``
+    among them: its kwargs hold nodes), then their C, params and state as eager's."""
+    import concurrent.futures
+    import threading
+
+    import optkernels.c_chains as c_chains
+    from optkernels.c_kernel import build
+
+    gate = threading.Event()
+    builder = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # (not the shared pool)
+    builds = []
+
+    def held_build(compiler, source):
+        def run():
+            assert gate.wait(timeout=300), "the test never let the build go"
+            return build(compiler, source)
+
+        builds.append(builder.submit(run))
+        return builds[-1]
+
+    monkeypatch.setattr(c_chains, "build_async", held_build)
+    make = ADAFACTOR["weight decay maximize"]
+    try:
+        params, opt, reference, eager = _run(make, False, torch.float32, 2, shapes=ADAFACTOR_SHAPES)
+        graph = _plan(opt).fallback.gm.graph
+        calls = [n.target for n in graph.nodes if isinstance(n.target, c_chains.ChainCall)]
+        assert calls and builds and not any(b.done() for b in builds)
+        assert all(call.function is None and call.build_error is None for call in calls)
+        _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    finally:
+        gate.set()
+        builder.shutdown(wait=True)
+    _step_both(params, opt, reference, eager, 2, torch.Generator().manual_seed(11))
+    assert all(call.function is not None for call in calls)
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
