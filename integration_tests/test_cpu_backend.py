@@ -300,12 +300,15 @@ def test_adafactor_chains_in_c_give_the_bits_of_atens_ops(foreach, monkeypatch):
             assert torch.equal(opt.state[p][key], value), key
 
 
-def test_adafactor_steps_while_the_chains_c_is_still_building_run_their_aten_ops(monkeypatch):
+@pytest.mark.parametrize("options", sorted(ADAFACTOR))
+def test_adafactor_steps_while_the_chains_c_is_still_building_run_their_aten_ops(
+    options, monkeypatch
+):
     """Until the chains' library is built (in the background: ``c_kernel.build_async``) a
-    chain runs its own ATen ops; a cold disk cache on a loaded machine is when that happens.
-    The build is held here (an Event) over the first two steps, then let go: the chains
-    ran ATen's ops (weight decay's ``add_(p, alpha=<a number computed in the step>)``
-    among them: its kwargs hold nodes), then their C, params and state as eager's."""
+    chain runs its own ATen ops: on a cold disk cache, the first steps. The build is held
+    here (an Event) over the first two steps, then let go: the chains ran ATen's ops (with
+    weight decay ``add_(p, alpha=<a number computed in the step>)`` among them: its kwargs
+    hold nodes), then their C, params and state as eager's all along."""
     import concurrent.futures
     import threading
 
@@ -325,7 +328,7 @@ def test_adafactor_steps_while_the_chains_c_is_still_building_run_their_aten_ops
         return builds[-1]
 
     monkeypatch.setattr(c_chains, "build_async", held_build)
-    make = ADAFACTOR["weight decay maximize"]
+    make = ADAFACTOR[options]
     try:
         params, opt, reference, eager = _run(make, False, torch.float32, 2, shapes=ADAFACTOR_SHAPES)
         graph = _plan(opt).fallback.gm.graph
