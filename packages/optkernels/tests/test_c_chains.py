@@ -10,6 +10,7 @@ import pytest
 import torch
 from optkernels.c_chains import ChainCall, fuse_chains
 from optkernels.c_kernel import Compiler, find_compiler
+from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 COMPILER = find_compiler()
@@ -110,3 +111,32 @@ def test_calls_before_the_library_is_built_run_the_aten_ops_then_the_c():
     call.library.set_result(building.result())
     assert torch.equal(gm(row, col, mean, g), _variance_estimate(row, col, mean, g))
     assert call.function is not None and call.build_error is None
+
+
+def test_numbers_computed_in_the_step_in_an_ops_kwargs_are_read_at_the_call_by_both_paths():
+    """A number the step computes (Adafactor's weight decay, ``add_(p, alpha=-lr * wd)``)
+    is a node in the op's kwargs: the C reads it at the call, and so do the chain's ATen
+    ops, run until the library is built (a cold disk cache: the first steps)."""
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    p, g, decay, lr = (graph.placeholder(name) for name in ("p", "g", "decay", "lr"))
+    val = torch.empty(6, 4)
+    p.meta["val"], g.meta["val"], decay.meta["val"], lr.meta["val"] = val, val, 0.5, 0.5
+    scaled = graph.call_function(aten.mul_.Scalar, (p, decay))
+    stepped = graph.call_function(aten.add_.Tensor, (scaled, g), {"alpha": lr})
+    scaled.meta["val"] = stepped.meta["val"] = val
+    graph.output(stepped)
+    assert not isinstance(COMPILER, str)
+    assert fuse_chains(graph, COMPILER) == 1
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    (call,) = [n.target for n in graph.nodes if isinstance(n.target, ChainCall)]
+    building = call.library
+    call.library = concurrent.futures.Future()  # (a build not done yet)
+    gen = torch.Generator().manual_seed(4)
+    for done in (False, True):
+        if done:
+            call.library.set_result(building.result())
+        param, grad = torch.randn(6, 4, generator=gen), torch.randn(6, 4, generator=gen)
+        expected = param.clone().mul_(0.999).add_(grad, alpha=-0.37)
+        assert torch.equal(gm(param, grad, 0.999, -0.37), expected)
+        assert (call.function is not None) is done  # (the ATen ops, then the C)
