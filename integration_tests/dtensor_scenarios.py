@@ -514,6 +514,65 @@ def placements_change_retraces() -> None:
     assert "placements" in reason and "Replicate" in reason, reason
 
 
+def native_checks_catch_dtensor_changes() -> None:
+    """The fast tier checks DTensors in C++ (mesh, placements, local tensor of the params,
+    their grads and the state): a hit needs no Python per DTensor, and each change in place
+    is still caught, with a reason naming it; a new but equal local tensor object at the
+    same address keeps the trace."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    model, opt, ref, eager = run_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), steps=3)
+    code = optcompile.explain(opt).check_code
+    assert "pinned DTensors keep mesh and placements" in code, code
+    assert "their DTensors keep mesh and placements" in code, code
+    ps, qs = list(model.parameters()), list(ref.parameters())
+
+    def replicated(t: Any) -> Any:
+        return DTensorSpec(t._spec.mesh, (Replicate(),), t._spec.tensor_meta)
+
+    def state_local(o: Any, q: Any) -> None:
+        st = o.state[q]["exp_avg"]
+        st._local_tensor = st._local_tensor.clone()
+
+    def same_address(o: Any, q: Any) -> None:  # another object, the same storage
+        q._local_tensor = q._local_tensor.view_as(q._local_tensor)
+
+    def param_local(o: Any, q: Any) -> None:
+        q._local_tensor = q._local_tensor.clone()
+
+    def grad_placements(o: Any, q: Any) -> None:
+        q.grad._spec = replicated(q.grad)
+
+    def state_placements(o: Any, q: Any) -> None:
+        st = o.state[q]["exp_avg_sq"]
+        st._spec = replicated(st)
+
+    changes = [
+        (state_local, 0, "['exp_avg']._local_tensor: data pointer changed"),
+        (same_address, 1, None),
+        (param_local, 2, "._local_tensor: data pointer changed"),
+        (grad_placements, 3, ".grad.placements: value changed"),
+        (state_placements, 4, "['exp_avg_sq'].placements: value changed"),
+    ]
+    for k, (change, i, reason) in enumerate(changes):
+        before = traces(opt)
+        backward(model, 10 + k)
+        copy_grads(model, ref)
+        for o, params in ((opt, ps), (eager, qs)):
+            change(o, params[i])
+            o.step()
+        explanation = optcompile.explain(opt)
+        if reason is None:
+            assert explanation.traces == before, explanation.retrace_reasons
+        else:
+            assert explanation.traces == before + 1, (change.__name__, explanation.retrace_reasons)
+            assert reason in explanation.retrace_reasons[-1], explanation.retrace_reasons[-1]
+        for o in (opt, eager):
+            o.zero_grad()
+    assert_same(model, opt, ref, eager)
+
+
 @functools.cache
 def mesh_2d() -> Any:
     """ "dp" x "tp" = 1 x 2 over the two ranks (a 2 x 2 mesh would need four processes)."""
@@ -683,6 +742,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         checkpoint_reshards_into_a_2d_mesh,
         ddp_unchanged,
         placements_change_retraces,
+        native_checks_catch_dtensor_changes,
         fsdp_x_tensor_parallel,
         triton_backend_fuses_like_plain,
     )
