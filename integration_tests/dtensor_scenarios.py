@@ -519,13 +519,15 @@ def native_checks_catch_dtensor_changes() -> None:
     their grads and the state): a hit needs no Python per DTensor, and each change in place
     is still caught, with a reason naming it; a new but equal local tensor object at the
     same address keeps the trace."""
+    from optguard import native
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
     model, opt, ref, eager = run_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), steps=3)
-    code = optcompile.explain(opt).check_code
-    assert "pinned DTensors keep mesh and placements" in code, code
-    assert "their DTensors keep mesh and placements" in code, code
+    if native.module() is not None:  # (else the same checks run in the tree and Python)
+        code = optcompile.explain(opt).check_code
+        assert "pinned DTensors keep mesh and placements" in code, code
+        assert "their DTensors keep mesh and placements" in code, code
     ps, qs = list(model.parameters()), list(ref.parameters())
 
     def replicated(t: Any) -> Any:

@@ -143,7 +143,7 @@ def plain_grad_types() -> tuple[type, ...]:
     disabled = getattr(torch._C, "_disabled_torch_function_impl", None)
     if dtensor is not None and disabled is not None and dtensor.__torch_function__ is disabled:
         types.append(dtensor)
-    return tuple(t for t in types if t.grad is grad)
+    return tuple(t for t in types if getattr(t, "grad", None) is grad)
 
 
 def autocast_state() -> str:

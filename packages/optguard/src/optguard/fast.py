@@ -19,7 +19,16 @@ for much less:
   over the pinned tensors themselves (native ``held``; in Python until it is loaded), with
   no fetching: a backend that baked their addresses in (CUDA graphs, address tables) need
   not compare them again (``guarded_addresses`` of its plan);
-- equality guards (a DTensor's ``device_mesh`` and ``placements``) are tree nodes too;
+- a DTensor's guards (``device_mesh`` and ``placements`` compared with ``==``, its
+  ``_local_tensor``'s metadata and data pointer) are tested in the same native visit as the
+  DTensor itself: for the items of a list and their grads in the list's loop, for the
+  pinned DTensors of the state (and any other pinned one) in one more loop that also
+  checks that each still holds the very local tensor it was armed with (so that local
+  tensor is pinned too: the gather reuses it; the grads' local tensors the check read are
+  handed to the gather like the grads). The native code reads ``_spec.mesh``,
+  ``_spec.placements`` and ``_local_tensor`` (what DTensor's getters return; checked on
+  the live values when the tier is built, ``_torch_compat.native_dtensor``); where that
+  does not hold, those guards stay tree nodes;
 - the rest (predicates on hyperparameters, key tuples, other sources, data pointers of
   unpinned tensors) runs as generated Python.
 
@@ -436,7 +445,8 @@ def _dtensor_parts(
         if ptr and ptr_of[local] != getattr(value, compat.LOCAL_TENSOR).data_ptr():
             return None
         entries.append((*expected, ptr))
-        guarded = [AttrSource(source, attr) for attr in _DTENSOR_GUARDS] + [local]
+        guarded: list[Source] = [AttrSource(source, attr) for attr in _DTENSOR_GUARDS]
+        guarded.append(local)
         covered.append((guarded, local, ptr))
     if not covered:
         return None

@@ -70,7 +70,9 @@ class FastGather:
         body = SourceCode()
         clear = SourceCode()
         for spec, slots in taken:  # the grads' local tensors the tier's check read
-            values = f"{body.constant(module.take_locals, 'take_locals')}({body.constant(spec, 'spec')})"
+            values = (
+                f"{body.constant(module.take_locals, 'take_locals')}({body.constant(spec, 'spec')})"
+            )
             fetch = body.constant(_fetcher([self.sources[i] for i in slots]), "fetch")
             values = f"({values} or {fetch}(L))"
             step = slots[1] - slots[0] if len(slots) > 1 else 1
