@@ -530,8 +530,9 @@ def native_checks_catch_dtensor_changes() -> None:
         assert "their DTensors keep mesh and placements" in code, code
     ps, qs = list(model.parameters()), list(ref.parameters())
 
-    def replicated(t: Any) -> Any:
-        return DTensorSpec(t._spec.mesh, (Replicate(),), t._spec.tensor_meta)
+    def replicate_in_place(t: Any) -> None:  # the same object, gathered (valid on any world)
+        full = t.redistribute(placements=[Replicate()])
+        t._spec, t._local_tensor = full._spec, full._local_tensor
 
     def state_local(o: Any, q: Any) -> None:
         st = o.state[q]["exp_avg"]
@@ -540,22 +541,27 @@ def native_checks_catch_dtensor_changes() -> None:
     def same_address(o: Any, q: Any) -> None:  # another object, the same storage
         q._local_tensor = q._local_tensor.view_as(q._local_tensor)
 
+    def equal_spec(o: Any, q: Any) -> None:  # another but equal spec (==, not identity)
+        g = q.grad
+        g._spec = DTensorSpec(g._spec.mesh, tuple(g._spec.placements), g._spec.tensor_meta)
+
     def param_local(o: Any, q: Any) -> None:
         q._local_tensor = q._local_tensor.clone()
 
     def grad_placements(o: Any, q: Any) -> None:
-        q.grad._spec = replicated(q.grad)
+        replicate_in_place(q.grad)
 
     def state_placements(o: Any, q: Any) -> None:
-        st = o.state[q]["exp_avg_sq"]
-        st._spec = replicated(st)
+        replicate_in_place(o.state[q]["exp_avg_sq"])
 
     changes = [
         (state_local, 0, "['exp_avg']._local_tensor: data pointer changed"),
         (same_address, 1, None),
-        (param_local, 2, "._local_tensor: data pointer changed"),
-        (grad_placements, 3, ".grad.placements: value changed"),
-        (state_placements, 4, "['exp_avg_sq'].placements: value changed"),
+        (equal_spec, 2, None),
+        (param_local, 3, "._local_tensor: data pointer changed"),
+        (state_placements, 5, "['exp_avg_sq'].placements: value changed"),
+        # (last: the next backward's grads would be sharded again, another retrace)
+        (grad_placements, 4, ".grad.placements: value changed"),
     ]
     for k, (change, i, reason) in enumerate(changes):
         before = traces(opt)
