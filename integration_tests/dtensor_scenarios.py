@@ -514,6 +514,73 @@ def placements_change_retraces() -> None:
     assert "placements" in reason and "Replicate" in reason, reason
 
 
+def native_checks_catch_dtensor_changes() -> None:
+    """The fast tier checks DTensors in C++ (mesh, placements, local tensor of the params,
+    their grads and the state): a hit needs no Python per DTensor, and each change in place
+    is still caught, with a reason naming it; a new but equal local tensor object at the
+    same address keeps the trace."""
+    from optguard import native
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    model, opt, ref, eager = run_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), steps=3)
+    if native.module() is not None:  # (else the same checks run in the tree and Python)
+        code = optcompile.explain(opt).check_code
+        assert "pinned DTensors keep mesh and placements" in code, code
+        assert "their DTensors keep mesh and placements" in code, code
+    ps, qs = list(model.parameters()), list(ref.parameters())
+
+    def replicate_in_place(t: Any) -> None:  # the same object, gathered (valid on any world)
+        full = t.redistribute(placements=[Replicate()])
+        t._spec, t._local_tensor = full._spec, full._local_tensor
+
+    def state_local(o: Any, q: Any) -> None:
+        st = o.state[q]["exp_avg"]
+        st._local_tensor = st._local_tensor.clone()
+
+    def same_address(o: Any, q: Any) -> None:  # another object, the same storage
+        q._local_tensor = q._local_tensor.view_as(q._local_tensor)
+
+    def equal_spec(o: Any, q: Any) -> None:  # another but equal spec (==, not identity)
+        g = q.grad
+        g._spec = DTensorSpec(g._spec.mesh, tuple(g._spec.placements), g._spec.tensor_meta)
+
+    def param_local(o: Any, q: Any) -> None:
+        q._local_tensor = q._local_tensor.clone()
+
+    def grad_placements(o: Any, q: Any) -> None:
+        replicate_in_place(q.grad)
+
+    def state_placements(o: Any, q: Any) -> None:
+        replicate_in_place(o.state[q]["exp_avg_sq"])
+
+    changes = [
+        (state_local, 0, "['exp_avg']._local_tensor: data pointer changed"),
+        (same_address, 1, None),
+        (equal_spec, 2, None),
+        (param_local, 3, "._local_tensor: data pointer changed"),
+        (state_placements, 5, "['exp_avg_sq'].placements: value changed"),
+        # (last: the next backward's grads would be sharded again, another retrace)
+        (grad_placements, 4, ".grad.placements: value changed"),
+    ]
+    for k, (change, i, reason) in enumerate(changes):
+        before = traces(opt)
+        backward(model, 10 + k)
+        copy_grads(model, ref)
+        for o, params in ((opt, ps), (eager, qs)):
+            change(o, params[i])
+            o.step()
+        explanation = optcompile.explain(opt)
+        if reason is None:
+            assert explanation.traces == before, explanation.retrace_reasons
+        else:
+            assert explanation.traces == before + 1, (change.__name__, explanation.retrace_reasons)
+            assert reason in explanation.retrace_reasons[-1], explanation.retrace_reasons[-1]
+        for o in (opt, eager):
+            o.zero_grad()
+    assert_same(model, opt, ref, eager)
+
+
 @functools.cache
 def mesh_2d() -> Any:
     """ "dp" x "tp" = 1 x 2 over the two ranks (a 2 x 2 mesh would need four processes)."""
@@ -683,6 +750,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
         checkpoint_reshards_into_a_2d_mesh,
         ddp_unchanged,
         placements_change_retraces,
+        native_checks_catch_dtensor_changes,
         fsdp_x_tensor_parallel,
         triton_backend_fuses_like_plain,
     )

@@ -283,3 +283,87 @@ def test_h2d_declines_where_no_cuda_driver_is_loaded(module):
     assert module.h2d(host.data_ptr(), host.data_ptr(), 32, 0, 0) is False
     with pytest.raises(TypeError):
         module.h2d(0, 0, 32)
+
+
+@pytest.fixture
+def cpu_mesh():
+    """A world of one (gloo, in this process) and its 1-D mesh."""
+    from torch.distributed.tensor import init_device_mesh
+
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_spec_of_dtensors_checks_mesh_placements_and_local_tensor(module, cpu_mesh):
+    from optguard import _torch_compat as compat
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    module.plain(compat.plain_grad_types())  # DTensor's grad read in C++ too
+    params = [
+        torch.nn.Parameter(distribute_tensor(torch.randn(4, 2), cpu_mesh, [Shard(0)]))
+        for _ in range(3)
+    ]
+    for p in params:
+        p.grad = distribute_tensor(torch.randn(4, 2), cpu_mesh, [Shard(0)])
+    assert all(compat.native_dtensor(p) and compat.native_dtensor(p.grad) for p in params)
+    entries = [(p.device_mesh, p.placements, True) for p in params]
+    items = module.spec(params, True, False, entries)
+    grads = module.spec(
+        [p.grad for p in params],
+        False,
+        False,
+        [(p.device_mesh, p.placements, False) for p in params],
+    )
+    assert module.match_both(grads, items, params)
+    assert [g is p.grad for g, p in zip(module.take(grads), params, strict=True)] == [True] * 3
+    taken = module.take_locals(grads)
+    assert [t is p.grad._local_tensor for t, p in zip(taken, params, strict=True)] == [True] * 3
+    assert module.take_locals(grads) is None  # once
+    assert [
+        t is p._local_tensor for t, p in zip(module.take_locals(items), params, strict=True)
+    ] == [True] * 3
+
+    # An equal mesh and placements (new objects) pass: the guard compares with ==.
+    g = params[0].grad
+    g._spec = DTensorSpec(g._spec.mesh, (Shard(0),), g._spec.tensor_meta)
+    assert module.match_both(grads, items, params)
+    # Other placements, on a grad or on an item: a miss, and nothing stashed.
+    g._spec = DTensorSpec(g._spec.mesh, (Replicate(),), g._spec.tensor_meta)
+    assert not module.match_both(grads, items, params)
+    assert module.take(grads) is None and module.take_locals(grads) is None
+    g._spec = DTensorSpec(g._spec.mesh, (Shard(0),), g._spec.tensor_meta)
+    p = params[1]
+    spec_before = p._spec
+    p._spec = DTensorSpec(p._spec.mesh, (Replicate(),), p._spec.tensor_meta)
+    assert not module.match(items, False, params)
+    p._spec = spec_before
+    assert module.match(items, False, params)
+    # The item's local tensor: another object (identity recorded), another address, other
+    # metadata, requires_grad toggled, no longer a tensor.
+    local = p._local_tensor
+    no_ids = module.spec(params, False, False, entries)
+    p._local_tensor = local.view_as(local)
+    assert not module.match(items, False, params)
+    assert module.match(no_ids, False, params)  # the same address and metadata
+    p._local_tensor = local.clone()
+    assert not module.match(no_ids, False, params)  # another address
+    p._local_tensor = local.t()
+    assert not module.match(no_ids, False, params)  # other metadata
+    p._local_tensor = local
+    local.requires_grad_(True)
+    assert not module.match(items, False, params)
+    local.requires_grad_(False)
+    g = params[2].grad
+    g_local = g._local_tensor
+    g._local_tensor = g_local.double()
+    assert not module.match_both(grads, items, params)
+    del g._local_tensor  # reading it fails: a miss, no error
+    assert not module.match_both(grads, items, params)
+    g._local_tensor = g_local
+    assert module.match_both(grads, items, params)

@@ -4,15 +4,24 @@
 // dynamo's guard tree or Python; here a whole list costs a few ns per tensor:
 //
 //   plain(types)                            types whose .grad is TensorBase's own (set once)
-//   spec(values, ids[, ptrs]) -> capsule    record each value's metadata (None or a tensor),
-//                                           with ids=True its identity, with ptrs=True its
-//                                           data pointer (checked in the same visit)
+//   spec(values, ids[, ptrs[, dts]])        record each value's metadata (None or a tensor),
+//       -> capsule                          with ids=True its identity, with ptrs=True its
+//                                           data pointer (checked in the same visit); dts
+//                                           (a list, per value None or a DTensor's
+//                                           (mesh | None, placements | None, ptr: bool)):
+//                                           that DTensor's ._local_tensor is recorded too
+//                                           (its metadata; with ids its identity; with ptr
+//                                           its data pointer) and its spec's mesh and
+//                                           placements (each compared with ==)
 //   match(spec, grad, container) -> bool    container[i] (or container[i].grad) still matches
 //   match_both(grads, items, container)     match(grads, True, ...) and match(items, False,
 //                                           ...) in one visit of each item
 //   grads(objects) -> list                  [o.grad for o in objects]
 //   take(spec) -> list | None               the grads the last passing match(spec, True,
 //                                           ...) read, once (None if taken or it failed)
+//   take_locals(spec) -> list | None        the ._local_tensor of each DTensor the last
+//                                           passing match of spec read (None where a value
+//                                           had no dts entry), once
 //   addresses(indices, checked) -> capsule  positions in an input list (-1: none) whose
 //                                           data pointers are recorded, some compared
 //   addresses_record(addresses, tensors)    record tensors[i].data_ptr() for each position
@@ -34,6 +43,7 @@
 // layout, shape, stride and requires_grad; an entry recorded as None must still be None.
 
 #include <Python.h>
+#include <structmember.h>
 
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -42,6 +52,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <vector>
 
 // ma_version_tag (PEP 509): deprecated in 3.12, gone in 3.14. A dict's tag changes whenever
@@ -55,6 +66,8 @@
 namespace {
 
 constexpr int64_t kInline = 4;
+
+struct DTMeta;
 
 struct Meta {
   Py_ssize_t index;  // position in the container
@@ -71,6 +84,8 @@ struct Meta {
   int64_t dim = 0;
   int64_t inline_dims[2 * kInline] = {};
   std::vector<int64_t> dims;  // more than kInline dimensions
+  // A DTensor's: its local tensor's metadata, its spec's mesh and placements (or null).
+  std::shared_ptr<DTMeta> dt;
 
   void set_dims(c10::IntArrayRef sizes, c10::IntArrayRef strides) {
     dim = static_cast<int64_t>(sizes.size());
@@ -94,14 +109,39 @@ struct Meta {
   }
 };
 
+// What a DTensor value's spec (``._spec.mesh``, ``._spec.placements``: the getters of its
+// ``device_mesh`` and ``placements``) and its ``._local_tensor`` must keep.
+struct DTMeta {
+  // Where the DTensor type keeps ``_spec`` and ``_local_tensor`` (slots: member
+  // descriptors), read straight from the object while the type's version tag is the one
+  // recorded (nothing reassigned on the class); else (or -1) through getattr.
+  PyTypeObject* owner = nullptr;  // not owned: the Meta's type (held by it)
+  unsigned int tag = 0;
+  Py_ssize_t spec_offset = -1;
+  Py_ssize_t local_offset = -1;
+  PyObject* mesh = nullptr;        // owned; null: not checked
+  PyObject* placements = nullptr;  // owned; null: not checked
+  PyObject* local_id = nullptr;    // owned: the very local tensor expected, or null
+  Meta local;                      // its local tensor's metadata (a plain tensor)
+  ~DTMeta() {
+    Py_XDECREF(mesh);
+    Py_XDECREF(placements);
+    Py_XDECREF(local_id);
+    Py_XDECREF(reinterpret_cast<PyObject*>(local.type));
+  }
+};
+
 struct Spec {
   std::vector<Meta> metas;
+  bool has_dt = false;         // some meta has a DTMeta: a passing match stashes the locals
+  PyObject* locals = nullptr;  // owned: the local tensors the last passing match read
   // After a passing match of the items' .grad: the grads it read, in item order (owned), for
   // the caller's gather to take instead of reading them again (see take()).
   PyObject* stash = nullptr;
   ~Spec() {
     for (Meta& m : metas) Py_XDECREF(reinterpret_cast<PyObject*>(m.type));
     Py_XDECREF(stash);
+    Py_XDECREF(locals);
   }
 };
 
@@ -163,130 +203,308 @@ bool grad_matches(const Meta& m, const at::Tensor& grad) {
   return grad.defined() && matches_tensor(m, grad);
 }
 
+// Interned attribute names of a DTensor (torch.distributed.tensor): set at import.
+PyObject* g_local_tensor = nullptr;  // "_local_tensor"
+PyObject* g_spec = nullptr;          // "_spec"
+PyObject* g_mesh = nullptr;          // "mesh"
+PyObject* g_placements = nullptr;    // "placements"
+
+// Record v's metadata into m (v: None or a strided tensor); false with an error set.
+bool fill_meta(Meta& m, PyObject* v, Py_ssize_t i, bool id, bool ptr) {
+  m.index = i;
+  m.id = id ? v : nullptr;
+  m.none = v == Py_None;
+  m.type = nullptr;
+  m.dtype = c10::ScalarType::Undefined;
+  m.layout = c10::kStrided;
+  m.requires_grad = false;
+  m.check_ptr = false;
+  m.ptr = nullptr;
+  if (m.none) return true;
+  if (!THPVariable_Check(v)) {
+    PyErr_Format(PyExc_TypeError, "spec: item %zd is neither a tensor nor None", i);
+    return false;
+  }
+  const at::Tensor& t = THPVariable_Unpack(v);
+  if (t.layout() != c10::kStrided) {
+    PyErr_Format(PyExc_ValueError, "spec: item %zd is not a strided tensor", i);
+    return false;
+  }
+  try {
+    m.set_dims(t.sizes(), t.strides());
+    if (ptr) {
+      m.check_ptr = true;
+      m.ptr = t.const_data_ptr();
+    }
+  } catch (const std::exception& e) {  // a nested tensor: no plain sizes
+    PyErr_Format(PyExc_ValueError, "spec: item %zd: %s", i, e.what());
+    return false;
+  }
+  m.type = Py_TYPE(v);
+  Py_INCREF(reinterpret_cast<PyObject*>(m.type));
+  m.dtype = t.scalar_type();
+  m.device = t.device();
+  m.layout = t.layout();
+  m.requires_grad = t.requires_grad();
+  return true;
+}
+
+// The offset of a slot ``name`` of type (a member descriptor holding an object), or -1.
+Py_ssize_t slot_offset(PyTypeObject* type, PyObject* name) {
+  PyObject* descr = _PyType_Lookup(type, name);  // borrowed
+  if (descr == nullptr || Py_TYPE(descr) != &PyMemberDescr_Type) return -1;
+  PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(descr)->d_member;
+  if (member->type != T_OBJECT_EX || (member->flags & READONLY)) return -1;
+  return member->offset;
+}
+
+// obj.<name> as a new reference (nullptr, no error set, when it fails): from its slot when
+// d's offsets hold for obj's type, else through getattr.
+PyObject* dt_attr(const DTMeta& d, PyObject* obj, Py_ssize_t offset, PyObject* name) {
+  PyTypeObject* type = Py_TYPE(obj);
+  if (offset >= 0 && type == d.owner && type->tp_version_tag == d.tag &&
+      PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) {
+    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+    Py_XINCREF(v);
+    return v;  // (null: the slot is empty, as getattr's AttributeError)
+  }
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == nullptr) PyErr_Clear();
+  return v;
+}
+
+// Record DTensor v's local tensor and expected mesh and placements (entry: a tuple
+// (mesh | None, placements | None, ptr: bool)); false with an error set.
+bool fill_dt(Meta& m, PyObject* v, PyObject* entry, bool id) {
+  if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
+    PyErr_SetString(PyExc_TypeError, "spec: dts entry is not (mesh, placements, ptr)");
+    return false;
+  }
+  auto dt = std::make_shared<DTMeta>();
+  PyTypeObject* type = Py_TYPE(v);
+  if (_PyType_Lookup(type, g_spec) != nullptr &&
+      PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) {
+    dt->owner = type;
+    dt->tag = type->tp_version_tag;
+    dt->spec_offset = slot_offset(type, g_spec);
+    dt->local_offset = slot_offset(type, g_local_tensor);
+  }
+  PyObject* local = PyObject_GetAttr(v, g_local_tensor);
+  if (local == nullptr) return false;
+  bool ok = fill_meta(dt->local, local, m.index, false, PyTuple_GET_ITEM(entry, 2) == Py_True);
+  if (ok && dt->local.none) {
+    PyErr_SetString(PyExc_ValueError, "spec: a DTensor without a local tensor");
+    ok = false;
+  }
+  if (!ok) {
+    Py_DECREF(local);
+    return false;
+  }
+  if (id) {
+    dt->local_id = local;  // the reference is DTMeta's now
+  } else {
+    Py_DECREF(local);
+  }
+  PyObject* mesh = PyTuple_GET_ITEM(entry, 0);
+  PyObject* placements = PyTuple_GET_ITEM(entry, 1);
+  if (mesh != Py_None) {
+    Py_INCREF(mesh);
+    dt->mesh = mesh;
+  }
+  if (placements != Py_None) {
+    Py_INCREF(placements);
+    dt->placements = placements;
+  }
+  m.dt = std::move(dt);
+  return true;
+}
+
 PyObject* spec(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs < 2 || nargs > 3 || !PyList_Check(args[0])) {
-    PyErr_SetString(PyExc_TypeError, "spec(values: list, ids: bool, ptrs: bool = False)");
+  if (nargs < 2 || nargs > 4 || !PyList_Check(args[0]) ||
+      (nargs == 4 && args[3] != Py_None &&
+       (!PyList_Check(args[3]) || PyList_GET_SIZE(args[3]) != PyList_GET_SIZE(args[0])))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "spec(values: list, ids: bool, ptrs: bool = False, dts: list | None)");
     return nullptr;
   }
   PyObject* values = args[0];
   bool ids = args[1] == Py_True;
-  bool ptrs = nargs == 3 && args[2] == Py_True;
+  bool ptrs = nargs >= 3 && args[2] == Py_True;
+  PyObject* dts = nargs == 4 && args[3] != Py_None ? args[3] : nullptr;
   auto* out = new Spec();
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); ++i) {
     PyObject* v = PyList_GET_ITEM(values, i);
+    PyObject* entry = dts != nullptr ? PyList_GET_ITEM(dts, i) : Py_None;
     Meta m;
-    m.index = i;
-    m.id = ids ? v : nullptr;
-    m.none = v == Py_None;
-    m.type = nullptr;
-    m.dtype = c10::ScalarType::Undefined;
-    m.layout = c10::kStrided;
-    m.requires_grad = false;
-    m.check_ptr = false;
-    m.ptr = nullptr;
-    if (!m.none) {
-      if (!THPVariable_Check(v)) {
-        delete out;
-        PyErr_Format(PyExc_TypeError, "spec: item %zd is neither a tensor nor None", i);
-        return nullptr;
-      }
-      const at::Tensor& t = THPVariable_Unpack(v);
-      if (t.layout() != c10::kStrided) {
-        delete out;
-        PyErr_Format(PyExc_ValueError, "spec: item %zd is not a strided tensor", i);
-        return nullptr;
-      }
-      try {
-        m.set_dims(t.sizes(), t.strides());
-        if (ptrs) {
-          m.check_ptr = true;
-          m.ptr = t.const_data_ptr();
-        }
-      } catch (const std::exception& e) {  // a nested tensor: no plain sizes
-        delete out;
-        PyErr_Format(PyExc_ValueError, "spec: item %zd: %s", i, e.what());
-        return nullptr;
-      }
-      m.type = Py_TYPE(v);
-      Py_INCREF(reinterpret_cast<PyObject*>(m.type));
-      m.dtype = t.scalar_type();
-      m.device = t.device();
-      m.layout = t.layout();
-      m.requires_grad = t.requires_grad();
+    bool dtensor = entry != Py_None && v != Py_None;
+    // A DTensor's data pointer is its local tensor's (the DTensor itself has no storage).
+    if (!fill_meta(m, v, i, ids, ptrs && !dtensor) || (dtensor && !fill_dt(m, v, entry, ids))) {
+      Py_XDECREF(reinterpret_cast<PyObject*>(m.type));
+      delete out;
+      return nullptr;
     }
+    out->has_dt = out->has_dt || dtensor;
     out->metas.push_back(std::move(m));
   }
   return PyCapsule_New(out, kCapsule, drop_spec);
 }
 
+// value's spec keeps the expected mesh and placements (==, as the generated check compares
+// ``value.device_mesh`` and ``value.placements``), its ._local_tensor matches d.local; the
+// local tensor (a new reference) into *local. Any error reading them is a miss.
+bool dt_matches(const DTMeta& d, PyObject* value, PyObject** local) {
+  *local = nullptr;
+  if (d.mesh != nullptr || d.placements != nullptr) {
+    PyObject* spec = dt_attr(d, value, d.spec_offset, g_spec);
+    if (spec == nullptr) return false;
+    for (int k = 0; k < 2; ++k) {
+      PyObject* expected = k == 0 ? d.mesh : d.placements;
+      if (expected == nullptr) continue;
+      PyObject* now = PyObject_GetAttr(spec, k == 0 ? g_mesh : g_placements);
+      int same = now == nullptr ? -1 : (now == expected ? 1 : PyObject_RichCompareBool(now, expected, Py_EQ));
+      Py_XDECREF(now);
+      if (same != 1) {
+        if (same < 0) PyErr_Clear();
+        Py_DECREF(spec);
+        return false;
+      }
+    }
+    Py_DECREF(spec);
+  }
+  PyObject* t = dt_attr(d, value, d.local_offset, g_local_tensor);
+  if (t == nullptr) return false;
+  if ((d.local_id != nullptr && t != d.local_id) || Py_TYPE(t) != d.local.type ||
+      !matches_tensor(d.local, THPVariable_Unpack(t))) {
+    Py_DECREF(t);
+    return false;
+  }
+  *local = t;
+  return true;
+}
+
+// A DTensor's spec and local tensor (put into locals[m.index]), for a value that matches m.
+bool dt_part(const Meta& m, PyObject* value, PyObject* locals) {
+  if (!m.dt || m.none) return true;
+  PyObject* local;
+  if (!dt_matches(*m.dt, value, &local)) return false;
+  PyList_SET_ITEM(locals, m.index, local);  // (its slot was empty: the list owns it)
+  return true;
+}
+
+// matches(m, value), then a DTensor's spec and local tensor (put into locals[m.index]).
+bool matches_dt(const Meta& m, PyObject* value, PyObject* locals) {
+  return matches(m, value) && dt_part(m, value, locals);
+}
+
+// A new list of n empty slots for the local tensors a match reads (nullptr: none needed).
+PyObject* new_locals(const Spec* s, Py_ssize_t n, bool* failed) {
+  *failed = false;
+  if (s == nullptr || !s->has_dt) return nullptr;
+  PyObject* out = PyList_New(n);
+  *failed = out == nullptr;
+  return out;
+}
+
+void keep_locals(Spec* s, PyObject* locals) {
+  if (locals == nullptr) return;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(locals); ++i) {
+    if (PyList_GET_ITEM(locals, i) == nullptr) {
+      Py_INCREF(Py_None);
+      PyList_SET_ITEM(locals, i, Py_None);
+    }
+  }
+  Py_XDECREF(s->locals);
+  s->locals = locals;
+}
+
 // container[i] (or its .grad, with grad) matches s's entry i for every i; with items, each
 // container[i] itself also matches items' entry i, in the same visit. A passing grad match
-// stashes the grads it read (see take()).
-PyObject* match_list(Spec* s, bool grad, const Spec* items, PyObject* container) {
+// stashes the grads it read (see take()); a passing match of DTensors the local tensors it
+// read (see take_locals()).
+PyObject* match_list(Spec* s, bool grad, Spec* items, PyObject* container) {
   Py_CLEAR(s->stash);
+  Py_CLEAR(s->locals);
+  if (items != nullptr) Py_CLEAR(items->locals);
   if (!PyList_Check(container)) Py_RETURN_FALSE;
   Py_ssize_t n = PyList_GET_SIZE(container);
   if (n != static_cast<Py_ssize_t>(s->metas.size())) Py_RETURN_FALSE;
   PyObject* read = nullptr;  // the grads, in item order
   if (grad && (read = PyList_New(n)) == nullptr) return nullptr;
+  bool failed;
+  PyObject* locals = new_locals(s, n, &failed);  // the local tensors of s's DTensors
+  if (failed) {
+    Py_XDECREF(read);
+    return nullptr;
+  }
+  PyObject* item_locals = new_locals(items, n, &failed);  // and of items'
+  if (failed) {
+    Py_XDECREF(read);
+    Py_XDECREF(locals);
+    return nullptr;
+  }
+  bool ok = true;
   try {
     const size_t count = s->metas.size();
-    for (size_t i = 0; i < count; ++i) {
+    for (size_t i = 0; ok && i < count; ++i) {
       const Meta& m = s->metas[i];
       // (memory ahead, as in held_match: the item's Python object, then its impl)
       if (i + 8 < count) __builtin_prefetch(PyList_GET_ITEM(container, s->metas[i + 8].index));
       if (i + 4 < count) {
-        PyObject* ahead = PyList_GET_ITEM(container, s->metas[i + 4].index);
-        if (THPVariable_Check(ahead))
+        const Meta& am = s->metas[i + 4];
+        PyObject* ahead = PyList_GET_ITEM(container, am.index);
+        // (a tensor by its exact type: THPVariable_Check of a subclass, a DTensor, is an
+        // isinstance through its metaclass, ~40 ns)
+        if ((am.type != nullptr && Py_TYPE(ahead) == am.type) || is_plain(ahead))
           __builtin_prefetch(THPVariable_Unpack(ahead).unsafeGetTensorImpl());
       }
       PyObject* item = PyList_GET_ITEM(container, m.index);
       if (!grad) {
-        if (!matches(m, item)) Py_RETURN_FALSE;
+        ok = matches_dt(m, item, locals);
         continue;
       }
-      if (items != nullptr && !matches(items->metas[m.index], item)) {
-        Py_DECREF(read);
-        Py_RETURN_FALSE;
+      if (items != nullptr && !matches_dt(items->metas[m.index], item, item_locals)) {
+        ok = false;
+        continue;
       }
       if (is_plain(item)) {  // the grad checked in C++ first, then wrapped for the stash
         // (the impl's own: TensorBase::grad() also asks autograd, out of line, whether the
         // item is a leaf, only to warn when a non-leaf's undefined grad is read)
         const at::Tensor& gt = THPVariable_Unpack(item).unsafeGetTensorImpl()->grad();
         if (!grad_matches(m, gt)) {
-          Py_DECREF(read);
-          Py_RETURN_FALSE;
+          ok = false;
+          continue;
         }
         PyObject* g = THPVariable_Wrap(gt);  // its Python object (made if it has none)
         if (g == nullptr) {
           PyErr_Clear();
-          Py_DECREF(read);
-          Py_RETURN_FALSE;
+          ok = false;
+          continue;
         }
         PyList_SET_ITEM(read, m.index, g);  // the list owns it from here
-        if (!m.none && Py_TYPE(g) != m.type) {
-          Py_DECREF(read);
-          Py_RETURN_FALSE;
-        }
+        ok = m.none || (Py_TYPE(g) == m.type && dt_part(m, g, locals));
         continue;
       }
       PyObject* g = grad_of(item);
       if (g == nullptr) {
         PyErr_Clear();  // any error fetching is a miss, as in the generated check
-        Py_DECREF(read);
-        Py_RETURN_FALSE;
+        ok = false;
+        continue;
       }
       PyList_SET_ITEM(read, m.index, g);  // the list owns it from here
-      if (!matches(m, g)) {
-        Py_DECREF(read);
-        Py_RETURN_FALSE;
-      }
+      ok = matches_dt(m, g, locals);
     }
   } catch (const std::exception&) {  // metadata torch cannot give (a nested tensor's sizes)
+    ok = false;
+  }
+  if (!ok) {
     Py_XDECREF(read);
+    Py_XDECREF(locals);
+    Py_XDECREF(item_locals);
     Py_RETURN_FALSE;
   }
   s->stash = read;
+  keep_locals(s, locals);
+  if (items != nullptr) keep_locals(items, item_locals);
   Py_RETURN_TRUE;
 }
 
@@ -322,6 +540,15 @@ PyObject* take(PyObject*, PyObject* capsule) {
   if (s->stash == nullptr) Py_RETURN_NONE;
   PyObject* out = s->stash;  // the caller's reference now
   s->stash = nullptr;
+  return out;
+}
+
+PyObject* take_locals(PyObject*, PyObject* capsule) {
+  auto* s = static_cast<Spec*>(PyCapsule_GetPointer(capsule, kCapsule));
+  if (s == nullptr) return nullptr;
+  if (s->locals == nullptr) Py_RETURN_NONE;
+  PyObject* out = s->locals;  // the caller's reference now
+  s->locals = nullptr;
   return out;
 }
 
@@ -682,6 +909,8 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL, "match(grads, True, c) and match(items, False, c) in one visit."},
     {"grads", grads, METH_O, "[o.grad for o in objects]."},
     {"take", take, METH_O, "The grads the last passing match of a spec read (once), or None."},
+    {"take_locals", take_locals, METH_O,
+     "The DTensors' local tensors the last passing match of a spec read (once), or None."},
     {"addresses", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(addresses)),
      METH_FASTCALL, "Positions of inputs whose data pointers are recorded and compared."},
     {"addresses_equal",
@@ -714,4 +943,13 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, OPT_STR(TORCH_EXTENSION_NAME), nul
 
 }  // namespace
 
-PyMODINIT_FUNC OPT_CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC OPT_CAT(PyInit_, TORCH_EXTENSION_NAME)() {
+  g_local_tensor = PyUnicode_InternFromString("_local_tensor");
+  g_spec = PyUnicode_InternFromString("_spec");
+  g_mesh = PyUnicode_InternFromString("mesh");
+  g_placements = PyUnicode_InternFromString("placements");
+  if (g_local_tensor == nullptr || g_spec == nullptr || g_mesh == nullptr ||
+      g_placements == nullptr)
+    return nullptr;
+  return PyModule_Create(&kModule);
+}

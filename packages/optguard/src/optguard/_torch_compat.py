@@ -9,6 +9,7 @@ we use; without it every call runs the generated Python check (correct, slower).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -134,7 +135,15 @@ def plain_grad_types() -> tuple[type, ...]:
     """Tensor types whose ``.grad`` is TensorBase's own getter, which the native checks may
     read in C++ (a subclass may override ``grad``)."""
     grad = torch._C.TensorBase.grad
-    return tuple(t for t in (torch.Tensor, torch.nn.Parameter) if t.grad is grad)
+    types: list[type] = [torch.Tensor, torch.nn.Parameter]
+    # A DTensor's ``.grad`` is TensorBase's getter too, but reached through its disabled
+    # ``__torch_function__`` (~250 ns in Python): the same tensor, read in C++ directly.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    disabled = getattr(torch._C, "_disabled_torch_function_impl", None)
+    if dtensor is not None and disabled is not None and dtensor.__torch_function__ is disabled:
+        types.append(dtensor)
+    return tuple(t for t in types if getattr(t, "grad", None) is grad)
 
 
 def autocast_state() -> str:
@@ -147,3 +156,34 @@ def autocast_state() -> str:
         for device in torch._C._autocast_supported_devices()
         if torch.is_autocast_enabled(device)
     )
+
+
+# -- DTensor (torch.distributed.tensor): what the native checks read of one -----------------
+
+# The attributes _native.cpp reads of a DTensor: its local shard, its spec (a DTensorSpec)
+# and that spec's mesh and placements (DTensor's ``device_mesh`` and ``placements`` getters
+# return those two).
+LOCAL_TENSOR = "_local_tensor"
+
+
+def native_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (exactly; no subclass) whose ``device_mesh`` and
+    ``placements`` are its ``_spec.mesh`` and ``_spec.placements`` and whose
+    ``_local_tensor`` is a plain strided tensor: what the native checks read instead of the
+    getters (tested on the live value: another torch that stores them elsewhere keeps the
+    checks in the guard tree)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    if cls is None or type(value) is not cls:
+        return False
+    try:
+        spec = value._spec
+        local = getattr(value, LOCAL_TENSOR)
+        return (
+            value.device_mesh is spec.mesh
+            and value.placements is spec.placements
+            and type(local) is torch.Tensor
+            and local.layout == torch.strided
+        )
+    except AttributeError:
+        return False

@@ -19,7 +19,16 @@ for much less:
   over the pinned tensors themselves (native ``held``; in Python until it is loaded), with
   no fetching: a backend that baked their addresses in (CUDA graphs, address tables) need
   not compare them again (``guarded_addresses`` of its plan);
-- equality guards (a DTensor's ``device_mesh`` and ``placements``) are tree nodes too;
+- a DTensor's guards (``device_mesh`` and ``placements`` compared with ``==``, its
+  ``_local_tensor``'s metadata and data pointer) are tested in the same native visit as the
+  DTensor itself: for the items of a list and their grads in the list's loop, for the
+  pinned DTensors of the state (and any other pinned one) in one more loop that also
+  checks that each still holds the very local tensor it was armed with (so that local
+  tensor is pinned too: the gather reuses it; the grads' local tensors the check read are
+  handed to the gather like the grads). The native code reads ``_spec.mesh``,
+  ``_spec.placements`` and ``_local_tensor`` (what DTensor's getters return; checked on
+  the live values when the tier is built, ``_torch_compat.native_dtensor``); where that
+  does not hold, those guards stay tree nodes;
 - the rest (predicates on hyperparameters, key tuples, other sources, data pointers of
   unpinned tensors) runs as generated Python.
 
@@ -84,6 +93,7 @@ class FastCheck:
         pinned: frozenset[Source] = frozenset(),
         grad_lists: dict[Source, tuple[Any, int]] | None = None,
         states_unchanged: Sequence[Callable[[Locals], bool]] = (),
+        local_lists: dict[Source, tuple[Any, int]] | None = None,
     ) -> None:
         self.tree = tree
         self.residual = residual
@@ -93,6 +103,10 @@ class FastCheck:
         # list's source -> (its spec, length). After a hit, ``native.module().take(spec)``
         # gives the grads that check read (gather.py uses them instead of reading again).
         self.grad_lists = grad_lists or {}
+        # Lists whose items' grads are DTensors, their local tensors read by that check: the
+        # list's source -> (its spec, length); ``native.module().take_locals(spec)`` gives
+        # them after a hit.
+        self.local_lists = local_lists or {}
         # Whether each optimizer state this tier pinned is still the one it found (see
         # ``stale``).
         self.states_unchanged = list(states_unchanged)
@@ -132,6 +146,8 @@ class FastCheck:
         if module is not None:
             for spec, _ in self.grad_lists.values():
                 module.take(spec)
+            for spec, _ in self.local_lists.values():
+                module.take_locals(spec)
 
     def stale(self, L: Locals) -> bool:
         """Whether an optimizer state this tier pinned has changed since (entries replaced:
@@ -173,15 +189,18 @@ def build_fast_check(
     states = {keyed.base: None for keyed in keyed_sources}
     keys = {keyed.key: None for keyed in keyed_sources}
     module = native.start()
+    if module is not None:  # (DTensor may have been imported since it was loaded)
+        module.plain(compat.plain_grad_types())
     versions = getattr(module, "versions", None)  # absent where CPython has no tags (3.14)
     builder = _TreeBuilder(L, set() if versions is not None else set(states))
     residual: list[Guard] = []
     addresses: list[DataPtrGuard] = []
     matched = {g.source for g in guards if isinstance(g, TensorMatchGuard)}
     grad_lists: dict[Source, tuple[Any, int]] = {}
+    local_lists: dict[Source, tuple[Any, int]] = {}
     ptr_of = {g.source: g.ptr for g in guards if isinstance(g, DataPtrGuard)}
     listed, identical, addressed = (
-        _list_families(module, guards, L, builder, set(keys), grad_lists, ptr_of)
+        _list_families(module, guards, L, builder, set(keys), grad_lists, ptr_of, local_lists)
         if module is not None
         else (set(), set(), set())
     )
@@ -229,6 +248,11 @@ def build_fast_check(
         states_unchanged.append(_fetching(state, unchanged))
         builder.lines.append(text)
     pinned = _pinned_sources(guards, identical, set(states))
+    if module is not None:
+        more = _held_dtensors(module, guards, L, builder, pinned, listed, ptr_of)
+        if more:
+            pinned = pinned | more
+            addresses = [g for g in addresses if g.source not in more]
     held = [g for g in addresses if g.source in pinned]
     residual.extend(g for g in addresses if g.source not in pinned)
     if held:
@@ -237,10 +261,12 @@ def build_fast_check(
         compat.GuardTree.predicate(builder.tree.root, native.held_ptrs(tensors, held), text)
         builder.lines.append(text + (", one native check" if module is not None else ""))
     check = compile_check(GuardSet(tuple(residual)))
-    fast = FastCheck(builder.tree, check, builder.lines, pinned, grad_lists, states_unchanged)
+    fast = FastCheck(
+        builder.tree, check, builder.lines, pinned, grad_lists, states_unchanged, local_lists
+    )
     if gathered is not None:
         sources, inputs = gathered
-        fast.gather = FastGather(sources, pinned, grad_lists)
+        fast.gather = FastGather(sources, pinned, grad_lists, local_lists)
         fast.gather.arm(L, inputs)
     return fast
 
@@ -272,6 +298,7 @@ def _list_families(
     keys: set[Source],
     grad_lists: dict[Source, tuple[Any, int]],
     ptr_of: dict[Source, int],
+    local_lists: dict[Source, tuple[Any, int]],
 ) -> tuple[set[Source], set[Source], set[Source]]:
     """Put the metadata guards on the items of a list (``params[i]``) and on their grads
     (``params[i].grad``) into one native check per list (both kinds in one visit of each
@@ -279,7 +306,12 @@ def _list_families(
     all of them do). Return the
     sources they guard (the caller adds no other guard for them) and those whose identity
     they check, and those whose data pointers (``ptr_of``: their DataPtrGuards) they check
-    too; record the grad checks in ``grad_lists`` (see FastCheck)."""
+    too; record the grad checks in ``grad_lists`` (see FastCheck).
+
+    Items (or grads) that are DTensors get their mesh, placements and local tensor checked
+    in the same visit, where every guard on those is one the visit can test
+    (``_dtensor_parts``): the local tensors of items checked by identity are pinned, those
+    of grads stashed for the gather (``local_lists``, as ``grad_lists``)."""
     families: dict[tuple[Source, bool], dict[int, list[Guard]]] = {}
     for g in guards:
         if not isinstance(g, TensorMatchGuard) and not (isinstance(g, NoneGuard) and g.is_none):
@@ -292,6 +324,7 @@ def _list_families(
     listed: set[Source] = set()
     identified: set[Source] = set()
     addressed: set[Source] = set()
+    on_source = _single_source_guards(guards)
     checks: dict[tuple[Source, bool], tuple[Any, str, int]] = {}  # spec, text, length
     for (container_source, grad), items in families.items():
         container = container_source.fetch(L)
@@ -318,7 +351,27 @@ def _list_families(
             else ("its items are the same objects with" if ids else "its items keep")
         )
         text = f"{what} type, dtype, device, shape, stride" + (", data pointer" if ptrs else "")
-        checks[container_source, grad] = (module.spec(values, ids, ptrs), text, len(values))
+        dts = _dtensor_parts(values, sources, on_source, ptr_of)
+        if dts is not None:
+            entries, covered = dts
+            text += (
+                "; their DTensors keep mesh and placements (==), local tensor "
+                + ("(the same object) " if ids else "")
+                + "type, dtype, device, shape, stride"
+                + (", data pointer" if any(e[2] for e in entries if e is not None) else "")
+            )
+            spec = module.spec(values, ids, ptrs, entries)
+            for guarded, local, ptr in covered:
+                listed.update(guarded)
+                if ids:
+                    identified.add(local)
+                if ptr:
+                    addressed.add(local)
+            if grad:
+                local_lists[container_source] = (spec, len(values))
+        else:
+            spec = module.spec(values, ids, ptrs)
+        checks[container_source, grad] = (spec, text, len(values))
         listed.update(sources)
         if ids:
             identified.update(sources)
@@ -342,6 +395,104 @@ def _list_families(
         compat.GuardTree.predicate(node, test, text)
         builder.lines.append(f"{text} ({n} tensors, one native check)")
     return listed, identified, addressed
+
+
+def _single_source_guards(guards: Sequence[Guard]) -> dict[Source, list[Guard]]:
+    on_source: dict[Source, list[Guard]] = {}
+    for g in guards:
+        if len(g.sources()) == 1:
+            on_source.setdefault(g.source, []).append(g)
+    return on_source
+
+
+_DTENSOR_GUARDS = {"device_mesh": EqualGuard, "placements": EqualGuard}
+
+
+def _dtensor_parts(
+    values: Sequence[Any],
+    sources: Sequence[Source],
+    on_source: dict[Source, list[Guard]],
+    ptr_of: dict[Source, int],
+) -> tuple[list[Any], list[tuple[list[Source], Source, bool]]] | None:
+    """For values (None or DTensors) at ``sources``: per value, None or the native spec's
+    DTensor entry (expected mesh or None, expected placements or None, whether its local
+    tensor's data pointer is checked), and per DTensor the sources whose guards that check
+    covers, its local tensor's source and whether its address is covered; None unless some
+    value is a DTensor and every guard on each one's ``device_mesh``, ``placements`` and
+    ``_local_tensor`` is one the native check tests (an equality; a tensor match; a data
+    pointer the local tensor has now)."""
+    entries: list[Any] = []
+    covered: list[tuple[list[Source], Source, bool]] = []
+    for value, source in zip(values, sources, strict=True):
+        if value is None:
+            entries.append(None)
+            continue
+        if not compat.native_dtensor(value):
+            return None
+        expected: list[Any] = []
+        for attr, kind in _DTENSOR_GUARDS.items():
+            on = on_source.get(AttrSource(source, attr), [])
+            if len(on) > 1 or not all(type(g) is kind for g in on):
+                return None
+            expected.append(cast(EqualGuard, on[0]).value if on else None)
+        local = AttrSource(source, compat.LOCAL_TENSOR)
+        on = on_source.get(local, [])
+        if not any(isinstance(g, TensorMatchGuard) for g in on) or not all(
+            isinstance(g, TensorMatchGuard | DataPtrGuard) for g in on
+        ):
+            return None
+        ptr = local in ptr_of
+        if ptr and ptr_of[local] != getattr(value, compat.LOCAL_TENSOR).data_ptr():
+            return None
+        entries.append((*expected, ptr))
+        guarded: list[Source] = [AttrSource(source, attr) for attr in _DTENSOR_GUARDS]
+        guarded.append(local)
+        covered.append((guarded, local, ptr))
+    if not covered:
+        return None
+    return entries, covered
+
+
+def _held_dtensors(
+    module: Any,
+    guards: Sequence[Guard],
+    L: Locals,
+    builder: _TreeBuilder,
+    pinned: frozenset[Source],
+    listed: set[Source],
+    ptr_of: dict[Source, int],
+) -> set[Source]:
+    """One native check over the pinned DTensors whose local tensor no list check covers (an
+    optimizer's state tensors): each keeps its mesh and placements (==) and the very local
+    tensor it had (its type, dtype, device, shape, stride, requires_grad and, where a guard
+    asks, data pointer). Return the local tensors' sources: pinned from then on (the
+    caller drops their data-pointer guards: this check tests them)."""
+    on_source = _single_source_guards(guards)
+    sources = [
+        s
+        for s in sorted(pinned, key=lambda s: s.name())
+        if AttrSource(s, compat.LOCAL_TENSOR) in on_source
+        and AttrSource(s, compat.LOCAL_TENSOR) not in listed
+    ]
+    values = [s.fetch(L) for s in sources]
+    kept = [(s, v) for s, v in zip(sources, values, strict=True) if compat.native_dtensor(v)]
+    if not kept:
+        return set()
+    parts = _dtensor_parts([v for _, v in kept], [s for s, _ in kept], on_source, ptr_of)
+    if parts is None:
+        return set()
+    entries, covered = parts
+    objects = [v for _, v in kept]
+    spec = module.spec(objects, True, False, entries)
+    text = (
+        f"{len(objects)} pinned DTensors keep mesh and placements (==) and the same local "
+        "tensor with its type, dtype, device, shape, stride"
+        + (", data pointer" if any(ptr for _, _, ptr in covered) else "")
+    )
+    match = module.match
+    compat.GuardTree.predicate(builder.tree.root, lambda _: match(spec, False, objects), text)
+    builder.lines.append(text + ", one native check")
+    return {local for _, local, _ in covered}
 
 
 def _strided(value: Any) -> bool:

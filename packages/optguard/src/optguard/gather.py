@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from optguard import native
+from optguard._torch_compat import LOCAL_TENSOR as _LOCAL_TENSOR
 from optguard.codegen import SourceCode, build_function
 from optguard.sources import AttrSource, ItemSource, Locals, Source
 
@@ -42,14 +43,18 @@ class FastGather:
         sources: Sequence[Source],
         pinned: Collection[Source],
         grad_lists: Mapping[Source, tuple[Any, int]] | None = None,
+        local_lists: Mapping[Source, tuple[Any, int]] | None = None,
     ) -> None:
-        """``grad_lists``: the fast tier's (``FastCheck.grad_lists``)."""
+        """``grad_lists``, ``local_lists``: the fast tier's (``FastCheck``)."""
         self.sources = list(sources)
         position = {s: i for i, s in enumerate(self.sources)}
         families: dict[str, list[tuple[int, Source]]] = {}
         rest: list[tuple[int, Source]] = []
+        module = native.module()
+        taken = _taken_locals(self.sources, local_lists or {}) if module is not None else []
+        in_taken = {i for _, slots in taken for i in slots}
         for i, s in enumerate(self.sources):
-            if s in pinned:
+            if s in pinned or i in in_taken:
                 continue
             if isinstance(s, AttrSource) and s.base in pinned:
                 families.setdefault(s.attr, []).append((i, s.base))
@@ -64,7 +69,23 @@ class FastGather:
         ]
         body = SourceCode()
         clear = SourceCode()
-        module = native.module()
+        for spec, slots in taken:  # the grads' local tensors the tier's check read
+            values = (
+                f"{body.constant(module.take_locals, 'take_locals')}({body.constant(spec, 'spec')})"
+            )
+            fetch = body.constant(_fetcher([self.sources[i] for i in slots]), "fetch")
+            values = f"({values} or {fetch}(L))"
+            step = slots[1] - slots[0] if len(slots) > 1 else 1
+            if step > 0 and slots == list(range(slots[0], slots[-1] + 1, step)):
+                body.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {values}")
+                nones = clear.constant([None] * len(slots), "nones")
+                clear.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {nones}")
+            else:
+                where = body.constant(slots, "slots_local")
+                body.emit(f"for i, v in zip({where}, {values}):")
+                body.emit("    out[i] = v")
+                clear.emit(f"for i in {clear.constant(slots, 'slots_local')}:")
+                clear.emit("    out[i] = None")
         for k, (attr, slots, bases) in enumerate(self._families):
             if attr == "grad" and module is not None:
                 values = f"{body.constant(module.grads, 'grads')}(bases[{k}])"
@@ -141,3 +162,30 @@ def _grad_list(grad_lists: Mapping[Source, tuple[Any, int]], bases: list[Source]
         ):
             return spec
     return None
+
+
+def _taken_locals(
+    sources: Sequence[Source], local_lists: Mapping[Source, tuple[Any, int]]
+) -> list[tuple[Any, list[int]]]:
+    """Per list of ``local_lists`` whose every item's ``.grad._local_tensor`` is an input:
+    its native spec and the input slots of those local tensors, in item order."""
+    found: dict[Source, dict[int, int]] = {}
+    for i, s in enumerate(sources):
+        if not (isinstance(s, AttrSource) and s.attr == _LOCAL_TENSOR):
+            continue
+        grad = s.base
+        if not (isinstance(grad, AttrSource) and grad.attr == "grad"):
+            continue
+        item = grad.base
+        if isinstance(item, ItemSource) and isinstance(item.key, int) and item.base in local_lists:
+            found.setdefault(item.base, {})[item.key] = i
+    out: list[tuple[Any, list[int]]] = []
+    for container, slots in found.items():
+        spec, n = local_lists[container]
+        if sorted(slots) == list(range(n)):
+            out.append((spec, [slots[k] for k in range(n)]))
+    return out
+
+
+def _fetcher(sources: Sequence[Source]) -> Callable[[Locals], list[Any]]:
+    return lambda L: [s.fetch(L) for s in sources]
