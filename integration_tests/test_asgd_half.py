@@ -1,0 +1,110 @@
+"""ASGD on a float16/bfloat16 parameter with backend="triton", against eager: the scenario
+of the differential test's former KNOWN_BUG "triton-asgd-half-ax" (found by its long mode
+on a GPU, seed 1: ASGD with Tensor lambd and alpha, lr T(0.1), a bfloat16 param added by
+add_param_group after step 3, a state_dict round trip through torch.save, 6 steps) and its
+neighbours: float16, Tensor or float hyperparameters, foreach on and off, capturable on and
+off (on a GPU; eager refuses capturable=True on the CPU), averaging from the start (t0=0)
+or not yet (the default t0: eager's for-loop copies the param into 'ax' while mu == 1,
+the compiled step averages by the formula), the round trip fresh or in place, and, on a
+GPU, with CUDA graphs.
+
+Each case runs the differential test's ``run_case``: params and every state entry after
+every step and event, within torch's per-dtype tolerance (see differential_compare). On
+the CPU it needs ``TRITON_INTERPRET=1`` (as ``./nox -s integration`` sets); on a CUDA
+machine the parameters live on the GPU and the kernels are compiled.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from differential_cases import DEVICE, KNOWN_BUGS, TRITON_OK, known_bug
+from test_differential import Case, Event, Group, Param, Rejected, T, run_case
+
+pytestmark = pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _case(
+    dtype: str,
+    tensors: bool,
+    foreach: bool,
+    capturable: bool,
+    t0: float | None,
+    round_trip: str = "fresh",
+    cudagraphs: bool = False,
+    seed: int = 1,
+) -> Case:
+    value = T if tensors else float
+    defaults: dict[str, Any] = {
+        "lr": T(0.1) if tensors else 0.1,
+        "lambd": value(1e-4),
+        "alpha": value(0.75),
+        "foreach": foreach,
+    }
+    if capturable:
+        defaults["capturable"] = True
+    if t0 is not None:
+        defaults["t0"] = t0
+    # The half param joins after step 3 (index 2); its state exists from step 4 on, the
+    # round trip after it (torch.optim casts the loaded mu and eta to the param's dtype).
+    events = (
+        Event(2, "add_group", Group((Param((5,), dtype), Param((), dtype)))),
+        Event(3, "round_trip", (round_trip, True)),
+    )
+    return Case(
+        "ASGD",
+        (Group((Param((3,)),)),),
+        defaults=defaults,
+        steps=6,
+        events=events,
+        backend="triton",
+        cudagraphs=cudagraphs,
+        seed=seed,
+    )
+
+
+def _cases() -> list[Any]:
+    cases = []
+    for dtype, tensors, foreach, capturable, t0 in itertools.product(
+        ["bfloat16", "float16"], [True, False], [False, True], [False, True], [None, 0.0]
+    ):
+        if tensors and foreach and not capturable:
+            continue  # (eager's foreach path refuses a Tensor lambd as alpha)
+        case = _case(dtype, tensors, foreach, capturable, t0)
+        hyper = "Tensor" if tensors else "float"
+        path = "foreach" if foreach else "for-loop"
+        cap = "capturable" if capturable else "not capturable"
+        ident = f"{dtype}-{hyper}-{path}-{cap}-t0={t0}"
+        gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="capturable=True needs CUDA")
+        cases.append(pytest.param(case, id=ident, marks=[gpu_only] if capturable else []))
+    # The long mode's case as reported (for-loop: Tensor lambd), the round trip in place,
+    # another seed, and on a GPU with CUDA graphs.
+    cases.append(
+        pytest.param(_case("bfloat16", True, False, False, None, "in_place"), id="in_place")
+    )
+    cases.append(pytest.param(_case("float16", True, False, False, 1.0, seed=3), id="seed3-t0=1"))
+    cases.append(
+        pytest.param(
+            _case("bfloat16", True, False, True, None, cudagraphs=True),
+            id="cudagraphs",
+            marks=pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA"),
+        )
+    )
+    return cases
+
+
+@pytest.mark.parametrize("case", _cases())
+def test_asgd_half_param_joining_after_a_round_trip_matches_eager(case: Case) -> None:
+    try:
+        run_case(case)
+    except Rejected as exc:
+        pytest.fail(f"eager refused a case meant to be valid: {exc}")
+
+
+def test_asgd_half_is_drawn_by_the_differential_test() -> None:
+    """The combination is no longer kept out of the randomized draw."""
+    assert "triton-asgd-half-ax" not in KNOWN_BUGS
+    assert known_bug("ASGD", "triton", "bfloat16") is None
+    assert known_bug("ASGD", "triton", "float16") is None
