@@ -21,8 +21,9 @@ event compares the parameters, every state entry, the group hyperparameters, the
   RAdam and ASGD without capturable, whose trace takes the capturable path: README);
 - otherwise within torch.testing's per-dtype atol/rtol (what torch's test_optim allows
   between its foreach and for-loop paths), the relative part taken of the largest
-  magnitude the value has had, plus how far eager's other path (foreach for a for-loop
-  step and vice versa, run alongside) is from eager at that point.
+  magnitude the value has had (ASGD's ``ax``: or its param has had), plus how far
+  eager's other path (foreach for a for-loop step and vice versa, run alongside) is from
+  eager at that point.
 
 The compiled optimizer must either have compiled (``explain(opt).traces >= 1``, no
 fallback) or have fallen back with a ``FallbackWarning`` whose reason is a documented
