@@ -83,8 +83,6 @@ def _cases() -> list[Any]:
     for dtype, tensors, foreach, capturable, t0 in itertools.product(
         ["bfloat16", "float16"], [True, False], [False, True], [False, True], [None, 0.0]
     ):
-        if tensors and foreach and not capturable:
-            continue  # (eager's foreach path refuses a Tensor lambd as alpha)
         case = _case(dtype, tensors, foreach, capturable, t0)
         hyper = "Tensor" if tensors else "float"
         path = "foreach" if foreach else "for-loop"
