@@ -37,7 +37,8 @@ from the first step's start) and, as a phase, how long the first launch waited f
   run             the plan's run and the replay, outside the phases above
 
 Cases: ``gpt2-adamw`` (AdamW over the 148 tensors of GPT-2 124M, foreach as torch defaults
-on the device; ``gpt2-adamw-foreach``: foreach=True on any device, CUDA's path on the CPU) and ``tiny-N-OPT`` for N in 200, 2000, 10000 and OPT one of ``adamw``
+on the device; ``gpt2-adamw-foreach``: foreach=True on any device, CUDA's path on the CPU)
+and ``tiny-N-OPT`` for N in 200, 2000, 10000 and OPT one of ``adamw``
 (AdamW, torch's default: the for-loop on the CPU), ``sgd`` (SGD, momentum 0.9),
 ``adam-foreach`` and ``adam-forloop`` (Adam with foreach=True / False), over 4x4 params.
 Writes a markdown table (``--out``) and prints one JSON line per case.

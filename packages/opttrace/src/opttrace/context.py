@@ -221,12 +221,15 @@ class TraceContext:
     def _is_static(self, source: Source) -> bool:
         """Whether a tensor keeps its address between steps: an optimizer's parameters and
         state (not grads, which backward makes anew, nor a function's tensor arguments)."""
-        static = False
-        for depth, s in enumerate(ancestors(source)):
-            if isinstance(s, AttrSource) and s.attr == "grad":
-                return False  # (a grad, or a DTensor grad's local shard)
-            static = static or (depth > 0 and s in self._optimizer_sources)
-        return static
+        static, s, optimizers = False, source, self._optimizer_sources
+        while True:  # (what ancestors() walks, without a call per step: asked per tensor)
+            if isinstance(s, AttrSource):
+                if s.attr == "grad":
+                    return False  # (a grad, or a DTensor grad's local shard)
+            elif not isinstance(s, ItemSource | KeyedSource):
+                return static or (s is not source and s in optimizers)
+            static = static or (s is not source and s in optimizers)
+            s = s.base
 
     def _grad_stored(self, tensor: TracedTensor, value: Any) -> None:
         source = self.source_of(tensor)
@@ -343,9 +346,11 @@ class TraceContext:
         if fake is None:
             name = variable_name(source)
             fake = self.recorder.placeholder(name, real, source, static)
-            if _chosen(real, self.python_floats):
+            key = id(real)  # (_chosen asked only for the few chosen: a call per tensor else)
+            if key in self.python_floats and _chosen(real, self.python_floats):
                 self.recorder.node_of(fake).meta["python_float"] = True
-            if _chosen(real, self.float64_inputs) and real.dtype != torch.float64:
+            chosen = key in self.float64_inputs and _chosen(real, self.float64_inputs)
+            if chosen and real.dtype != torch.float64:
                 fake = torch.ops.aten._to_copy.default(fake, dtype=torch.float64)
                 self._converted[i] = self.recorder.node_of(fake)
             self._fakes[i] = fake
