@@ -10,7 +10,7 @@ placeholder, a tracked container, or a Python constant with a guard on it.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -82,10 +82,13 @@ def _is_float(value: Any) -> bool:
     return type(value) is float or (isinstance(value, float) and type(value).__module__ == "numpy")
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain_tensor_type(cls: type[torch.Tensor]) -> bool:
     """A tensor type whose ops are torch's own: Tensor, Parameter, or a subclass that
     overrides neither ``__torch_function__`` nor ``__torch_dispatch__``."""
-    if cls in (torch.Tensor, torch.nn.Parameter):
+    if cls in _PLAIN_TENSORS:
         return True
     base = torch.nn.Parameter if issubclass(cls, torch.nn.Parameter) else torch.Tensor
     return bool(
@@ -135,6 +138,9 @@ class TraceContext:
         self.float64_inputs = {id(t): t for t in float64_inputs}
         self._converted: dict[int, fx.Node] = {}  # input index -> its float64 conversion
         self.guards = GuardSetBuilder()
+        # ``guard(g)``: install a guard (the builder's own method: one call per guard, and a
+        # trace installs several per tensor it reads)
+        self.guard: Callable[[Guard], object] = self.guards.add
         self.ledger = Ledger()
         self.input_sources: list[Source] = []
         self.input_tensors: list[torch.Tensor] = []
@@ -189,9 +195,6 @@ class TraceContext:
             self.input_sources.append(source)
 
     # -- phase 2: inside the traced function ------------------------------------------------
-
-    def guard(self, guard: Guard) -> None:
-        self.guards.add(guard)
 
     def source_of(self, fake: Any) -> Source | None:
         i = self._fake_index.get(id(fake))
@@ -261,6 +264,8 @@ class TraceContext:
 
     def read(self, value: Any, source: Source) -> Any:
         """What the step sees for the input ``value`` found at ``source``; installs guards."""
+        if type(value) in _PLAIN_TENSORS:  # (most reads: what follows, without its calls)
+            return self._fake(value, source)
         if _is_float(value) or (type(value) is int and self._is_counter(source)):
             # A hyperparameter, or a count the step keeps in its state or on the optimizer
             # (state['step'] += 1, self.step_count += 1): a graph input, so a new value never
@@ -305,9 +310,11 @@ class TraceContext:
         return value
 
     def _fake(self, real: torch.Tensor, source: Source) -> torch.Tensor:
-        if dtensor.is_dtensor(real):
+        if type(real) in _PLAIN_TENSORS:
+            pass  # (a tensor or a parameter: neither a DTensor nor a subclass of its own)
+        elif dtensor.is_dtensor(real):
             return self._dtensor(real, source)
-        if not _plain_tensor_type(type(real)):
+        elif not _plain_tensor_type(type(real)):
             raise TraceError(
                 f"{source.name()} is a {type(real).__name__}, a tensor subclass with its own "
                 "__torch_function__ or __torch_dispatch__ (a DTensor, a wrapper): the graph "
