@@ -334,6 +334,12 @@ class TraceContext:
             i = self._index[id(real)]
         if i is None:
             raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")
+        first = self.input_sources[i]
+        if source is not first and source == first:
+            # The path collect() named it by, as an object of its own: one object for one
+            # path from here on (the guards, the placeholder, the grad's source), so what
+            # later looks them up compares by identity, not field by field along the path.
+            source = first
         self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
         static = self._is_static(source)
         pinned = static and not (real.dim() == 0 and real.device.type == "cpu")
@@ -344,8 +350,7 @@ class TraceContext:
             self.guard(DataPtrGuard(source, real.data_ptr()))
         else:
             self._unpinned.add(i)
-            first = self.input_sources[i]
-            if source != first:
+            if source is not first:  # (equal sources are one object: above)
                 # One tensor reached two ways (one grad given to two params, f(x, x)): the
                 # graph has one input for both, fetched from ``first``.
                 self.guard(AliasGuard(source, first))
