@@ -37,7 +37,8 @@ from the first step's start) and, as a phase, how long the first launch waited f
   run             the plan's run and the replay, outside the phases above
 
 Cases: ``gpt2-adamw`` (AdamW over the 148 tensors of GPT-2 124M, foreach as torch defaults
-on the device) and ``tiny-N-OPT`` for N in 200, 2000, 10000 and OPT one of ``adamw``
+on the device; ``gpt2-adamw-foreach``: foreach=True on any device, CUDA's path on the CPU)
+and ``tiny-N-OPT`` for N in 200, 2000, 10000 and OPT one of ``adamw``
 (AdamW, torch's default: the for-loop on the CPU), ``sgd`` (SGD, momentum 0.9),
 ``adam-foreach`` and ``adam-forloop`` (Adam with foreach=True / False), over 4x4 params.
 Writes a markdown table (``--out``) and prints one JSON line per case.
@@ -207,7 +208,7 @@ def _params(case: str, device: str) -> tuple[list[Any], str]:
         params = [torch.nn.Parameter(torch.randn(4, 4, device=device)) for _ in range(n)]
     for p in params:
         p.grad = torch.randn_like(p)
-    return params, case.split("-", 2)[-1] if case.startswith("tiny") else "adamw"
+    return params, case.split("-", 2)[-1] if case.startswith("tiny") else case.split("-", 1)[1]
 
 
 def _optimizer(kind: str, params: list[Any]) -> Any:
@@ -215,6 +216,8 @@ def _optimizer(kind: str, params: list[Any]) -> Any:
 
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=1e-3)
+    if kind == "adamw-foreach":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     if kind == "adam-foreach":

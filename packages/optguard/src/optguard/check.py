@@ -43,9 +43,9 @@ class GuardSetBuilder:
 
     def __init__(self) -> None:
         self._guards: dict[Guard, None] = {}
-
-    def add(self, guard: Guard) -> None:
-        self._guards.setdefault(guard, None)
+        # ``add(guard)``: the dict's own setdefault (a tracer adds several guards per tensor
+        # it reads: no Python call for each)
+        self.add: Callable[[Guard], object] = self._guards.setdefault
 
     def extend(self, guards: Iterable[Guard]) -> None:
         for g in guards:

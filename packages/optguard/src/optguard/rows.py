@@ -115,6 +115,7 @@ def _rows(
     """Each statement that reads from exactly one item of a long list, by that item."""
     items: list[frozenset[ItemSource] | set[ItemSource]] = []
     keys: dict[Source, set[int]] = {}
+    counted: set[int] = set()  # by id: the memo's sets are shared by the sources' readers
     for sources, _ in statements:
         found: frozenset[ItemSource] | set[ItemSource] = _items(sources[0], memo)
         if len(sources) > 1:  # (a guard over every param's state: thousands of sources)
@@ -122,11 +123,14 @@ def _rows(
             for s in sources[1:]:
                 found.update(_items(s, memo))
         items.append(found)
+        if id(found) in counted:
+            continue
+        counted.add(id(found))
         for item in found:
             keys.setdefault(item.base, set()).add(int(item.key))
     long = {base for base, k in keys.items() if len(k) >= MIN_ROWS}
     rows: dict[ItemSource, _Row] = {}
-    mine_of: dict[int, list[ItemSource]] = {}  # by id: the memo's sets are shared
+    mine_of: dict[int, list[ItemSource]] = {}  # by id, as above
     for index, found in enumerate(items):
         mine = mine_of.get(id(found))
         if mine is None:

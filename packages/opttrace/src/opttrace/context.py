@@ -10,7 +10,7 @@ placeholder, a tracked container, or a Python constant with a guard on it.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -82,10 +82,13 @@ def _is_float(value: Any) -> bool:
     return type(value) is float or (isinstance(value, float) and type(value).__module__ == "numpy")
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain_tensor_type(cls: type[torch.Tensor]) -> bool:
     """A tensor type whose ops are torch's own: Tensor, Parameter, or a subclass that
     overrides neither ``__torch_function__`` nor ``__torch_dispatch__``."""
-    if cls in (torch.Tensor, torch.nn.Parameter):
+    if cls in _PLAIN_TENSORS:
         return True
     base = torch.nn.Parameter if issubclass(cls, torch.nn.Parameter) else torch.Tensor
     return bool(
@@ -135,6 +138,9 @@ class TraceContext:
         self.float64_inputs = {id(t): t for t in float64_inputs}
         self._converted: dict[int, fx.Node] = {}  # input index -> its float64 conversion
         self.guards = GuardSetBuilder()
+        # ``guard(g)``: install a guard (the builder's own method: one call per guard, and a
+        # trace installs several per tensor it reads)
+        self.guard: Callable[[Guard], object] = self.guards.add
         self.ledger = Ledger()
         self.input_sources: list[Source] = []
         self.input_tensors: list[torch.Tensor] = []
@@ -190,9 +196,6 @@ class TraceContext:
 
     # -- phase 2: inside the traced function ------------------------------------------------
 
-    def guard(self, guard: Guard) -> None:
-        self.guards.add(guard)
-
     def source_of(self, fake: Any) -> Source | None:
         i = self._fake_index.get(id(fake))
         if i is None:
@@ -221,12 +224,15 @@ class TraceContext:
     def _is_static(self, source: Source) -> bool:
         """Whether a tensor keeps its address between steps: an optimizer's parameters and
         state (not grads, which backward makes anew, nor a function's tensor arguments)."""
-        static = False
-        for depth, s in enumerate(ancestors(source)):
-            if isinstance(s, AttrSource) and s.attr == "grad":
-                return False  # (a grad, or a DTensor grad's local shard)
-            static = static or (depth > 0 and s in self._optimizer_sources)
-        return static
+        static, s, optimizers = False, source, self._optimizer_sources
+        while True:  # (what ancestors() walks, without a call per step: asked per tensor)
+            if isinstance(s, AttrSource):
+                if s.attr == "grad":
+                    return False  # (a grad, or a DTensor grad's local shard)
+            elif not isinstance(s, ItemSource | KeyedSource):
+                return static or (s is not source and s in optimizers)
+            static = static or (s is not source and s in optimizers)
+            s = s.base
 
     def _grad_stored(self, tensor: TracedTensor, value: Any) -> None:
         source = self.source_of(tensor)
@@ -258,6 +264,8 @@ class TraceContext:
 
     def read(self, value: Any, source: Source) -> Any:
         """What the step sees for the input ``value`` found at ``source``; installs guards."""
+        if type(value) in _PLAIN_TENSORS:  # (most reads: what follows, without its calls)
+            return self._fake(value, source)
         if _is_float(value) or (type(value) is int and self._is_counter(source)):
             # A hyperparameter, or a count the step keeps in its state or on the optimizer
             # (state['step'] += 1, self.step_count += 1): a graph input, so a new value never
@@ -302,9 +310,11 @@ class TraceContext:
         return value
 
     def _fake(self, real: torch.Tensor, source: Source) -> torch.Tensor:
-        if dtensor.is_dtensor(real):
+        if type(real) in _PLAIN_TENSORS:
+            pass  # (a tensor or a parameter: neither a DTensor nor a subclass of its own)
+        elif dtensor.is_dtensor(real):
             return self._dtensor(real, source)
-        if not _plain_tensor_type(type(real)):
+        elif not _plain_tensor_type(type(real)):
             raise TraceError(
                 f"{source.name()} is a {type(real).__name__}, a tensor subclass with its own "
                 "__torch_function__ or __torch_dispatch__ (a DTensor, a wrapper): the graph "
@@ -324,6 +334,12 @@ class TraceContext:
             i = self._index[id(real)]
         if i is None:
             raise TraceError(f"{source.name()} is a tensor the tracer did not collect as an input")
+        first = self.input_sources[i]
+        if source is not first and source == first:
+            # The path collect() named it by, as an object of its own: one object for one
+            # path from here on (the guards, the placeholder, the grad's source), so what
+            # later looks them up compares by identity, not field by field along the path.
+            source = first
         self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
         static = self._is_static(source)
         pinned = static and not (real.dim() == 0 and real.device.type == "cpu")
@@ -334,8 +350,7 @@ class TraceContext:
             self.guard(DataPtrGuard(source, real.data_ptr()))
         else:
             self._unpinned.add(i)
-            first = self.input_sources[i]
-            if source != first:
+            if source is not first:  # (equal sources are one object: above)
                 # One tensor reached two ways (one grad given to two params, f(x, x)): the
                 # graph has one input for both, fetched from ``first``.
                 self.guard(AliasGuard(source, first))
@@ -343,9 +358,11 @@ class TraceContext:
         if fake is None:
             name = variable_name(source)
             fake = self.recorder.placeholder(name, real, source, static)
-            if _chosen(real, self.python_floats):
+            key = id(real)  # (_chosen asked only for the few chosen: a call per tensor else)
+            if key in self.python_floats and _chosen(real, self.python_floats):
                 self.recorder.node_of(fake).meta["python_float"] = True
-            if _chosen(real, self.float64_inputs) and real.dtype != torch.float64:
+            chosen = key in self.float64_inputs and _chosen(real, self.float64_inputs)
+            if chosen and real.dtype != torch.float64:
                 fake = torch.ops.aten._to_copy.default(fake, dtype=torch.float64)
                 self._converted[i] = self.recorder.node_of(fake)
             self._fakes[i] = fake

@@ -420,18 +420,25 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         if functional is None or len(written) != 1:
             raise TraceError(f"{func} writes to its inputs and has no functional form to trace")
         targets = _lookup(func, args, kwargs, written[0])
-        _refuse_repeats(func, [_written_tensor(func, t) for t in targets])
+        written_tensors = list(targets)
+        for t in written_tensors:  # (a call per item only for the one that fails)
+            if not isinstance(t, TracedTensor):
+                _written_tensor(func, t)
+        _refuse_repeats(func, written_tensors)
         pure_args, pure_kwargs = compat.drop_out_args(func, args, kwargs)
         node = self._record(functional, pure_args, pure_kwargs)
         self._list_len[node] = n
-        written_tensors = [_written_tensor(func, t) for t in targets]
         promoted = self._foreach_promoted(functional, pure_args, pure_kwargs, written_tensors)
         if not any(promoted):
             node.meta["inplace"] = func  # what eager ran: a backend may run it in place too
         node.meta["val"] = tuple(written_tensors)
+        views = self._views
         for i, (t, computed) in enumerate(zip(written_tensors, promoted, strict=True)):
             if computed is None:
-                self._set_value(t, None, (node, i))
+                if t._view_of is None and not t._aliases and id(t) not in views:
+                    t._node, t._item = None, (node, i)  # (_set_value's work for a plain item)
+                else:
+                    self._set_value(t, None, (node, i))
                 continue
             # (e.g. a 0-dim float16 param times a 0-dim float32: eager stores it rounded)
             item = self.call(operator.getitem, (node, i))

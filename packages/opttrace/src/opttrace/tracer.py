@@ -222,12 +222,8 @@ def _eliminate_dead_code(graph: fx.Graph) -> None:
     """Erase ops whose values nothing uses. The recorded graph is functional: only the
     writebacks (``copy_``) and the output have effects."""
     for node in reversed(graph.nodes):
-        if node.op == "call_function" and not node.users and not _is_writeback(node):
+        if node.op == "call_function" and not node.users and node.target not in _EFFECTFUL:
             graph.erase_node(node)
-
-
-def _is_writeback(node: fx.Node) -> bool:
-    return node.target in _EFFECTFUL
 
 
 _EFFECTFUL = (torch.ops.aten.copy_.default, torch.ops.aten._assert_scalar.default)
