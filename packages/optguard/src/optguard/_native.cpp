@@ -534,22 +534,20 @@ PyObject* match_both(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return match_list(s, true, items, args[2]);
 }
 
-PyObject* take(PyObject*, PyObject* capsule) {
+// What a spec's last match left in ``field`` (None if nothing): the caller's reference now.
+PyObject* take_field(PyObject* capsule, PyObject* Spec::*field) {
   auto* s = static_cast<Spec*>(PyCapsule_GetPointer(capsule, kCapsule));
   if (s == nullptr) return nullptr;
-  if (s->stash == nullptr) Py_RETURN_NONE;
-  PyObject* out = s->stash;  // the caller's reference now
-  s->stash = nullptr;
+  if (s->*field == nullptr) Py_RETURN_NONE;
+  PyObject* out = s->*field;
+  s->*field = nullptr;
   return out;
 }
 
+PyObject* take(PyObject*, PyObject* capsule) { return take_field(capsule, &Spec::stash); }
+
 PyObject* take_locals(PyObject*, PyObject* capsule) {
-  auto* s = static_cast<Spec*>(PyCapsule_GetPointer(capsule, kCapsule));
-  if (s == nullptr) return nullptr;
-  if (s->locals == nullptr) Py_RETURN_NONE;
-  PyObject* out = s->locals;  // the caller's reference now
-  s->locals = nullptr;
-  return out;
+  return take_field(capsule, &Spec::locals);
 }
 
 PyObject* grads(PyObject*, PyObject* objects) {

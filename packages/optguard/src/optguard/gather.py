@@ -74,18 +74,7 @@ class FastGather:
                 f"{body.constant(module.take_locals, 'take_locals')}({body.constant(spec, 'spec')})"
             )
             fetch = body.constant(_fetcher([self.sources[i] for i in slots]), "fetch")
-            values = f"({values} or {fetch}(L))"
-            step = slots[1] - slots[0] if len(slots) > 1 else 1
-            if step > 0 and slots == list(range(slots[0], slots[-1] + 1, step)):
-                body.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {values}")
-                nones = clear.constant([None] * len(slots), "nones")
-                clear.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {nones}")
-            else:
-                where = body.constant(slots, "slots_local")
-                body.emit(f"for i, v in zip({where}, {values}):")
-                body.emit("    out[i] = v")
-                clear.emit(f"for i in {clear.constant(slots, 'slots_local')}:")
-                clear.emit("    out[i] = None")
+            _emit_slots(body, clear, slots, f"({values} or {fetch}(L))", "slots_local")
         for k, (attr, slots, bases) in enumerate(self._families):
             if attr == "grad" and module is not None:
                 values = f"{body.constant(module.grads, 'grads')}(bases[{k}])"
@@ -96,17 +85,7 @@ class FastGather:
             else:
                 getter = body.constant(operator.attrgetter(attr), f"get_{attr}")
                 values = f"list(map({getter}, bases[{k}]))"
-            step = slots[1] - slots[0] if len(slots) > 1 else 1
-            if step > 0 and slots == list(range(slots[0], slots[-1] + 1, step)):
-                body.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {values}")
-                nones = clear.constant([None] * len(slots), "nones")
-                clear.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {nones}")
-            else:
-                where = body.constant(slots, f"slots_{attr}")
-                body.emit(f"for i, v in zip({where}, {values}):")
-                body.emit("    out[i] = v")
-                clear.emit(f"for i in {clear.constant(slots, f'slots_{attr}')}:")
-                clear.emit("    out[i] = None")
+            _emit_slots(body, clear, slots, values, f"slots_{attr}")
         for i, s in rest:
             body.emit(f"out[{i}] = {body.var(s)}")
             clear.emit(f"out[{i}] = None")
@@ -185,6 +164,23 @@ def _taken_locals(
         if sorted(slots) == list(range(n)):
             out.append((spec, [slots[k] for k in range(n)]))
     return out
+
+
+def _emit_slots(
+    body: SourceCode, clear: SourceCode, slots: list[int], values: str, name: str
+) -> None:
+    """Put the list ``values`` evaluates to into ``out`` at ``slots`` (one slice assignment
+    when they are evenly spaced, else a loop), and the lines that clear them again."""
+    step = slots[1] - slots[0] if len(slots) > 1 else 1
+    if step > 0 and slots == list(range(slots[0], slots[-1] + 1, step)):
+        body.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {values}")
+        nones = clear.constant([None] * len(slots), "nones")
+        clear.emit(f"out[{slots[0]}:{slots[-1] + 1}:{step}] = {nones}")
+    else:
+        body.emit(f"for i, v in zip({body.constant(slots, name)}, {values}):")
+        body.emit("    out[i] = v")
+        clear.emit(f"for i in {clear.constant(slots, name)}:")
+        clear.emit("    out[i] = None")
 
 
 def _fetcher(sources: Sequence[Source]) -> Callable[[Locals], list[Any]]:
