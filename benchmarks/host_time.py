@@ -169,21 +169,30 @@ def _cpu_parts(set_name: str, optimizer: str, calls: int) -> None:
         print(f"| {variant} | " + " | ".join(f"{v:.1f} µs" for v in row) + " |")
 
 
-def _cpu_row(step: Callable[[], Any], calls: int) -> list[float]:
+def _hit(step: Callable[[], Any], warmup: int) -> tuple[dict[str, Any], Any, list[Any], int]:
+    """After ``warmup`` steps: the step's locals, its first entry, the inputs one hit of the
+    cache gathers (released again) and how many fast-tier hits that lookup made."""
     from optcompile.api import _OPTIMIZERS
 
-    for _ in range(3):
+    for _ in range(warmup):
         step()
     opt = step.__self__  # type: ignore[attr-defined]
     compiled, L = _OPTIMIZERS[opt], {"opt": opt}
     entry = compiled.cache.entries[0].value
-    prologue, fast = entry.prologue, entry.prologue.fast
-    assert fast is not None and fast.gather is not None, prologue.fast_note
-    gather = fast.gather
+    prologue = entry.prologue
+    assert prologue.fast is not None and prologue.fast.gather is not None, prologue.fast_note
+    hits = prologue.fast_hits
     found = compiled.cache.find(L)
     assert found is not None
-    inputs = list(found[1])
+    inputs = list(found[1])  # its list is reused and released by each step
     prologue.release()
+    return L, entry, inputs, prologue.fast_hits - hits
+
+
+def _cpu_row(step: Callable[[], Any], calls: int) -> list[float]:
+    L, entry, inputs, _ = _hit(step, warmup=3)
+    prologue, fast = entry.prologue, entry.prologue.fast
+    gather = fast.gather
     plan = getattr(entry.plan, "plan", entry.plan)
 
     def prologue_alone() -> None:
@@ -203,20 +212,9 @@ def _cpu_row(step: Callable[[], Any], calls: int) -> list[float]:
 
 
 def _row(step: Callable[[], Any], calls: int) -> list[float]:
-    from optcompile.api import _OPTIMIZERS
-
-    for _ in range(20):
-        step()
-    opt = step.__self__  # type: ignore[attr-defined]
-    compiled, L = _OPTIMIZERS[opt], {"opt": opt}
-    entry = compiled.cache.entries[0].value
+    L, entry, inputs, fast_hits = _hit(step, warmup=20)
+    assert fast_hits == 1  # the fast tier answered
     prologue, fast = entry.prologue, entry.prologue.fast
-    assert fast is not None and fast.gather is not None, prologue.fast_note
-    hits = prologue.fast_hits
-    found = compiled.cache.find(L)
-    assert found is not None and prologue.fast_hits == hits + 1  # the fast tier answered
-    inputs = list(found[1])  # its list is reused and released by each step
-    prologue.release()
     plan, graphed = entry.plan.plan, entry.plan.graphed
     buffers = plan.buffers()
 
