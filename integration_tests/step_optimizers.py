@@ -183,6 +183,12 @@ class SophiaLike(optim.Optimizer):
                 p.addcmul_(state["m"].sign(), ratio, value=-group["lr"])
 
 
+def _clipped_by_global_norm(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads`` scaled down to a global norm of at most 1 (one coefficient for all)."""
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    return torch._foreach_mul(grads, (1.0 / (total + 1e-6)).clamp(max=1.0))
+
+
 class ClippedAdam(optim.Optimizer):
     """Adam (foreach) on grads clipped by their global norm: one coefficient for all lanes,
     computed from the norms."""
@@ -195,8 +201,7 @@ class ClippedAdam(optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
-            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-            grads = torch._foreach_mul(grads, (1.0 / (total + 1e-6)).clamp(max=1.0))
+            grads = _clipped_by_global_norm(grads)
             for p in params:
                 state = self.state[p]
                 if not state:
@@ -223,8 +228,7 @@ class CountedClippedMomentum(optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
-            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-            grads = torch._foreach_mul(grads, (1.0 / (total + 1e-6)).clamp(max=1.0))
+            grads = _clipped_by_global_norm(grads)
             for p in params:
                 state = self.state[p]
                 if not state:
