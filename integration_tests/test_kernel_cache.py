@@ -20,12 +20,10 @@ pytestmark = pytest.mark.skipif(
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
 )
 
-CHILD = textwrap.dedent(
+# Each child counts the kernels Triton compiles (its compiler's first stage) in `compiles`.
+COUNT_COMPILES = textwrap.dedent(
     """
-    import json, os, sys, threading, time
-    import torch
     from triton.compiler import compiler
-    from triton.runtime import build as triton_build, cache as triton_cache
 
     compiles = []
     make_ir = compiler.ASTSource.make_ir
@@ -35,6 +33,15 @@ CHILD = textwrap.dedent(
         return make_ir(self, *args, **kwargs)
 
     compiler.ASTSource.make_ir = counting
+    """
+)
+
+CHILD = COUNT_COMPILES + textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    import torch
+    from triton.runtime import build as triton_build, cache as triton_cache
+
     c_builds = []  # the threads that ran the C compiler for Triton's runtime modules
     c_build = triton_build._build
 
@@ -121,23 +128,13 @@ def test_a_second_process_reuses_the_generated_kernels(tmp_path):
 
 # One generated kernel, launched with three fingerprints (an int argument equal to 1 is a
 # constexpr to Triton's JIT; an output 4 bytes off 16-byte alignment another kernel).
-LAUNCHES = textwrap.dedent(
+LAUNCHES = COUNT_COMPILES + textwrap.dedent(
     """
     import json, sys, textwrap
     import torch
-    from triton.compiler import compiler
     from triton.runtime import cache as triton_cache
     from optkernels import _triton_compat
     from optkernels.foreach_kernel import load_kernel
-
-    compiles = []
-    make_ir = compiler.ASTSource.make_ir
-
-    def counting(self, *args, **kwargs):
-        compiles.append(self.name)
-        return make_ir(self, *args, **kwargs)
-
-    compiler.ASTSource.make_ir = counting
     SOURCE = '''
     @triton.jit
     def first_times(ptrs, n, out, SCALE, BLOCK: tl.constexpr):
