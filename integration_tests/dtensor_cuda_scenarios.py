@@ -20,7 +20,7 @@ from typing import Any
 import optcompile
 import torch
 import torch.distributed as dist
-from dtensor_scenarios import (
+from dtensor_setup import (
     ClippedSGD,
     Lamb,
     Lars,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import dtensor_scenarios
+import dtensor_setup
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     out = str(tmp_path_factory.mktemp("dtensor"))
-    return dtensor_scenarios.spawn_ranks(dtensor_scenarios.__file__, WORLD_SIZE, out)
+    return dtensor_setup.spawn_ranks(dtensor_scenarios.__file__, WORLD_SIZE, out)
 
 
 @pytest.mark.parametrize("scenario", list(dtensor_scenarios.SCENARIOS))

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import dtensor_cuda_scenarios
-import dtensor_scenarios
+import dtensor_setup
 import optcompile
 import pytest
 import torch
 import torch.distributed as dist
-from dtensor_scenarios import Lamb, Lars, Tiny, assert_same, copy_grads, local
+from dtensor_setup import Lamb, Lars, Tiny, assert_same, copy_grads, local
 from step_optimizers import Lion
 from torch import nn
 
@@ -107,7 +107,7 @@ def test_sharded_step_on_the_device_matches_eager_and_launches_like_the_plain_st
 @pytest.fixture(scope="module")
 def two_gpu_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     out = str(tmp_path_factory.mktemp("dtensor_cuda"))
-    return dtensor_scenarios.spawn_ranks(dtensor_cuda_scenarios.__file__, 2, out)
+    return dtensor_setup.spawn_ranks(dtensor_cuda_scenarios.__file__, 2, out)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
