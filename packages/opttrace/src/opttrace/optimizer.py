@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
 import torch
 
-from opttrace._torch_compat import default_foreach, raw_step
+from opttrace import asgd
+from opttrace._torch_compat import asgd_for_loop, default_foreach, raw_step
 from opttrace.errors import TraceError
 from opttrace.tracer import TracedStep, trace
 
@@ -95,7 +97,8 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
             except TraceError:
                 raise exc from None
     try:
-        return trace(lambda opt: step(opt), {"opt": opt})
+        with _traceable_eager_paths(opt):
+            return trace(lambda opt: step(opt), {"opt": opt})
     except TraceError as exc:
         if not any(group.get("capturable") is False for group in opt.param_groups):
             raise
@@ -112,6 +115,14 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
             )
         except TraceError:
             raise exc from None
+
+
+def _traceable_eager_paths(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
+    """Eager's own paths, where one decides on tensor values in Python, made traceable with
+    eager's results: ASGD's for-loop without capturable (see opttrace.asgd)."""
+    if isinstance(opt, torch.optim.ASGD):
+        return asgd_for_loop(asgd.for_loop)
+    return contextlib.nullcontext()
 
 
 # The 0-dim state torch.optim's capturable=False paths keep on the CPU and read as numbers.

@@ -1,0 +1,77 @@
+"""ASGD's for-loop step without ``capturable``, in a form the tracer can record.
+
+Eager's for-loop (``torch.optim.asgd._single_tensor_asgd``, ``capturable=False``) reads
+eta and the step count as Python floats (``.item()``) and decides how to average on mu's
+value: ``ax.copy_(param)`` while ``mu == 1`` (the first ``t0`` steps), else
+``ax.add_(param.sub(ax).mul_(mu))``. A trace cannot take that decision once for every
+later call, so :func:`for_loop` computes both and selects per element,
+``where(mu == 1, param, formula)``: mu is one value per parameter, so the select is exact
+and the result is eager's in either branch, bit for bit, with no guard on mu's value and
+no retrace when mu leaves 1 (a guard would read every parameter's mu on every call and
+trace the step again at step ``t0 + 2``; the select costs one compare per element in a
+kernel that reads ``param`` and ``ax`` anyway). Everything else is eager's code: its
+Python floats are the ``.item()`` values the tracer records as symbolic scalars, so each
+op gets what eager gives it (a Python number, not a 0-dim tensor, whose dtype would take
+part in type promotion).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def for_loop(
+    params: list[Tensor],
+    grads: list[Tensor],
+    axs: list[Tensor],
+    mus: list[Tensor],
+    etas: list[Tensor],
+    state_steps: list[Tensor],
+    *,
+    lambd: Any,
+    lr: Any,
+    t0: Any,
+    alpha: Any,
+    weight_decay: Any,
+    maximize: bool,
+    differentiable: bool,
+    capturable: bool,
+    has_complex: bool,
+) -> None:
+    """``_single_tensor_asgd`` with ``capturable=False`` (eager's Python decisions on
+    tensor values replaced as the module docstring says); ``capturable=True`` is not
+    taken here (the caller traces torch's own)."""
+    del differentiable, has_complex  # (the differentiable option is never traced)
+    assert not capturable, "ASGD's capturable path is traced as torch.optim writes it"
+    for i, param in enumerate(params):
+        grad = grads[i] if not maximize else -grads[i]
+        mu, ax, eta, step_t = mus[i], axs[i], etas[i], state_steps[i]
+        if torch.is_complex(param):
+            grad = torch.view_as_real(grad)
+            param = torch.view_as_real(param)
+            ax = torch.view_as_real(ax)
+        step_t += 1
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
+        eta_value = eta.item()
+        param.mul_(1 - lambd * eta_value)
+        param.add_(grad, alpha=-eta_value)
+        # eager: ``ax.copy_(param) if mu.item() == 1 else ax.add_(param.sub(ax).mul_(mu))``
+        ax.copy_(torch.where(mu == 1, param, ax.add(param.sub(ax).mul_(mu))))
+        step = step_t.item()
+        eta.copy_(_as_tensor(lr / ((1 + lambd * lr * step) ** alpha)))
+        if isinstance(t0, Tensor):  # eager: max(1, step - t0), a bool read from a tensor
+            mu.copy_(1 / torch.clamp_min(step - t0, 1))
+        else:
+            mu.copy_(_as_tensor(1 / max(1, step - t0)))
+
+
+def _as_tensor(value: Any) -> Tensor:
+    """``torch.as_tensor(value)`` (a tensor as it is, a Python number in the default
+    dtype, on the CPU) for a symbolic number too, which as_tensor would read."""
+    if isinstance(value, Tensor):
+        return value
+    return torch.scalar_tensor(value, dtype=torch.get_default_dtype())
