@@ -119,8 +119,12 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
 
 def _traceable_eager_paths(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
     """Eager's own paths, where one decides on tensor values in Python, made traceable with
-    eager's results: ASGD's for-loop without capturable (see opttrace.asgd)."""
-    if isinstance(opt, torch.optim.ASGD):
+    eager's results: ASGD's for-loop without capturable (see opttrace.asgd), where its
+    state lives on the CPU (with the parameters: its step counts, eta and mu are read by
+    value on the host, as other optimizers' CPU step counts are; on a GPU the step is
+    traced on its capturable path, as before: README)."""
+    on_cpu = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
+    if isinstance(opt, torch.optim.ASGD) and on_cpu:
         return asgd_for_loop(asgd.for_loop)
     return contextlib.nullcontext()
 
