@@ -108,16 +108,13 @@ def _true() -> bool:
 
 
 def asgd_for_loop(replacement: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
-    """Make ``torch.optim.asgd`` run ``replacement`` for its for-loop (``_single_tensor_asgd``)
-    without capturable in the tracing thread (see opttrace.asgd)."""
+    """Make ``torch.optim.asgd`` call ``replacement(original, *args, **kwargs)`` for its
+    for-loop (``_single_tensor_asgd``) in the tracing thread (see opttrace.asgd)."""
     import torch.optim.asgd as asgd
 
-    original = asgd._single_tensor_asgd
-
-    def for_loop(*args: Any, **kwargs: Any) -> Any:  # (capturable=True: torch's own)
-        return (original if kwargs.get("capturable") else replacement)(*args, **kwargs)
-
-    return patched(vars(asgd), "_single_tensor_asgd", for_loop)
+    return patched(
+        vars(asgd), "_single_tensor_asgd", functools.partial(replacement, asgd._single_tensor_asgd)
+    )
 
 
 def raw_step(cls: type) -> Callable[..., Any]:

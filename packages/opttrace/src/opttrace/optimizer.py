@@ -82,12 +82,13 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
     step = raw_step(type(opt))
     if capturable:
         try:
-            return trace(
-                lambda opt: step(opt),
-                {"opt": opt},
-                capturable=True,
-                python_floats=_python_float_state(opt),
-            )
+            with _traceable_eager_paths(opt):
+                return trace(
+                    lambda opt: step(opt),
+                    {"opt": opt},
+                    capturable=True,
+                    python_floats=_python_float_state(opt),
+                )
         except TraceError as exc:
             # A step without a capturable path (Adafactor reads values with .item(); torch
             # 2.11's asserts on the ungrouped lists its compile path gets): the path eager
@@ -119,14 +120,27 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
 
 def _traceable_eager_paths(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
     """Eager's own paths, where one decides on tensor values in Python, made traceable with
-    eager's results: ASGD's for-loop without capturable (see opttrace.asgd), where its
-    state lives on the CPU (with the parameters: its step counts, eta and mu are read by
-    value on the host, as other optimizers' CPU step counts are; on a GPU the step is
-    traced on its capturable path, as before: README)."""
+    eager's results, also in a trace of the capturable path: ASGD's for-loop without
+    capturable (see opttrace.asgd), where its state lives on the CPU (with the parameters:
+    its step counts, eta and mu are read by value on the host, as other optimizers' CPU
+    step counts are; on a GPU the step is traced on its capturable path: README)."""
+    if not _asgd_on_cpu(opt):
+        return contextlib.nullcontext()
+    # torch.optim's ASGD.step calls the functional asgd() once per group, in order: whether
+    # that group is capturable (the group's own option, not the trace's view of it).
+    capturable = iter([bool(group.get("capturable")) for group in opt.param_groups])
+
+    def for_loop(original: Any, *args: Any, **kwargs: Any) -> Any:
+        if next(capturable, True):
+            return original(*args, **kwargs)
+        return asgd.for_loop(*args, **{**kwargs, "capturable": False})
+
+    return asgd_for_loop(for_loop)
+
+
+def _asgd_on_cpu(opt: torch.optim.Optimizer) -> bool:
     on_cpu = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
-    if isinstance(opt, torch.optim.ASGD) and on_cpu:
-        return asgd_for_loop(asgd.for_loop)
-    return contextlib.nullcontext()
+    return isinstance(opt, torch.optim.ASGD) and on_cpu
 
 
 # The 0-dim state torch.optim's capturable=False paths keep on the CPU and read as numbers.
@@ -152,10 +166,15 @@ def _python_float_state(opt: torch.optim.Optimizer, decided_on: bool = False) ->
         if capturable is not False or not (own or decided_on):
             continue
         keys: tuple[str, ...] = _PYTHON_FLOAT_KEYS  # (not a 0-dim param's exp_avg)
+        foreach = group.get("foreach")
+        if not decided_on and own and _asgd_on_cpu(opt):
+            if foreach is None:
+                foreach = default_foreach(group["params"], type(opt))
+            if not foreach:  # (traced as eager's own path: opttrace.asgd)
+                continue
         if decided_on:
             keys = ("step",)
             if isinstance(opt, torch.optim.ASGD):
-                foreach = group.get("foreach")
                 if foreach is None:
                     foreach = default_foreach(group["params"], type(opt))
                 keys = () if foreach else ("step", "eta", "mu")
