@@ -1,18 +1,25 @@
-"""ASGD's for-loop step without ``capturable``, in a form the tracer can record.
+"""ASGD's for-loop without ``capturable`` (``torch.optim.asgd._single_tensor_asgd``), traced
+with eager's results.
 
-Eager's for-loop (``torch.optim.asgd._single_tensor_asgd``, ``capturable=False``) reads
-eta and the step count as Python floats (``.item()``) and decides how to average on mu's
-value: ``ax.copy_(param)`` while ``mu == 1`` (the first ``t0`` steps), else
-``ax.add_(param.sub(ax).mul_(mu))``. A trace cannot take that decision once for every
-later call, so :func:`for_loop` computes both and selects per element,
-``where(mu == 1, param, formula)``: mu is one value per parameter, so the select is exact
-and the result is eager's in either branch, bit for bit, with no guard on mu's value and
-no retrace when mu leaves 1 (a guard would read every parameter's mu on every call and
-trace the step again at step ``t0 + 2``; the select costs one compare per element in a
-kernel that reads ``param`` and ``ax`` anyway). Everything else is eager's code: its
-Python floats are the ``.item()`` values the tracer records as symbolic scalars, so each
-op gets what eager gives it (a Python number, not a 0-dim tensor, whose dtype would take
-part in type promotion).
+Eager's for-loop reads eta and the step count as Python floats (``.item()``) and decides how to
+average on mu's value: ``ax.copy_(param)`` while ``mu == 1`` (the first ``t0`` steps), else
+``ax.add_(param.sub(ax).mul_(mu))``. A trace cannot take that decision once for every later
+call; both functions here compute both and select per element, ``where(mu == 1, param,
+formula)``: mu is one value per parameter, so the select is exact and the result is eager's in
+either branch, bit for bit, with no guard on mu's value and no retrace when mu leaves 1 (a guard
+would read every parameter's mu on every call and trace the step again at step ``t0 + 2``; the
+select is one compare per element in a kernel that reads ``param`` and ``ax`` anyway).
+
+- :func:`for_loop` is eager's own path otherwise (for the torch backend on the CPU: its Python
+  floats are the ``.item()`` values the tracer records as symbolic scalars, so each op gets
+  what eager gives it, a Python number, not a 0-dim tensor, whose dtype would take part in
+  type promotion): eager's bits.
+- :func:`capturable_for_loop` is the capturable path otherwise (for the kernel backends, and
+  where the state is on a GPU: every value stays a tensor, the select a lane op, so the step
+  still fuses into one launch; the step counts, eta and mu are read in float64 as eager's
+  Python floats, opttrace.optimizer).
+
+Eager's foreach path averages by the formula whatever mu is: it is traced as it stands.
 """
 
 from __future__ import annotations
@@ -75,3 +82,42 @@ def _as_tensor(value: Any) -> Tensor:
     if isinstance(value, Tensor):
         return value
     return torch.scalar_tensor(value, dtype=torch.get_default_dtype())
+
+
+def capturable_for_loop(
+    params: list[Tensor],
+    grads: list[Tensor],
+    axs: list[Tensor],
+    mus: list[Tensor],
+    etas: list[Tensor],
+    state_steps: list[Tensor],
+    *,
+    lambd: Any,
+    lr: Any,
+    t0: Any,
+    alpha: Any,
+    weight_decay: Any,
+    maximize: bool,
+    differentiable: bool,
+    capturable: bool,
+    has_complex: bool,
+) -> None:
+    """``_single_tensor_asgd``'s capturable path (torch 2.11-2.13), its averaging eager's
+    ``capturable=False`` one (see the module docstring)."""
+    del differentiable, capturable, has_complex  # (never traced differentiable)
+    for i, param in enumerate(params):
+        grad = grads[i] if not maximize else -grads[i]
+        mu, ax, eta, step_t = mus[i], axs[i], etas[i], state_steps[i]
+        if torch.is_complex(param):
+            grad = torch.view_as_real(grad)
+            param = torch.view_as_real(param)
+            ax = torch.view_as_real(ax)
+        step_t += 1
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
+        param.mul_(1 - lambd * eta)
+        param.addcmul_(grad, eta, value=-1)
+        # eager: ``ax.copy_(param) if mu.item() == 1 else ax.add_(param.sub(ax).mul_(mu))``
+        ax.copy_(torch.where(mu == 1, param, ax.add(param.sub(ax).mul_(mu))))
+        eta.copy_(lr / ((1 + lambd * lr * step_t) ** alpha))
+        mu.copy_(1 / torch.maximum(step_t - t0, torch.ones_like(step_t)))

@@ -82,7 +82,7 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
     step = raw_step(type(opt))
     if capturable:
         try:
-            with _traceable_eager_paths(opt):
+            with _eager_averaging(opt):
                 return trace(
                     lambda opt: step(opt),
                     {"opt": opt},
@@ -98,7 +98,7 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
             except TraceError:
                 raise exc from None
     try:
-        with _traceable_eager_paths(opt):
+        with _eager_path(opt):
             return trace(lambda opt: step(opt), {"opt": opt})
     except TraceError as exc:
         if not any(group.get("capturable") is False for group in opt.param_groups):
@@ -107,40 +107,63 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
         # ASGD's averaging): the capturable path computes the same update on the device,
         # from the step counts in double, as eager's Python floats are.
         try:
-            return trace(
-                lambda opt: step(opt),
-                {"opt": opt},
-                capturable=True,
-                python_floats=_python_float_state(opt),
-                float64_inputs=_python_float_state(opt, decided_on=True),
-            )
+            with _eager_averaging(opt):
+                return trace(
+                    lambda opt: step(opt),
+                    {"opt": opt},
+                    capturable=True,
+                    python_floats=_python_float_state(opt),
+                    float64_inputs=_python_float_state(opt, decided_on=True),
+                )
         except TraceError:
             raise exc from None
 
 
-def _traceable_eager_paths(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
-    """Eager's own paths, where one decides on tensor values in Python, made traceable with
-    eager's results, also in a trace of the capturable path: ASGD's for-loop without
-    capturable (see opttrace.asgd), where its state lives on the CPU (with the parameters:
-    its step counts, eta and mu are read by value on the host, as other optimizers' CPU
-    step counts are; on a GPU the step is traced on its capturable path: README)."""
-    if not _asgd_on_cpu(opt):
+def _eager_averaging(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
+    """In a trace of the capturable path: ASGD's for-loop groups without ``capturable``
+    average as eager does (opttrace.asgd.capturable_for_loop)."""
+    return _asgd_for_loop(opt, asgd.capturable_for_loop)
+
+
+def _eager_path(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
+    """In a trace of the path eager takes: ASGD's for-loop groups without ``capturable``
+    traced as eager's own path (opttrace.asgd.for_loop), where the state lives on the CPU
+    (with the params: eager reads the step counts, eta and mu by value on the host; on a GPU
+    that would be a device sync per param, and the capturable path is traced instead)."""
+    on_cpu = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
+    if not on_cpu:
         return contextlib.nullcontext()
-    # torch.optim's ASGD.step calls the functional asgd() once per group, in order: whether
-    # that group is capturable (the group's own option, not the trace's view of it).
-    capturable = iter([bool(group.get("capturable")) for group in opt.param_groups])
+    return _asgd_for_loop(opt, asgd.for_loop)
+
+
+def _asgd_for_loop(
+    opt: torch.optim.Optimizer, replacement: Any
+) -> contextlib.AbstractContextManager[None]:
+    """ASGD's for-loop replaced by ``replacement`` for its groups without ``capturable``.
+    torch.optim's ASGD.step calls the functional ``asgd()`` once per group, in order, and it
+    calls the for-loop for the groups whose (resolved) foreach is off: those groups' own
+    ``capturable`` options, in that order (a trace's view of the groups may say True)."""
+    if not isinstance(opt, torch.optim.ASGD):
+        return contextlib.nullcontext()
+    own = iter(
+        [
+            bool(group.get("capturable"))
+            for group in opt.param_groups
+            if not _foreach(group, type(opt))
+        ]
+    )
 
     def for_loop(original: Any, *args: Any, **kwargs: Any) -> Any:
-        if next(capturable, True):
+        if next(own, True):
             return original(*args, **kwargs)
-        return asgd.for_loop(*args, **{**kwargs, "capturable": False})
+        return replacement(*args, **{**kwargs, "capturable": False})
 
     return asgd_for_loop(for_loop)
 
 
-def _asgd_on_cpu(opt: torch.optim.Optimizer) -> bool:
-    on_cpu = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
-    return isinstance(opt, torch.optim.ASGD) and on_cpu
+def _foreach(group: dict[str, Any], cls: type) -> bool:
+    foreach = group.get("foreach")
+    return default_foreach(group["params"], cls) if foreach is None else bool(foreach)
 
 
 # The 0-dim state torch.optim's capturable=False paths keep on the CPU and read as numbers.
@@ -166,18 +189,10 @@ def _python_float_state(opt: torch.optim.Optimizer, decided_on: bool = False) ->
         if capturable is not False or not (own or decided_on):
             continue
         keys: tuple[str, ...] = _PYTHON_FLOAT_KEYS  # (not a 0-dim param's exp_avg)
-        foreach = group.get("foreach")
-        if not decided_on and own and _asgd_on_cpu(opt):
-            if foreach is None:
-                foreach = default_foreach(group["params"], type(opt))
-            if not foreach:  # (traced as eager's own path: opttrace.asgd)
-                continue
         if decided_on:
             keys = ("step",)
             if isinstance(opt, torch.optim.ASGD):
-                if foreach is None:
-                    foreach = default_foreach(group["params"], type(opt))
-                keys = () if foreach else ("step", "eta", "mu")
+                keys = () if _foreach(group, type(opt)) else ("step", "eta", "mu")
         for p in group["params"]:
             for key, value in opt.state.get(p, {}).items():
                 small = isinstance(value, torch.Tensor) and value.dim() == 0
