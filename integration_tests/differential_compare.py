@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from differential_cases import DEVICE, Case
+from differential_cases import DEVICE, Case, is_foreach
 from differential_sides import Side
 
 # torch.testing's default (rtol, atol) per dtype: what torch's test_optim allows between its
@@ -22,13 +22,16 @@ TOLERANCES = {
 
 def exact(case: Case) -> bool:
     """Whether the compiled step must match eager bitwise: on the CPU where the graph runs
-    eager's own ATen ops (README: the torch backend, except RAdam without capturable,
-    traced on the capturable path). (On a GPU, ATen's CUDA kernels for the ops the trace
-    records, a foreach op taken apart or Adafactor's scalars computed in the graph, differ
-    from eager's in the last bit.)"""
+    eager's own ATen ops (README: the torch backend, except RAdam's foreach path without
+    capturable, traced on the capturable path). (On a GPU, ATen's CUDA kernels for the ops
+    the trace records, a foreach op taken apart or Adafactor's scalars computed in the
+    graph, differ from eager's in the last bit.)"""
     if case.backend != "torch" or DEVICE != "cpu":
         return False
-    return case.optimizer != "RAdam" or bool(case.defaults.get("capturable"))
+    if case.optimizer != "RAdam" or case.defaults.get("capturable"):
+        return True
+    options = [{**case.defaults, **g.options} for g in case.group_specs()]
+    return not any(is_foreach("RAdam", o.get("foreach")) for o in options)
 
 
 def assert_close(

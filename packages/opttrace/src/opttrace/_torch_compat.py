@@ -107,14 +107,17 @@ def _true() -> bool:
     return True
 
 
-def asgd_for_loop(replacement: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
-    """Make ``torch.optim.asgd`` call ``replacement(original, *args, **kwargs)`` for its
-    for-loop (``_single_tensor_asgd``) in the tracing thread (see opttrace.asgd)."""
-    import torch.optim.asgd as asgd
+def for_loop(
+    module: str, replacement: Callable[..., Any]
+) -> contextlib.AbstractContextManager[None]:
+    """Make ``torch.optim.<module>`` call ``replacement(original, *args, **kwargs)`` for its
+    for-loop (``_single_tensor_<module>``) in the tracing thread (see opttrace.asgd)."""
+    import importlib
 
-    return patched(
-        vars(asgd), "_single_tensor_asgd", functools.partial(replacement, asgd._single_tensor_asgd)
-    )
+    functional = importlib.import_module(f"torch.optim.{module}")
+    name = f"_single_tensor_{module}"
+    original = getattr(functional, name)
+    return patched(vars(functional), name, functools.partial(replacement, original))
 
 
 def raw_step(cls: type) -> Callable[..., Any]:

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from opttrace import asgd
-from opttrace._torch_compat import asgd_for_loop, default_foreach, raw_step
+from opttrace import asgd, radam
+from opttrace._torch_compat import default_foreach, raw_step
+from opttrace._torch_compat import for_loop as patch_for_loop
 from opttrace.errors import TraceError
 from opttrace.tracer import TracedStep, trace
 
@@ -120,31 +121,38 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
 
 
 def _eager_averaging(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
-    """In a trace of the capturable path: ASGD's for-loop groups without ``capturable``
-    average as eager does (opttrace.asgd.capturable_for_loop)."""
-    return _asgd_for_loop(opt, asgd.capturable_for_loop)
+    """In a trace of the capturable path: ASGD's and RAdam's for-loop groups without
+    ``capturable`` compute their update as eager does, its Python decision an exact select
+    (opttrace.asgd, opttrace.radam: ``capturable_for_loop``)."""
+    if isinstance(opt, torch.optim.ASGD):
+        return _own_for_loop(opt, "asgd", asgd.capturable_for_loop)
+    if isinstance(opt, torch.optim.RAdam):
+        return _own_for_loop(opt, "radam", radam.capturable_for_loop)
+    return contextlib.nullcontext()
 
 
 def _eager_path(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
-    """In a trace of the path eager takes: ASGD's for-loop groups without ``capturable``
-    traced as eager's own path (opttrace.asgd.for_loop), where the state lives on the CPU
+    """In a trace of the path eager takes: RAdam's and ASGD's for-loop groups without
+    ``capturable`` traced as eager's own path, its Python decision an exact select
+    (opttrace.radam, opttrace.asgd: ``for_loop``); ASGD's where its state lives on the CPU
     (with the params: eager reads the step counts, eta and mu by value on the host; on a GPU
     that would be a device sync per param, and the capturable path is traced instead)."""
     on_cpu = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
-    if not on_cpu:
-        return contextlib.nullcontext()
-    return _asgd_for_loop(opt, asgd.for_loop)
+    if on_cpu and isinstance(opt, torch.optim.ASGD):
+        return _own_for_loop(opt, "asgd", asgd.for_loop)
+    if isinstance(opt, torch.optim.RAdam):  # (its step counts live on the CPU)
+        return _own_for_loop(opt, "radam", radam.for_loop)
+    return contextlib.nullcontext()
 
 
-def _asgd_for_loop(
-    opt: torch.optim.Optimizer, replacement: Any
+def _own_for_loop(
+    opt: torch.optim.Optimizer, module: str, replacement: Any
 ) -> contextlib.AbstractContextManager[None]:
-    """ASGD's for-loop replaced by ``replacement`` for its groups without ``capturable``.
-    torch.optim's ASGD.step calls the functional ``asgd()`` once per group, in order, and it
-    calls the for-loop for the groups whose (resolved) foreach is off: those groups' own
-    ``capturable`` options, in that order (a trace's view of the groups may say True)."""
-    if not isinstance(opt, torch.optim.ASGD):
-        return contextlib.nullcontext()
+    """torch.optim's ``module`` for-loop replaced by ``replacement`` for the groups without
+    ``capturable``. Its step calls the functional (``asgd()``, ``radam()``) once per group, in
+    order, and that calls the for-loop for the groups whose (resolved) foreach is off: those
+    groups' own ``capturable`` options, in that order (a trace's view of the groups may say
+    True)."""
     own = iter(
         [
             bool(group.get("capturable"))
@@ -158,7 +166,7 @@ def _asgd_for_loop(
             return original(*args, **kwargs)
         return replacement(*args, **{**kwargs, "capturable": False})
 
-    return asgd_for_loop(for_loop)
+    return patch_for_loop(module, for_loop)
 
 
 def _foreach(group: dict[str, Any], cls: type) -> bool:
