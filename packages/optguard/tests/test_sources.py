@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+import pickle
 from collections import defaultdict
 
 import torch
@@ -31,6 +33,17 @@ def test_str_and_repr_are_the_name():
 def test_equal_paths_are_equal_sources_with_equal_hashes():
     a, b = ItemSource(GROUP, "lr"), ItemSource(ItemSource(AttrSource(OPT, "param_groups"), 0), "lr")
     assert a == b and hash(a) == hash(b)
+
+
+def test_equal_paths_are_one_object_however_made():
+    made = ItemSource(base=ItemSource(AttrSource(OPT, "param_groups"), 0), key="lr")
+    copied, unpickled = copy.deepcopy(made), pickle.loads(pickle.dumps(made))
+    assert made is ItemSource(GROUP, "lr") is copied is unpickled
+
+
+def test_different_paths_are_different_sources():
+    assert ItemSource(GROUP, "lr") != ItemSource(GROUP, "eps")
+    assert ItemSource(GROUP, 0) != AttrSource(GROUP, "0")
 
 
 def test_fetch_returns_the_live_value_after_a_change():

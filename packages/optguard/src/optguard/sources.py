@@ -3,6 +3,11 @@
 A Source prints as the access path a user would write (``L['opt'].param_groups[0]['lr']``),
 fetches its value from live inputs, and emits the Python expression that fetches it, so
 guard, gather and replay code can be generated from the same objects.
+
+Sources are interned: constructing one for a path that already has a Source returns that
+object, so two sources are equal exactly when they are the same object, and hashing or
+comparing one is CPython's identity hash, not a Python call (building the guards of 10,000
+parameters hashes sources as dict keys about half a million times).
 """
 
 from __future__ import annotations
@@ -10,24 +15,50 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from optguard._torch_compat import autocast_state
 
 Locals = Mapping[str, Any]
 
+# Every Source made in this process, by its class and fields: one object per path. Paths
+# are shared between optimizers (every compiled optimizer's params are under ``L['opt']``),
+# so this grows with the largest set of paths one entry guards, not with the entries.
+_INTERNED: dict[tuple[Any, ...], Source] = {}
+_FIELDS: dict[type, tuple[str, ...]] = {}
 
-@dataclass(frozen=True)
-class Source:
-    """Base of all sources: a path from the call's locals ``L`` to one value."""
+
+class _Interning(type):
+    """Makes ``SomeSource(*fields)`` return the one Source of that path (module docstring)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:  # (the key lists the fields in order, however they were given)
+            names = _FIELDS.get(cls)
+            if names is None:
+                names = _FIELDS[cls] = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+            args = (*args, *(kwargs.pop(n) for n in names[len(args) :] if n in kwargs))
+            if kwargs:
+                raise TypeError(f"{cls.__name__}() got unexpected arguments {sorted(kwargs)}")
+        key = (cls, *args)
+        found = _INTERNED.get(key)
+        if found is None:
+            # (setdefault: two threads making one path at once get one object)
+            found = _INTERNED.setdefault(key, super().__call__(*args))
+        return found
+
+
+@dataclass(frozen=True, eq=False)
+class Source(metaclass=_Interning):
+    """Base of all sources: a path from the call's locals ``L`` to one value. Equal paths
+    are one object (see the module docstring): ``==`` and ``hash`` are identity's."""
 
     def name(self) -> str:
         raise NotImplementedError(type(self).__name__)
 
-    def __getstate__(self) -> dict[str, Any]:
-        # (the cached hash is this process's: string hashes differ between processes)
-        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_name")}
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copies and unpickled sources are made through the constructor: interned.
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self)))
 
     def fetch(self, L: Locals) -> Any:
         raise NotImplementedError(type(self).__name__)
@@ -47,7 +78,7 @@ class Source:
         return self.name()
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class LocalSource(Source):
     """An argument of the compiled call: ``L['opt']``."""
 
@@ -63,7 +94,7 @@ class LocalSource(Source):
         return f"L[{self.local!r}]"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class AttrSource(Source):
     """An attribute of another source's value: ``L['opt'].param_groups``, ``p.grad``."""
 
@@ -83,7 +114,7 @@ class AttrSource(Source):
         return f"{parent_vars[0]}.{self.attr}"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class ItemSource(Source):
     """An item of a list, tuple or dict with a constant key: ``group['lr']``, ``params[3]``."""
 
@@ -103,7 +134,7 @@ class ItemSource(Source):
         return f"{parent_vars[0]}[{self.key!r}]"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class KeyedSource(Source):
     """A dict entry keyed by another source's value: ``L['opt'].state[<param>]``.
 
@@ -127,7 +158,7 @@ class KeyedSource(Source):
         return f"{parent_vars[0]}.get({parent_vars[1]})"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class GlobalSource(Source):
     """A module global the step reads: ``G['torch.optim.adam'].some_name``.
 
@@ -147,7 +178,7 @@ class GlobalSource(Source):
         return f"sys.modules[{self.module!r}].{self.global_name}"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class AutocastSource(Source):
     """The ``torch.autocast`` state around the call (``_torch_compat.autocast_state``)."""
 
@@ -161,7 +192,7 @@ class AutocastSource(Source):
         return "sys.modules['optguard._torch_compat'].autocast_state()"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class WeakRefSource(Source):
     """The object a weak reference points to: ``L['ref']()`` (None once it is dead)."""
 
@@ -180,7 +211,7 @@ class WeakRefSource(Source):
         return f"{parent_vars[0]}()"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class DictKeySource(Source):
     """The ``index``-th key of a dict, in insertion order: ``list(L['d'].keys())[0]``."""
 
@@ -200,19 +231,11 @@ class DictKeySource(Source):
         return f"list({parent_vars[0]}.keys())[{self.index}]"
 
 
-def _cache_hash_and_name(cls: type[Source]) -> None:
-    """Keep each source's hash and name once computed: a source is hashed as a dict key and
-    named (generated variables are named after it) again and again while guards and gathers
-    are generated, tens of thousands of times for a large optimizer, and both walk the
-    whole path each time."""
-    fields_hash, plain_name = cls.__hash__, cls.name
-
-    def __hash__(self: Source) -> int:
-        try:
-            return self.__dict__["_hash"]  # type: ignore[no-any-return]
-        except KeyError:
-            h = self.__dict__["_hash"] = fields_hash(self)
-            return h
+def _cache_name(cls: type[Source]) -> None:
+    """Keep each source's name once computed: a source is named (generated variables are
+    named after it) again and again while guards and gathers are generated, tens of
+    thousands of times for a large optimizer, and naming walks the whole path each time."""
+    plain_name = cls.name
 
     def name(self: Source) -> str:
         try:
@@ -221,7 +244,6 @@ def _cache_hash_and_name(cls: type[Source]) -> None:
             n = self.__dict__["_name"] = plain_name(self)
             return n
 
-    cls.__hash__ = __hash__  # type: ignore[method-assign,assignment]
     cls.name = name  # type: ignore[method-assign]
 
 
@@ -235,7 +257,7 @@ for _cls in (
     WeakRefSource,
     DictKeySource,
 ):
-    _cache_hash_and_name(_cls)
+    _cache_name(_cls)
 
 
 def ancestors(source: Source) -> Iterator[Source]:
