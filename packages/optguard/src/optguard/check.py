@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from optguard import rows
 from optguard.codegen import SourceCode, build_function
-from optguard.guards import MISSING, Guard, describe_failure
+from optguard.guards import MISSING, Guard, describe_failure, guard_sources
 from optguard.sources import Locals
 from optguard.summary import count_kinds
 
@@ -78,7 +78,8 @@ class CompiledCheck:
 def compile_check(guards: GuardSet) -> CompiledCheck:
     """Generate ``check(L)``: True when every guard holds; any error while fetching is a miss."""
     body = SourceCode(indent="        ")
-    rows.emit(body, [(g.sources(), functools.partial(_emit_guard, g)) for g in guards.guards])
+    emitters = [functools.partial(_emit_guard, g) for g in guards.guards]
+    rows.emit(body, list(zip(guard_sources(guards.guards), emitters, strict=True)))
     body.emit("return True")
     lines = ["    try:", *body.lines, "    except Exception:", "        return False"]
     fn, code = build_function("check", "L", lines, body.constants)
@@ -90,9 +91,9 @@ def compile_check(guards: GuardSet) -> CompiledCheck:
 
 
 def _emit_guard(guard: Guard, code: SourceCode) -> None:
-    var = code.var(guard.source)
-    code.emit(f"if not {guard.test(var, code)}:")
-    code.emit("    return False")
+    indent = code.indent
+    test = guard.test(code.var(guard.source), code)
+    code.lines.append(f"{indent}if not {test}:\n{indent}    return False")
 
 
 def first_failure(guards: Sequence[Guard], L: Locals) -> str | None:

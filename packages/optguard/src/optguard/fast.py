@@ -71,6 +71,7 @@ from optguard.guards import (
     TensorMatchGuard,
     TypeGuard,
     float_types,
+    guard_sources,
 )
 from optguard.sources import (
     AttrSource,
@@ -180,11 +181,20 @@ def build_fast_check(
     tier then gathers them itself, fetching only what its checks do not pin."""
     if not compat.available():
         return None
+    sources_of = guard_sources(guards)  # (asked once: 10,000 params' guards)
     keyed_ancestor = _KeyedAncestors()
-    keyed_of = [  # per guard (but addresses): the state entry each of its sources lies in
-        () if isinstance(g, DataPtrGuard) else [keyed_ancestor(s) for s in g.sources()]
-        for g in guards
-    ]
+    known = keyed_ancestor.found
+    # per guard (but addresses): the state entry each of its sources lies in
+    keyed_of: list[Sequence[KeyedSource | None]] = []
+    for g, sources in zip(guards, sources_of, strict=True):
+        if isinstance(g, DataPtrGuard):
+            keyed_of.append(())
+        elif len(sources) == 1:  # (most: no comprehension to run)
+            s = sources[0]
+            keyed_of.append((known[s] if s in known else keyed_ancestor(s),))
+        else:
+            keyed_of.append([known[s] if s in known else keyed_ancestor(s) for s in sources])
+    on_source = _single_source_guards(guards, sources_of)
     keyed_sources = [keyed for found in keyed_of for keyed in found if keyed is not None]
     states = {keyed.base: None for keyed in keyed_sources}
     keys = {keyed.key: None for keyed in keyed_sources}
@@ -200,19 +210,21 @@ def build_fast_check(
     local_lists: dict[Source, tuple[Any, int]] = {}
     ptr_of = {g.source: g.ptr for g in guards if isinstance(g, DataPtrGuard)}
     listed, identical, addressed = (
-        _list_families(module, guards, L, builder, set(keys), grad_lists, ptr_of, local_lists)
+        _list_families(
+            module, guards, L, builder, set(keys), grad_lists, ptr_of, local_lists, on_source
+        )
         if module is not None
         else (set(), set(), set())
     )
-    for guard, keyed in zip(guards, keyed_of, strict=True):
+    for guard, keyed, sources in zip(guards, keyed_of, sources_of, strict=True):
         if isinstance(guard, DataPtrGuard):
             if guard.source not in addressed:  # else in its list's native check
                 addresses.append(guard)  # once the pinned sources are known (below)
             continue
         if isinstance(guard, NoneGuard) and not guard.is_none and guard.source in matched:
             continue  # a tensor match fails on None
-        under_state = all(k is not None for k in keyed)
-        if under_state or (guard.source in listed and len(guard.sources()) == 1):
+        under_state = None not in keyed  # (sources compare by identity: no __eq__)
+        if under_state or (guard.source in listed and len(sources) == 1):
             continue  # under the state's dict versions; in its list's native check
         if not builder.add(guard):
             residual.append(guard)
@@ -247,9 +259,9 @@ def build_fast_check(
             unchanged = _same_entries(value)
         states_unchanged.append(_fetching(state, unchanged))
         builder.lines.append(text)
-    pinned = _pinned_sources(guards, identical, set(states))
+    pinned = _pinned_sources(sources_of, identical, set(states))
     if module is not None:
-        more = _held_dtensors(module, guards, L, builder, pinned, listed, ptr_of)
+        more = _held_dtensors(module, on_source, L, builder, pinned, listed, ptr_of)
         if more:
             pinned = pinned | more
             addresses = [g for g in addresses if g.source not in more]
@@ -265,8 +277,8 @@ def build_fast_check(
         builder.tree, check, builder.lines, pinned, grad_lists, states_unchanged, local_lists
     )
     if gathered is not None:
-        sources, inputs = gathered
-        fast.gather = FastGather(sources, pinned, grad_lists, local_lists)
+        input_sources, inputs = gathered
+        fast.gather = FastGather(input_sources, pinned, grad_lists, local_lists)
         fast.gather.arm(L, inputs)
     return fast
 
@@ -299,6 +311,7 @@ def _list_families(
     grad_lists: dict[Source, tuple[Any, int]],
     ptr_of: dict[Source, int],
     local_lists: dict[Source, tuple[Any, int]],
+    on_source: dict[Source, list[Guard]],
 ) -> tuple[set[Source], set[Source], set[Source]]:
     """Put the metadata guards on the items of a list (``params[i]``) and on their grads
     (``params[i].grad``) into one native check per list (both kinds in one visit of each
@@ -324,7 +337,6 @@ def _list_families(
     listed: set[Source] = set()
     identified: set[Source] = set()
     addressed: set[Source] = set()
-    on_source = _single_source_guards(guards)
     checks: dict[tuple[Source, bool], tuple[Any, str, int]] = {}  # spec, text, length
     for (container_source, grad), items in families.items():
         container = container_source.fetch(L)
@@ -397,10 +409,12 @@ def _list_families(
     return listed, identified, addressed
 
 
-def _single_source_guards(guards: Sequence[Guard]) -> dict[Source, list[Guard]]:
+def _single_source_guards(
+    guards: Sequence[Guard], sources_of: Sequence[tuple[Source, ...]]
+) -> dict[Source, list[Guard]]:
     on_source: dict[Source, list[Guard]] = {}
-    for g in guards:
-        if len(g.sources()) == 1:
+    for g, sources in zip(guards, sources_of, strict=True):
+        if len(sources) == 1:
             on_source.setdefault(g.source, []).append(g)
     return on_source
 
@@ -455,7 +469,7 @@ def _dtensor_parts(
 
 def _held_dtensors(
     module: Any,
-    guards: Sequence[Guard],
+    on_source: dict[Source, list[Guard]],
     L: Locals,
     builder: _TreeBuilder,
     pinned: frozenset[Source],
@@ -467,13 +481,15 @@ def _held_dtensors(
     tensor it had (its type, dtype, device, shape, stride, requires_grad and, where a guard
     asks, data pointer). Return the local tensors' sources: pinned from then on (the
     caller drops their data-pointer guards: this check tests them)."""
-    on_source = _single_source_guards(guards)
-    sources = [
+    locals_ = [  # (from the guarded sources: no new Source per pinned one)
         s
-        for s in sorted(pinned, key=lambda s: s.name())
-        if AttrSource(s, compat.LOCAL_TENSOR) in on_source
-        and AttrSource(s, compat.LOCAL_TENSOR) not in listed
+        for s in on_source
+        if type(s) is AttrSource
+        and s.attr == compat.LOCAL_TENSOR
+        and s.base in pinned
+        and s not in listed
     ]
+    sources = sorted([s.base for s in locals_], key=lambda s: s.name())
     values = [s.fetch(L) for s in sources]
     kept = [(s, v) for s, v in zip(sources, values, strict=True) if compat.native_dtensor(v)]
     if not kept:
@@ -500,7 +516,7 @@ def _strided(value: Any) -> bool:
 
 
 def _pinned_sources(
-    guards: Sequence[Guard], identical: set[Source], versioned: set[Source]
+    sources_of: Sequence[tuple[Source, ...]], identical: set[Source], versioned: set[Source]
 ) -> frozenset[Source]:
     """The guarded sources whose values a hit of the fast tier fixes (see the module)."""
 
@@ -522,14 +538,14 @@ def _pinned_sources(
         return found
 
     seen: set[Source] = set()
-    for g in guards:
-        for source in g.sources():
+    for sources in sources_of:
+        for source in sources:
             while source not in seen:  # (its ancestors are, once one of them is)
                 seen.add(source)
                 if not isinstance(source, AttrSource | ItemSource | KeyedSource):
                     break
                 source = source.base
-    return frozenset(s for s in seen if pinned(s))
+    return frozenset([s for s in seen if pinned(s)])
 
 
 class _KeyedAncestors:

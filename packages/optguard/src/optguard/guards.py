@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 import sys
 import types
 import weakref
@@ -58,6 +59,12 @@ class Guard:
     def sources(self) -> tuple[Source, ...]:
         """Every source the guard reads (``source`` first)."""
         return (self.source,)
+
+
+def guard_sources(guards: Sequence[Guard]) -> list[tuple[Source, ...]]:
+    """Each guard's ``sources()``, without a call for the guards of one source (most)."""
+    one = Guard.sources
+    return [(g.source,) if type(g).sources is one else g.sources() for g in guards]
 
 
 _TESTS: dict[Guard, Callable[[Any], Any]] = {}
@@ -414,7 +421,7 @@ def overlapping(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     views count as sharing. Spans are compared as addresses: distinct allocations never
     overlap (CUDA's unified addressing keeps device and host pointers apart)."""
     spans = sorted(
-        (span, i) for i, span in enumerate(map(memory_span, tensors)) if span[0] < span[1]
+        [(span, i) for i, span in enumerate(map(memory_span, tensors)) if span[0] < span[1]]
     )
     for (a, i), (b, j) in itertools.pairwise(spans):
         if b[0] < a[1]:
@@ -429,7 +436,8 @@ def memory_span(t: torch.Tensor) -> tuple[int, int]:
         return (start, start + t.element_size())
     if t.numel() == 0:
         return (start, start)
-    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    stride = t.stride()  # (sum of (n - 1) * s, without a Python call per dimension)
+    extent = sum(map(operator.mul, t.shape, stride)) - sum(stride) + 1
     return (start, start + extent * t.element_size())
 
 

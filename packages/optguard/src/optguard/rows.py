@@ -25,6 +25,7 @@ so the order of the tests does not change its answer).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,11 +77,16 @@ class _RowCode(SourceCode):
         self.lines.append(f"{self.indent}{name} = {source.expr(parents)}")
         return name
 
+    # (constant and inline append their slot themselves: a row of 11 guards has 40 slots)
     def constant(self, value: Any, hint: str) -> str:
-        return self._slot(False, value, hint)
+        slots = self.row.slots
+        slots.append((False, value, hint))
+        return f"\x03{len(slots) - 1}\x04"
 
     def inline(self, value: Any, hint: str = "value") -> str:
-        return self._slot(True, value, hint)
+        slots = self.row.slots
+        slots.append((True, value, hint))
+        return f"\x03{len(slots) - 1}\x04"
 
     def _slot(self, inline: bool, value: Any, hint: str) -> str:
         self.row.slots.append((inline, value, hint))
@@ -117,7 +123,9 @@ def _rows(
     keys: dict[Source, set[int]] = {}
     counted: set[int] = set()  # by id: the memo's sets are shared by the sources' readers
     for sources, _ in statements:
-        found: frozenset[ItemSource] | set[ItemSource] = _items(sources[0], memo)
+        found: frozenset[ItemSource] | set[ItemSource] | None = memo.get(sources[0])
+        if found is None:
+            found = _items(sources[0], memo)
         if len(sources) > 1:  # (a guard over every param's state: thousands of sources)
             found = set(found)
             for s in sources[1:]:
@@ -134,9 +142,16 @@ def _rows(
     for index, found in enumerate(items):
         mine = mine_of.get(id(found))
         if mine is None:
-            mine = mine_of[id(found)] = [item for item in found if item.base in long]
+            if len(found) == 1:  # (most: no comprehension to run)
+                (item,) = found
+                mine = mine_of[id(found)] = [item] if item.base in long else []
+            else:
+                mine = mine_of[id(found)] = [item for item in found if item.base in long]
         if len(mine) == 1:
-            rows.setdefault(mine[0], _Row(mine[0], [])).statements.append(index)
+            row = rows.get(mine[0])
+            if row is None:
+                row = rows[mine[0]] = _Row(mine[0], [])
+            row.statements.append(index)
     return rows
 
 
@@ -235,10 +250,10 @@ def _emit_loop(body: SourceCode, group: list[_Row], collect: dict[str, str]) -> 
     names = {m: body._fresh(m) for m in first.locals.values()}
     for marker, name in names.items():
         text = text.replace(f"\x01{marker}\x02", name)
-    if len(varying) == 1:
-        table: tuple[Any, ...] = tuple(row.slots[varying[0][0]][1] for row in group)
-    else:
-        table = tuple(tuple(row.slots[k][1] for k, _ in varying) for row in group)
+    # (map and itemgetter: no Python call per row)
+    pick = operator.itemgetter(*[k for k, _ in varying])
+    value = operator.itemgetter(1)
+    table: tuple[Any, ...] = tuple([pick(tuple(map(value, row.slots))) for row in group])
     for name in collect.values():
         body.emit(f"{name} = []")
     loop_vars = ", ".join(name for _, name in varying)
