@@ -53,11 +53,9 @@ class _RowCode(SourceCode):
     """One row's statements as a template: the row's sources are named by markers relative
     to its item, constants become slots, every other source is the outer code's variable."""
 
-    def __init__(
-        self, outer: SourceCode, row: _Row, memo: dict[Source, frozenset[ItemSource]]
-    ) -> None:
+    def __init__(self, outer: SourceCode, row: _Row) -> None:
         super().__init__(indent="    ")
-        self.outer, self.row, self._memo = outer, row, memo
+        self.outer, self.row = outer, row
         self._item_name = variable_name(row.item)
         self._taken_markers: set[str] = set()
         self.names[row.item] = self._marker(row.item, "item")
@@ -68,11 +66,12 @@ class _RowCode(SourceCode):
         known = self.names.get(source)
         if known is not None:
             return known
-        items = self._memo.get(source)
-        if self.row.item not in (_items(source, self._memo) if items is None else items):
+        items = source.__dict__.get("_items")  # (_items' cache, read without a call)
+        if self.row.item not in (_items(source) if items is None else items):
             return self.outer.var(source)
         parents = tuple([self.var(p) for p in source.parents()])
-        relative = variable_name(source).replace(self._item_name, "item")
+        relative = source.__dict__.get("_variable_name") or variable_name(source)
+        relative = relative.replace(self._item_name, "item")
         name = self.names[source] = self._marker(source, relative)
         self.lines.append(f"{self.indent}{name} = {source.expr(parents)}")
         return name
@@ -102,34 +101,35 @@ class _RowCode(SourceCode):
         return f"\x01{name}\x02"
 
 
-def _items(source: Source, memo: dict[Source, frozenset[ItemSource]]) -> frozenset[ItemSource]:
+def _items(source: Source) -> frozenset[ItemSource]:
     """The items with an int key (``params[3]``) that ``source`` is reached through."""
-    found = memo.get(source)
+    found: frozenset[ItemSource] | None = source.__dict__.get("_items")
     if found is None:
         acc: set[ItemSource] = set()
         for parent in source.parents():
-            acc |= _items(parent, memo)
+            acc |= _items(parent)
         if isinstance(source, ItemSource) and type(source.key) is int:
             acc.add(source)
-        found = memo[source] = frozenset(acc)
+        # (kept on the source, like its name: the check and the gathers ask again)
+        found = source.__dict__["_items"] = frozenset(acc)
     return found
 
 
 def _rows(
-    statements: Sequence[Statement], memo: dict[Source, frozenset[ItemSource]]
+    statements: Sequence[Statement],
 ) -> dict[ItemSource, _Row]:
     """Each statement that reads from exactly one item of a long list, by that item."""
     items: list[frozenset[ItemSource] | set[ItemSource]] = []
     keys: dict[Source, set[int]] = {}
-    counted: set[int] = set()  # by id: the memo's sets are shared by the sources' readers
+    counted: set[int] = set()  # by id: the cached sets are shared by the sources' readers
     for sources, _ in statements:
-        found: frozenset[ItemSource] | set[ItemSource] | None = memo.get(sources[0])
+        found: frozenset[ItemSource] | set[ItemSource] | None = sources[0].__dict__.get("_items")
         if found is None:
-            found = _items(sources[0], memo)
+            found = _items(sources[0])
         if len(sources) > 1:  # (a guard over every param's state: thousands of sources)
             found = set(found)
             for s in sources[1:]:
-                found.update(_items(s, memo))
+                found.update(_items(s))
         items.append(found)
         if id(found) in counted:
             continue
@@ -176,14 +176,13 @@ def _same(values: list[Any]) -> bool:
 def emit(body: SourceCode, statements: Sequence[Statement]) -> bool:
     """Emit ``statements`` onto ``body``, rows of one template as one loop each (see the
     module docstring); True if any loop was emitted."""
-    memo: dict[Source, frozenset[ItemSource]] = {}
-    rows = _rows(statements, memo)
+    rows = _rows(statements)
     if len(rows) < MIN_ROWS:
         for _, emitter in statements:
             emitter(body)
         return False
     for row in rows.values():
-        code = _RowCode(body, row, memo)
+        code = _RowCode(body, row)
         for index in row.statements:
             statements[index][1](code)
         row.text = "\n".join(code.lines)
