@@ -108,3 +108,9 @@ def test_variable_name_prefixes_a_leading_digit():
 
 def test_variable_name_of_punctuation_only_name_is_an_identifier():
     assert variable_name(LocalSource("!?")).isidentifier()
+
+
+def test_variable_name_of_a_nested_source_joins_its_path_by_underscores():
+    local = AttrSource(ItemSource(ItemSource(STATE, "exp_avg"), ""), "_local_tensor")
+    assert variable_name(local) == "opt_state_opt_param_groups_0_params_0_exp_avg_local_tensor"
+    assert variable_name(AttrSource(LocalSource("0x"), "grad")) == "v_0x_grad"

@@ -280,9 +280,28 @@ def variable_name(source: Source) -> str:
     cached = source.__dict__.get("_variable_name")
     if cached is not None:
         return cached  # type: ignore[no-any-return]
-    text = source.name().replace("L[", "[")
-    ident = _NOT_IDENT.sub("_", text).strip("_")
-    if not ident or ident[0].isdigit():
-        ident = f"v_{ident}"
+    ident = None
+    kind = type(source)
+    if kind is AttrSource or kind is ItemSource or kind is KeyedSource:
+        # The base's name and the last step's, joined: the same identifier as the whole
+        # path's (the punctuation between them is one "_"), without rescanning the path
+        # for each of 10,000 params' sources.
+        base = variable_name(source.base)  # type: ignore[attr-defined]
+        if kind is AttrSource:
+            last = _ident(source.attr)  # type: ignore[attr-defined]
+        elif kind is ItemSource:
+            last = _ident(repr(source.key))  # type: ignore[attr-defined]
+        else:
+            last = variable_name(source.key)  # type: ignore[attr-defined]
+        if not base.startswith("v_") and not last.startswith("v_"):
+            ident = f"{base}_{last}" if last else base
+    if ident is None:
+        ident = _ident(source.name().replace("L[", "["))
+        if not ident or ident[0].isdigit():
+            ident = f"v_{ident}"
     source.__dict__["_variable_name"] = ident
     return ident
+
+
+def _ident(text: str) -> str:
+    return _NOT_IDENT.sub("_", text).strip("_")
