@@ -26,6 +26,7 @@ so the order of the tests does not change its answer).
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,13 +116,12 @@ def _items(source: Source) -> frozenset[ItemSource]:
     return found
 
 
-def _rows(
-    statements: Sequence[Statement],
-) -> dict[ItemSource, _Row]:
+def _rows(statements: Sequence[Statement]) -> dict[ItemSource, _Row]:
     """Each statement that reads from exactly one item of a long list, by that item."""
-    items: list[frozenset[ItemSource] | set[ItemSource]] = []
-    keys: dict[Source, set[int]] = {}
-    counted: set[int] = set()  # by id: the cached sets are shared by the sources' readers
+    # The items each statement reaches, by the id of their set: one source's set is shared
+    # by all its readers, so the work below is per distinct set, not per statement.
+    reached: list[int] = []
+    sets: dict[int, frozenset[ItemSource] | set[ItemSource]] = {}  # (keeps each id unique)
     for sources, _ in statements:
         found: frozenset[ItemSource] | set[ItemSource] | None = sources[0].__dict__.get("_items")
         if found is None:
@@ -130,27 +130,27 @@ def _rows(
             found = set(found)
             for s in sources[1:]:
                 found.update(_items(s))
-        items.append(found)
-        if id(found) in counted:
-            continue
-        counted.add(id(found))
+        reached.append(id(found))
+        sets[id(found)] = found
+    keys: defaultdict[Source, set[int | str]] = defaultdict(set)
+    for found in sets.values():
         for item in found:
-            keys.setdefault(item.base, set()).add(int(item.key))
+            keys[item.base].add(item.key)
     long = {base for base, k in keys.items() if len(k) >= MIN_ROWS}
+    owner: dict[int, ItemSource | None] = {}  # the one item of a long list, by set
+    for key, found in sets.items():
+        mine, count = None, 0
+        for item in found:
+            if item.base in long:
+                mine, count = item, count + 1
+        owner[key] = mine if count == 1 else None
     rows: dict[ItemSource, _Row] = {}
-    mine_of: dict[int, list[ItemSource]] = {}  # by id, as above
-    for index, found in enumerate(items):
-        mine = mine_of.get(id(found))
-        if mine is None:
-            if len(found) == 1:  # (most: no comprehension to run)
-                (item,) = found
-                mine = mine_of[id(found)] = [item] if item.base in long else []
-            else:
-                mine = mine_of[id(found)] = [item for item in found if item.base in long]
-        if len(mine) == 1:
-            row = rows.get(mine[0])
+    for index, key in enumerate(reached):
+        mine = owner[key]
+        if mine is not None:
+            row = rows.get(mine)
             if row is None:
-                row = rows[mine[0]] = _Row(mine[0], [])
+                row = rows[mine] = _Row(mine, [])
             row.statements.append(index)
     return rows
 
