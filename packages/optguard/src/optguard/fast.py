@@ -269,7 +269,9 @@ def build_fast_check(
     residual.extend(g for g in addresses if g.source not in pinned)
     if held:
         text = f"{len(held)} pinned tensors keep their data pointers, dtypes, shapes, strides"
-        tensors = [g.source.fetch(L) for g in held]
+        # (most are inputs the full gather has just fetched from ``L``)
+        fetched = dict(zip(*gathered, strict=True)) if gathered is not None else {}
+        tensors = [fetched[g.source] if g.source in fetched else g.source.fetch(L) for g in held]
         compat.GuardTree.predicate(builder.tree.root, native.held_ptrs(tensors, held), text)
         builder.lines.append(text + (", one native check" if module is not None else ""))
     check = compile_check(GuardSet(tuple(residual)))

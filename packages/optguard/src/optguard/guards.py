@@ -584,10 +584,13 @@ class TensorMatchGuard(Guard):
 
     def test(self, var: str, code: SourceCode) -> str:
         m = self.meta
-        cls = code.constant(m.cls, _type_hint(m.cls))
-        dtype = code.constant(m.dtype, str(m.dtype).replace("torch.", ""))
-        device = code.constant(m.device, f"{m.device.type}_device")
-        layout = code.constant(m.layout, str(m.layout).replace("torch.", ""))
+        hints = _META_HINTS.get((m.cls, m.dtype, m.device, m.layout))
+        if hints is None:
+            hints = _meta_hints(m)
+        cls = code.constant(m.cls, hints[0])
+        dtype = code.constant(m.dtype, hints[1])
+        device = code.constant(m.device, hints[2])
+        layout = code.constant(m.layout, hints[3])
         return (
             f"(type({var}) is {cls} and {var}.dtype is {dtype} and {var}.device == {device}"
             f" and {var}.shape == {code.inline(m.shape, 'shape')}"
@@ -605,6 +608,21 @@ class TensorMatchGuard(Guard):
 
     def changed(self, value: Any) -> str:
         return self.meta.diff(value) or super().changed(value)
+
+
+# The names of a tensor metadata's constants in generated code, by (cls, dtype, device,
+# layout): 10,000 params' metadata guards name the same few.
+_META_HINTS: dict[tuple[Any, ...], tuple[str, str, str, str]] = {}
+
+
+def _meta_hints(m: TensorMeta) -> tuple[str, str, str, str]:
+    hints = (
+        _type_hint(m.cls),
+        str(m.dtype).replace("torch.", ""),
+        f"{m.device.type}_device",
+        str(m.layout).replace("torch.", ""),
+    )
+    return _META_HINTS.setdefault((m.cls, m.dtype, m.device, m.layout), hints)
 
 
 def _type_hint(cls: type) -> str:
