@@ -27,14 +27,14 @@ LAYERS = ("optguard", "optsidefx", "opttrace", "optkernels", "optcompile")
 # let a regression through.
 FIRST_CALL_BUDGET = {
     "AdamW for-loop": {
-        "optguard": 350,  # measured 281 (1,033 before sources were interned)
+        "optguard": 310,  # measured 248 (1,033 before sources were interned)
         "opttrace": 870,  # 694
         "optkernels": 750,  # 597
         "optsidefx": 12,  # 8
         "optcompile": 16,  # 12
     },
     "Adam foreach": {  # (AdamW's foreach step is this one's code: torch's _multi_tensor_adam)
-        "optguard": 350,  # 278 (1,028)
+        "optguard": 310,  # 245 (1,028)
         "opttrace": 265,  # 211
         "optkernels": 370,  # 270-290 (sets of graph nodes iterate in address order)
         "optsidefx": 12,  # 8

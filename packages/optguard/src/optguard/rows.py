@@ -164,10 +164,10 @@ def _key(value: Any) -> Any:
         return ("id", id(value))
 
 
-def _same(values: list[Any]) -> bool:
+def _same(values: Sequence[Any]) -> bool:
     """Whether every value is the first (by type and ==; unhashable ones by identity)."""
     try:
-        return len({(type(v), v) for v in values}) == 1  # (one pass, hashed in C mostly)
+        return len(set(zip(map(type, values), values, strict=True))) == 1  # (one pass in C)
     except TypeError:
         first = _key(values[0])
         return all(_key(v) == first for v in values)
@@ -235,12 +235,21 @@ def emit(body: SourceCode, statements: Sequence[Statement]) -> bool:
     return bool(looped)
 
 
+def _values(row: _Row) -> tuple[Any, ...]:
+    return tuple(map(_VALUE, row.slots))
+
+
+_VALUE = operator.itemgetter(1)
+
+
 def _emit_loop(body: SourceCode, group: list[_Row], collect: dict[str, str]) -> None:
     first = group[0]
     text = first.text
     varying: list[tuple[int, str]] = []  # (slot, loop variable)
+    # Each slot's values over the rows (zip and map: no Python call per row).
+    columns = list(zip(*map(_values, group), strict=False))
     for k, (inline, value, hint) in enumerate(first.slots):
-        if _same([row.slots[k][1] for row in group]):
+        if _same(columns[k]):
             shown = repr(value) if inline else body.constant(value, hint)
         else:
             shown = body._fresh(hint)
@@ -249,10 +258,11 @@ def _emit_loop(body: SourceCode, group: list[_Row], collect: dict[str, str]) -> 
     names = {m: body._fresh(m) for m in first.locals.values()}
     for marker, name in names.items():
         text = text.replace(f"\x01{marker}\x02", name)
-    # (map and itemgetter: no Python call per row)
-    pick = operator.itemgetter(*[k for k, _ in varying])
-    value = operator.itemgetter(1)
-    table: tuple[Any, ...] = tuple([pick(tuple(map(value, row.slots))) for row in group])
+    table: tuple[Any, ...]
+    if len(varying) == 1:
+        table = columns[varying[0][0]]
+    else:
+        table = tuple(zip(*[columns[k] for k, _ in varying], strict=True))
     for name in collect.values():
         body.emit(f"{name} = []")
     loop_vars = ", ".join(name for _, name in varying)
