@@ -33,8 +33,8 @@ _PLAIN_STEMS: dict[str, bool] = {}
 
 def _plain_stem(stem: str) -> bool:
     """Whether fx names ``stem`` as it is: an identifier not ending in ``_<digits>`` (which
-    fx reads as a count), remembered for the few stems of recorded ops (not placeholders'
-    names, each used once)."""
+    fx reads as a count), remembered for the few stems of recorded ops (placeholders' names,
+    each used once, never come here: 10,000 of them would fill the memo before the first op)."""
     plain = _PLAIN_STEMS.get(stem)
     if plain is None:
         plain = bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", stem)) and not re.search(
@@ -43,6 +43,11 @@ def _plain_stem(stem: str) -> bool:
         if len(_PLAIN_STEMS) < 4096:
             _PLAIN_STEMS[stem] = plain
     return plain
+
+
+# fx.Node's C base: a recorded node is made through it, without ``Node.__init__``'s checks of
+# its op and target (the recorder's are always legal) and its Python frame.
+_NODE_BASE: Any = getattr(fx.node, "_NodeBase", None)
 
 
 def append_node(
@@ -59,11 +64,15 @@ def append_node(
     ``__setattr__`` bookkeeping when its arguments are set after creation. A placeholder's
     target is ``stem``. The graph must have no owning module yet (no creation hooks)."""
     namespace = graph._graph_namespace
-    plain = _PLAIN_STEMS.get(stem)  # (asked per node: the memo first, without a call)
-    if plain is None:
-        plain = _plain_stem(stem)
-    used = op == "call_function" and plain and stem in namespace._used_names
-    last = namespace._base_count.get(stem) if used else None
+    last = None
+    if op == "call_function":
+        plain = _PLAIN_STEMS.get(stem)  # (asked per node: the memo first, without a call)
+        if plain is None:
+            plain = _plain_stem(stem)
+        if plain and stem in namespace._used_names:
+            last = namespace._base_count.get(stem)
+    else:
+        target = stem if op == "placeholder" else target
     if last is None:
         name = namespace.create_name(stem, None)
     else:
@@ -71,16 +80,24 @@ def append_node(
         # op), without matching and cleaning the stem again each time.
         num = last + 1
         name = f"{stem}_{num}"
-        while name in namespace._used_names:
+        used = namespace._used_names
+        while name in used:
             num += 1
             name = f"{stem}_{num}"
-        namespace._used_names.add(name)
+        used.add(name)
         namespace._base_count[stem] = num
-    target = stem if op == "placeholder" else target
-    node = fx.Node(graph, name, op, target, args, {} if kwargs is None else kwargs)
-    namespace.associate_name_with_obj(name, node)
+    if _NODE_BASE is not None:
+        node = fx.Node.__new__(fx.Node)
+        _NODE_BASE.__init__(node, graph, name, op, target, None)
+        node._update_args_kwargs(args, {} if kwargs is None else kwargs)
+    else:
+        node = fx.Node(graph, name, op, target, args, {} if kwargs is None else kwargs)
+    namespace._obj_to_name[node] = name  # (associate_name_with_obj, without its call)
     graph._insert(node)
-    graph._find_nodes_lookup_table.insert(node)
+    # (the lookup table's insert, without its two calls)
+    graph._find_nodes_lookup_table.table[(op, target if op == "call_function" else None)][
+        node
+    ] = None
     graph._len += 1
     return node
 
