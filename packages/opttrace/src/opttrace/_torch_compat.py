@@ -95,9 +95,9 @@ def append_node(
     namespace._obj_to_name[node] = name  # (associate_name_with_obj, without its call)
     graph._insert(node)
     # (the lookup table's insert, without its two calls)
-    graph._find_nodes_lookup_table.table[(op, target if op == "call_function" else None)][
-        node
-    ] = None
+    graph._find_nodes_lookup_table.table[(op, target if op == "call_function" else None)][node] = (
+        None
+    )
     graph._len += 1
     return node
 

@@ -33,6 +33,23 @@ class Spec:
 def clear_cache() -> None:
     """Forget cached op metadata (``optcompile.reset()`` calls this)."""
     _CACHE.clear()
+    PLANS.clear()
+
+
+# The recorder's per-signature plans of ops (see Recorder._plan): what one op does to its
+# inputs' metadata, keyed by the op and its arguments' kinds (tensors by ``layout_id``).
+PLANS: dict[tuple[Any, ...], Any] = {}
+_LAYOUT_IDS: dict[tuple[Spec, torch.device], int] = {}
+
+
+def layout_id(spec: Spec, device: torch.device) -> int:
+    """A small int naming a tensor's (Spec, device): hashed per op in place of the Spec.
+    Never reused for another layout (the map is kept when the caches are cleared)."""
+    key = (spec, device)
+    found = _LAYOUT_IDS.get(key)
+    if found is None:
+        found = _LAYOUT_IDS[key] = len(_LAYOUT_IDS)
+    return found
 
 
 @functools.lru_cache(maxsize=4096)

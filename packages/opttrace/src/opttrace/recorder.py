@@ -20,6 +20,7 @@ import functools
 import operator
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ class TracedTensor(torch.Tensor):
     _item: tuple[fx.Node, int] | None  # (list node, index) for foreach outputs
     _spec: Spec
     _device: torch.device  # (as ``device``, without a call into torch per op)
+    _layout: int  # meta.layout_id(_spec, _device): what an op's plan key holds for it
     # Aliasing: tensors sharing all of one value (detach, alias) share one list; a partial
     # view (slice, select, reshape) knows its base and goes stale when the base is written.
     _aliases: list[TracedTensor] | None
@@ -74,6 +76,7 @@ class TracedTensor(torch.Tensor):
         spec: Spec,
         device: torch.device,
         requires_grad: bool = False,
+        layout: int | None = None,
     ) -> TracedTensor:
         t: TracedTensor = compat.make_wrapper_tensor(cls, spec, device, requires_grad)
         t._recorder = recorder
@@ -81,6 +84,7 @@ class TracedTensor(torch.Tensor):
         t._item = None
         t._spec = spec
         t._device = device
+        t._layout = meta.layout_id(spec, device) if layout is None else layout
         t._aliases = None
         t._view_of = None
         t._view_chain = ()
@@ -210,13 +214,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         """Append a ``call_function`` node (not through fx's ``create_node``: its checks
         of each node's arguments cost more than everything else it does, for the
         hundreds of thousands of nodes of a large step)."""
-        known = _NAMES.get(id(target))
-        if known is not None and known[0] is target:
-            name = known[1]
-        else:
-            # (an identifier already: fx would otherwise clean ``mul.tensor`` per node)
-            name = _NOT_IDENT.sub("_", self.graph._target_to_str(target))
-            _NAMES[id(target)] = (target, name)
+        name = _stem(self.graph, target)
         return compat.append_node(self.graph, "call_function", name, target, args, kwargs or {})
 
     def assert_true(self, node: ScalarNode, where: str) -> None:
@@ -286,7 +284,50 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
-        kwargs = kwargs or {}
+        key = None
+        if types == _TRACED_ONLY and self.closed_by is None and not symbolic.SUBCLASS_DISPATCH[0]:
+            # The plan of an op seen before with arguments of the same kinds (most ops of a
+            # step: each parameter of a shape class repeats its ops): what it does to the
+            # metadata is known, only the graph values are new.
+            key, node_args = _plan_key(self, func, args)
+            if key is not None and kwargs:
+                key, node_kwargs = _plan_key_kw(self, key, kwargs)
+            else:
+                node_kwargs = {}
+            plan = None if key is None else meta.PLANS.get(key)
+            if plan is not None:
+                return self._run_plan(plan, args, node_args, node_kwargs)
+        return self._dispatch(func, types, args, kwargs or {}, key)
+
+    def _run_plan(
+        self, plan: _Plan, args: Sequence[Any], node_args: list[Any], node_kwargs: dict[str, Any]
+    ) -> Any:
+        node = compat.append_node(
+            self.graph, "call_function", plan.stem, plan.target, tuple(node_args), node_kwargs
+        )
+        if plan.inplace is None:
+            t = TracedTensor(self, plan.spec, plan.device, False, plan.layout)
+            t._node = node
+            node.meta["val"] = t
+            return t
+        node.meta["inplace"] = plan.inplace
+        target: TracedTensor = args[0]
+        if target._view_of is None and not target._aliases and id(target) not in self._views:
+            target._node, target._item = node, None  # (_set_value's work for a plain tensor)
+        else:
+            self._set_value(target, node, None)
+        node.meta["val"] = target
+        return target
+
+    def _dispatch(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        key: tuple[Any, ...] | None,
+    ) -> Any:
+        """An op without a plan: recorded step by step (and planned, where it can be)."""
         if types != _TRACED_ONLY and any(t is not TracedTensor for t in types):
             # A subclass with its own dispatch (a DTensor, an AsyncCollectiveTensor) decides;
             # the local ops and collectives it runs on traced tensors come back here. Until
@@ -329,11 +370,17 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         specs = meta.infer(func, _specs(args), _specs_kw(kwargs), info.pointwise)
         written = info.written
         device = _device(args, kwargs)
+        # (what a plan covers: a pointwise op making one tensor of a layout its key fixes)
+        plan_key = key if info.pointwise and not info.view and isinstance(specs, Spec) else None
         if not written:
             node = self._record(func, args, kwargs)
             out = self._wrap(node, specs, device)
             if info.view and isinstance(args[0], TracedTensor):
                 self._note_view(func, args, kwargs, out)
+            if plan_key is not None:
+                meta.PLANS[plan_key] = _Plan(
+                    func, _stem(self.graph, func), None, specs, device, out._layout
+                )
             return out
         functional = compat.functional_variant(func)
         if functional is None:
@@ -347,6 +394,17 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             node.meta["inplace"] = func  # what eager ran: a backend may run it in place too
         if len(targets) == 1:
             self._rebind(targets[0], self._cast_back(node, promoted[0], targets[0]), out_specs[0])
+            if (
+                plan_key is not None
+                and promoted[0] is None
+                and written == ("self",)
+                and pure_args is args
+                and pure_kwargs is kwargs
+                and targets[0] is args[0]
+            ):
+                meta.PLANS[plan_key] = _Plan(
+                    functional, _stem(self.graph, functional), func, specs, device, -1
+                )
             return targets[0]
         for i, (target, spec) in enumerate(zip(targets, out_specs, strict=True)):
             item = self._cast_back(self.call(operator.getitem, (node, i)), promoted[i], target)
@@ -588,6 +646,73 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         new.meta["val"] = root
         view._node, view._item, view._stale = node, None, None
         self._register_view(root, view)
+
+
+def _stem(graph: fx.Graph, target: Any) -> str:
+    """The name stem of ``target``'s nodes (``mul_Tensor``)."""
+    known = _NAMES.get(id(target))
+    if known is not None and known[0] is target:
+        return known[1]
+    # (an identifier already: fx would otherwise clean ``mul.tensor`` per node)
+    name = _NOT_IDENT.sub("_", graph._target_to_str(target))
+    _NAMES[id(target)] = (target, name)
+    return name
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a pointwise op does, given its arguments' kinds (its key): the node it records
+    (``target``, named after ``stem``) and either the new tensor it makes (``spec`` on
+    ``device``, of layout id ``layout``) or, for an in-place op, that it rebinds its
+    ``self`` (``inplace``: the op eager ran, kept in the node's meta)."""
+
+    target: Any
+    stem: str
+    inplace: Any
+    spec: Spec
+    device: torch.device
+    layout: int
+
+
+def _plan_key(rec: Recorder, func: Any, args: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """An op's plan key and its node's arguments, or (None, []) where the op's arguments
+    are of a kind a plan does not cover (the op is then recorded step by step)."""
+    key: list[Any] = [func]
+    node_args: list[Any] = []
+    for a in args:
+        kind = type(a)
+        if kind is TracedTensor:
+            node = a._node
+            if node is None or a._recorder is not rec or a._stale is not None:
+                return None, []
+            key.append(a._layout)
+            node_args.append(node)
+        elif kind is float:
+            key.append(float)  # (as meta.infer: a float's value never changes metadata)
+            node_args.append(a)
+        elif kind is int or kind is bool:
+            key += (kind, a)
+            node_args.append(a)
+        elif kind is torch.SymFloat:
+            scalar = a.node
+            if type(scalar) is not ScalarNode:
+                return None, []
+            key.append(kind)
+            node_args.append(scalar.fx_node if scalar.fx_node is not None else scalar.hint)
+        else:
+            return None, []
+    return tuple(key), node_args
+
+
+def _plan_key_kw(
+    rec: Recorder, key: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """``key`` extended by the keyword arguments (as ``_plan_key``), and their node values."""
+    names = tuple(kwargs)
+    kw_key, values = _plan_key(rec, names, list(kwargs.values()))
+    if kw_key is None:
+        return None, {}
+    return (*key, *kw_key), dict(zip(names, values, strict=True))
 
 
 def _specialize_ints(values: Any) -> list[Any]:
