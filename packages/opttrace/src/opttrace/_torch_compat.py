@@ -45,11 +45,6 @@ def _plain_stem(stem: str) -> bool:
     return plain
 
 
-# fx.Node's C base: a recorded node is made through it, without ``Node.__init__``'s checks of
-# its op and target (the recorder's are always legal) and its Python frame.
-_NODE_BASE: Any = getattr(fx.node, "_NodeBase", None)
-
-
 def append_node(
     graph: fx.Graph,
     op: str,
@@ -63,16 +58,33 @@ def append_node(
     nodes: the pytree scan of the arguments for stray SymInts and the node's
     ``__setattr__`` bookkeeping when its arguments are set after creation. A placeholder's
     target is ``stem``. The graph must have no owning module yet (no creation hooks)."""
-    namespace = graph._graph_namespace
-    last = None
     if op == "call_function":
-        plain = _PLAIN_STEMS.get(stem)  # (asked per node: the memo first, without a call)
-        if plain is None:
-            plain = _plain_stem(stem)
-        if plain and stem in namespace._used_names:
-            last = namespace._base_count.get(stem)
-    else:
-        target = stem if op == "placeholder" else target
+        return append_call(graph, call_kind(graph, target, stem), args, kwargs or {})
+    target = stem if op == "placeholder" else target
+    name = graph._graph_namespace.create_name(stem, None)
+    return _append(graph, name, op, target, args, kwargs or {}, _table(graph, op, None))
+
+
+# What append_call needs of one target in one graph, looked up once: (the target, its name
+# stem, whether fx takes the stem as it is, the graph's lookup-table entry of the target).
+CallKind = tuple[Any, str, bool, dict[fx.Node, None]]
+
+
+def call_kind(graph: fx.Graph, target: Any, stem: str) -> CallKind:
+    plain = _PLAIN_STEMS.get(stem)
+    if plain is None:
+        plain = _plain_stem(stem)
+    return (target, stem, plain, _table(graph, "call_function", target))
+
+
+def append_call(
+    graph: fx.Graph, kind: CallKind, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> fx.Node:
+    """``append_node`` of a ``call_function`` node, its target's ``call_kind`` given."""
+    target, stem, plain, table = kind
+    namespace = graph._graph_namespace
+    used = namespace._used_names
+    last = namespace._base_count.get(stem) if plain and stem in used else None
     if last is None:
         name = namespace.create_name(stem, None)
     else:
@@ -80,24 +92,43 @@ def append_node(
         # op), without matching and cleaning the stem again each time.
         num = last + 1
         name = f"{stem}_{num}"
-        used = namespace._used_names
         while name in used:
             num += 1
             name = f"{stem}_{num}"
         used.add(name)
         namespace._base_count[stem] = num
+    return _append(graph, name, "call_function", target, args, kwargs, table)
+
+
+def _table(graph: fx.Graph, op: str, target: Any) -> dict[fx.Node, None]:
+    """The graph's find_nodes lookup-table entry of nodes of this op (and target)."""
+    table: dict[fx.Node, None] = graph._find_nodes_lookup_table.table[(op, target)]
+    return table
+
+
+# fx.Node's C base: a recorded node is made through it, without ``Node.__init__``'s checks of
+# its op and target (the recorder's are always legal) and its Python frame.
+_NODE_BASE: Any = getattr(fx.node, "_NodeBase", None)
+
+
+def _append(
+    graph: fx.Graph,
+    name: str,
+    op: str,
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    table: dict[fx.Node, None],
+) -> fx.Node:
     if _NODE_BASE is not None:
         node = fx.Node.__new__(fx.Node)
         _NODE_BASE.__init__(node, graph, name, op, target, None)
-        node._update_args_kwargs(args, {} if kwargs is None else kwargs)
+        node._update_args_kwargs(args, kwargs)
     else:
-        node = fx.Node(graph, name, op, target, args, {} if kwargs is None else kwargs)
-    namespace._obj_to_name[node] = name  # (associate_name_with_obj, without its call)
+        node = fx.Node(graph, name, op, target, args, kwargs)
+    graph._graph_namespace._obj_to_name[node] = name  # (associate_name_with_obj's work)
     graph._insert(node)
-    # (the lookup table's insert, without its two calls)
-    graph._find_nodes_lookup_table.table[(op, target if op == "call_function" else None)][node] = (
-        None
-    )
+    table[node] = None  # (the lookup table's insert, without its two calls)
     graph._len += 1
     return node
 

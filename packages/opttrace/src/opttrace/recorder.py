@@ -53,17 +53,18 @@ class TracedTensor(torch.Tensor):
     """A tensor of a traced step: metadata and the graph value it holds, no storage."""
 
     _recorder: Recorder | None
-    _node: fx.Node | None
-    _item: tuple[fx.Node, int] | None  # (list node, index) for foreach outputs
     _spec: Spec
     _device: torch.device  # (as ``device``, without a call into torch per op)
     _layout: int  # meta.layout_id(_spec, _device): what an op's plan key holds for it
+    # (The rest start as these class defaults: a tensor per op need not set them.)
+    _node: fx.Node | None = None
+    _item: tuple[fx.Node, int] | None = None  # (list node, index) for foreach outputs
     # Aliasing: tensors sharing all of one value (detach, alias) share one list; a partial
     # view (slice, select, reshape) knows its base and goes stale when the base is written.
-    _aliases: list[TracedTensor] | None
-    _view_of: TracedTensor | None
-    _view_chain: tuple[ViewStep, ...]  # the view ops from ``_view_of`` to this tensor
-    _stale: str | None
+    _aliases: list[TracedTensor] | None = None
+    _view_of: TracedTensor | None = None
+    _view_chain: tuple[ViewStep, ...] = ()  # the view ops from ``_view_of`` to this tensor
+    _stale: str | None = None
 
     # No torch-function layer: every method call on a traced tensor would otherwise pay for
     # re-wrapping its results, and the dispatch mode records ops below it anyway.
@@ -80,15 +81,9 @@ class TracedTensor(torch.Tensor):
     ) -> TracedTensor:
         t: TracedTensor = compat.make_wrapper_tensor(cls, spec, device, requires_grad)
         t._recorder = recorder
-        t._node = None
-        t._item = None
         t._spec = spec
         t._device = device
         t._layout = meta.layout_id(spec, device) if layout is None else layout
-        t._aliases = None
-        t._view_of = None
-        t._view_chain = ()
-        t._stale = None
         return t
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -157,6 +152,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self._list_len: dict[fx.Node, int] = {}
         self._last_placeholder: fx.Node | None = None
         self._scalar_ops: dict[tuple[Any, ...], fx.Node] = {}  # one node per scalar expression
+        self._kinds: dict[int, compat.CallKind] = {}  # id(target) -> its call_kind
         # Told of each Python decision taken on a symbolic scalar (the context guards it).
         self.on_decision: Callable[[ScalarNode, Any], None] | None = None
         # Told of each store to a traced tensor's ``.grad`` (the context records it).
@@ -214,8 +210,11 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         """Append a ``call_function`` node (not through fx's ``create_node``: its checks
         of each node's arguments cost more than everything else it does, for the
         hundreds of thousands of nodes of a large step)."""
-        name = _stem(self.graph, target)
-        return compat.append_node(self.graph, "call_function", name, target, args, kwargs or {})
+        kind = self._kinds.get(id(target))
+        if kind is None or kind[0] is not target:
+            stem = _stem(self.graph, target)
+            kind = self._kinds[id(target)] = compat.call_kind(self.graph, target, stem)
+        return compat.append_call(self.graph, kind, args, kwargs or {})
 
     def assert_true(self, node: ScalarNode, where: str) -> None:
         """A runtime check in the graph that a scalar condition holds (``torch._check``)."""
@@ -302,9 +301,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
     def _run_plan(
         self, plan: _Plan, args: Sequence[Any], node_args: list[Any], node_kwargs: dict[str, Any]
     ) -> Any:
-        node = compat.append_node(
-            self.graph, "call_function", plan.stem, plan.target, tuple(node_args), node_kwargs
-        )
+        node = self.call(plan.target, tuple(node_args), node_kwargs)
         if plan.inplace is None:
             t = TracedTensor(self, plan.spec, plan.device, False, plan.layout)
             t._node = node
@@ -378,9 +375,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             if info.view and isinstance(args[0], TracedTensor):
                 self._note_view(func, args, kwargs, out)
             if plan_key is not None:
-                meta.PLANS[plan_key] = _Plan(
-                    func, _stem(self.graph, func), None, specs, device, out._layout
-                )
+                meta.PLANS[plan_key] = _Plan(func, None, specs, device, out._layout)
             return out
         functional = compat.functional_variant(func)
         if functional is None:
@@ -402,9 +397,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
                 and pure_kwargs is kwargs
                 and targets[0] is args[0]
             ):
-                meta.PLANS[plan_key] = _Plan(
-                    functional, _stem(self.graph, functional), func, specs, device, -1
-                )
+                meta.PLANS[plan_key] = _Plan(functional, func, specs, device, -1)
             return targets[0]
         for i, (target, spec) in enumerate(zip(targets, out_specs, strict=True)):
             item = self._cast_back(self.call(operator.getitem, (node, i)), promoted[i], target)
@@ -662,12 +655,11 @@ def _stem(graph: fx.Graph, target: Any) -> str:
 @dataclass(frozen=True)
 class _Plan:
     """What a pointwise op does, given its arguments' kinds (its key): the node it records
-    (``target``, named after ``stem``) and either the new tensor it makes (``spec`` on
+    (calling ``target``) and either the new tensor it makes (``spec`` on
     ``device``, of layout id ``layout``) or, for an in-place op, that it rebinds its
     ``self`` (``inplace``: the op eager ran, kept in the node's meta)."""
 
     target: Any
-    stem: str
     inplace: Any
     spec: Spec
     device: torch.device
