@@ -65,6 +65,16 @@ def append_node(
     return _append(graph, name, op, target, args, kwargs or {}, _table(graph, op, None))
 
 
+def append_placeholder(graph: fx.Graph, name: str, after: fx.Node | None) -> fx.Node:
+    """``append_node`` of a placeholder, inserted after ``after`` (None: first in the graph)
+    whatever the graph's insert point (without ``inserting_after``'s context per input)."""
+    unique = graph._graph_namespace.create_name(name, None)
+    where = graph._root if after is None else after
+    return _append(
+        graph, unique, "placeholder", name, (), {}, _table(graph, "placeholder", None), where.append
+    )
+
+
 # What append_call needs of one target in one graph, looked up once: (the target, its name
 # stem, whether fx takes the stem as it is, the graph's lookup-table entry of the target).
 CallKind = tuple[Any, str, bool, dict[fx.Node, None]]
@@ -119,7 +129,9 @@ def _append(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     table: dict[fx.Node, None],
+    insert: Callable[[fx.Node], None] | None = None,
 ) -> fx.Node:
+    """Make a node and link it in at ``insert`` (None: the graph's insert point)."""
     if _NODE_BASE is not None:
         node = fx.Node.__new__(fx.Node)
         _NODE_BASE.__init__(node, graph, name, op, target, None)
@@ -127,7 +139,7 @@ def _append(
     else:
         node = fx.Node(graph, name, op, target, args, kwargs)
     graph._graph_namespace._obj_to_name[node] = name  # (associate_name_with_obj's work)
-    graph._insert(node)
+    (graph._insert if insert is None else insert)(node)
     table[node] = None  # (the lookup table's insert, without its two calls)
     graph._len += 1
     return node

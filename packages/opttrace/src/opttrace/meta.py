@@ -10,6 +10,7 @@ meta tensors: exact, just slower.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,21 +35,40 @@ def clear_cache() -> None:
     """Forget cached op metadata (``optcompile.reset()`` calls this)."""
     _CACHE.clear()
     PLANS.clear()
+    _LAYOUT_IDS.clear()
+    _INPUT_LAYOUTS.clear()
 
 
 # The recorder's per-signature plans of ops (see Recorder._plan): what one op does to its
 # inputs' metadata, keyed by the op and its arguments' kinds (tensors by ``layout_id``).
 PLANS: dict[tuple[Any, ...], Any] = {}
 _LAYOUT_IDS: dict[tuple[Spec, torch.device], int] = {}
+_NEXT_LAYOUT_ID = itertools.count()  # (not reset with the caches: an id is never reused)
+
+
+# (shape, stride, dtype, device) of an input tensor -> its Spec and layout id: one Spec object
+# for the many inputs of one layout, found without building a Spec to hash.
+_INPUT_LAYOUTS: dict[tuple[Any, ...], tuple[Spec, int]] = {}
+
+
+def layout_of(t: torch.Tensor, device: torch.device) -> tuple[Spec, int]:
+    """The Spec of the tensor ``t`` (on ``device``, its device) and its ``layout_id``."""
+    key = (t.shape, t.stride(), t.dtype, device)
+    found = _INPUT_LAYOUTS.get(key)
+    if found is None:
+        spec = spec_of(t)
+        found = _INPUT_LAYOUTS[key] = (spec, layout_id(spec, device))
+    return found
 
 
 def layout_id(spec: Spec, device: torch.device) -> int:
     """A small int naming a tensor's (Spec, device): hashed per op in place of the Spec.
-    Never reused for another layout (the map is kept when the caches are cleared)."""
+    Never reused for another layout, so a tensor of a trace still running when the caches
+    are cleared cannot match another's plan."""
     key = (spec, device)
     found = _LAYOUT_IDS.get(key)
     if found is None:
-        found = _LAYOUT_IDS[key] = len(_LAYOUT_IDS)
+        found = _LAYOUT_IDS[key] = next(_NEXT_LAYOUT_ID)
     return found
 
 

@@ -174,7 +174,9 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         """A traced stand-in for the input tensor ``real``, bound to a new placeholder.
         ``static``: the entry's guards fix its address (``meta["static_address"]``), so a
         backend may bake it in; other tensor inputs (grads) may move every call."""
-        t = TracedTensor(self, meta.spec_of(real), real.device, real.requires_grad)
+        device = real.device
+        spec, layout = meta.layout_of(real, device)
+        t = TracedTensor(self, spec, device, real.requires_grad, layout)
         t._node = self._placeholder(name, source, t)
         t._node.meta["static_address"] = static
         return t
@@ -187,12 +189,8 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
 
     def _placeholder(self, name: str, source: Any, val: Any) -> fx.Node:
         # Placeholders stay ahead of every op, in the order the step first read them.
-        if self._last_placeholder is None:
-            where = self.graph.inserting_before(None)
-        else:
-            where = self.graph.inserting_after(self._last_placeholder)
-        with where:
-            node = self._last_placeholder = compat.append_node(self.graph, "placeholder", name)
+        node = compat.append_placeholder(self.graph, name, self._last_placeholder)
+        self._last_placeholder = node
         node.meta["val"] = val
         node.meta["source"] = source
         return node
