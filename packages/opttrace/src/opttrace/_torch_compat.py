@@ -68,7 +68,23 @@ def append_node(
 def append_placeholder(graph: fx.Graph, name: str, after: fx.Node | None) -> fx.Node:
     """``append_node`` of a placeholder, inserted after ``after`` (None: first in the graph)
     whatever the graph's insert point (without ``inserting_after``'s context per input)."""
-    unique = graph._graph_namespace.create_name(name, None)
+    namespace = graph._graph_namespace
+    used = namespace._used_names
+    if (
+        name.isascii()
+        and name.isidentifier()
+        and not name[-1].isdigit()
+        and name not in used
+        and _ILLEGAL_NAMES is not None
+        and name not in _ILLEGAL_NAMES
+    ):
+        # What create_name gives such a name (an input's, from its Source: most are),
+        # without its regular expression (slow on long names: state[...] paths)
+        unique = name
+        used.add(name)
+        namespace._base_count[name] = namespace._base_count.get(name, 0)
+    else:
+        unique = namespace.create_name(name, None)
     where = graph._root if after is None else after
     return _append(
         graph, unique, "placeholder", name, (), {}, _table(graph, "placeholder", None), where.append
@@ -115,6 +131,9 @@ def _table(graph: fx.Graph, op: str, target: Any) -> dict[fx.Node, None]:
     table: dict[fx.Node, None] = graph._find_nodes_lookup_table.table[(op, target)]
     return table
 
+
+# Names fx never gives a node (keywords, builtins).
+_ILLEGAL_NAMES: Any = getattr(fx.graph, "_illegal_names", None)
 
 # fx.Node's C base: a recorded node is made through it, without ``Node.__init__``'s checks of
 # its op and target (the recorder's are always legal) and its Python frame.

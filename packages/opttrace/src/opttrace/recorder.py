@@ -456,15 +456,10 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         first_list = next(a for a in args if isinstance(a, list | tuple))
         n = len(first_list)
         if not written:
-            specs = []
-            for i in range(n):
-                item_args = _specs([_item_arg(a, i) for a in args])
-                item_kwargs = _specs_kw({k: _item_arg(v, i) for k, v in kwargs.items()})
-                pointwise = func.overloadpacket.__name__ not in _FOREACH_REDUCTIONS
-                specs.append(_single(meta.infer(func, item_args, item_kwargs, pointwise)))
-            devices = [t.device for t in first_list]
+            pointwise = func.overloadpacket.__name__ not in _FOREACH_REDUCTIONS
+            items = _foreach_items(func, args, kwargs, first_list, pointwise)
             node = self._record(func, args, kwargs)
-            return self._wrap_list(node, specs, devices)
+            return self._wrap_list(node, items)
         functional = compat.functional_variant(func)
         if functional is None or len(written) != 1:
             raise TraceError(f"{func} writes to its inputs and has no functional form to trace")
@@ -507,9 +502,9 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
     ) -> list[torch.dtype | None]:
         """Per written item, the dtype the functional foreach op computes it in where that
         differs from the item's own (see ``_promoted``), else None."""
-        dtypes = {t.dtype for t in targets}
+        dtypes = {t._spec.dtype for t in targets}
         others = {
-            a.dtype
+            a._spec.dtype if type(a) is TracedTensor else a.dtype
             for arg in (*args, *kwargs.values())
             for a in (arg if isinstance(arg, list | tuple) else (arg,))
             if isinstance(a, TracedTensor | torch.Tensor)
@@ -555,12 +550,12 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         return specs
 
     def _wrap_list(
-        self, node: fx.Node, specs: list[Spec], devices: list[torch.device]
+        self, node: fx.Node, items: list[tuple[Spec, torch.device, int]]
     ) -> list[TracedTensor]:
-        self._list_len[node] = len(specs)
+        self._list_len[node] = len(items)
         outs = []
-        for i, (spec, device) in enumerate(zip(specs, devices, strict=True)):
-            t = TracedTensor(self, spec, device)
+        for i, (spec, device, layout) in enumerate(items):
+            t = TracedTensor(self, spec, device, False, layout)
             t._item = (node, i)
             outs.append(t)
         node.meta["val"] = tuple(outs)  # what each item is (shape, dtype, device)
@@ -756,6 +751,35 @@ def _input_name(t: TracedTensor) -> str | None:
     node = t._node
     source = node.meta.get("source") if node is not None and node.op == "placeholder" else None
     return source.name() if source is not None else None
+
+
+def _foreach_items(
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    first_list: Sequence[Any],
+    pointwise: bool,
+) -> list[tuple[Spec, torch.device, int]]:
+    """Per item of a foreach op's result: its Spec, device and layout id. An item whose
+    inputs have the layouts of an earlier item's is that item again (a model's many
+    parameters come in a few shapes): inferred once per layout."""
+    lists = [a for a in (*args, *kwargs.values()) if isinstance(a, list | tuple) and a]
+    found: dict[tuple[int, ...], tuple[Spec, torch.device, int]] = {}
+    items = []
+    for i in range(len(first_list)):
+        key = tuple([x._layout if type(x := lst[i]) is TracedTensor else -1 for lst in lists])
+        item = found.get(key)  # (-1: an item that is not a traced tensor, never found)
+        if item is None:
+            item_args = _specs([_item_arg(a, i) for a in args])
+            item_kwargs = _specs_kw({k: _item_arg(v, i) for k, v in kwargs.items()})
+            spec = _single(meta.infer(func, item_args, item_kwargs, pointwise))
+            first = first_list[i]
+            device = first._device if type(first) is TracedTensor else first.device
+            item = (spec, device, meta.layout_id(spec, device))
+            if -1 not in key:
+                found[key] = item
+        items.append(item)
+    return items
 
 
 def _single(s: Any) -> Spec:
