@@ -44,7 +44,7 @@ from optsidefx import Apply, Build, CallResult, Const, Input, Ledger, Output, Re
 from torch import fx
 
 from opttrace import _torch_compat as compat
-from opttrace import dtensor
+from opttrace import dtensor, meta
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder, TracedTensor
 from opttrace.symbolic import ScalarNode, guard_template, node_of
@@ -156,6 +156,7 @@ class TraceContext:
         self._object_views: dict[int, Any] = {}  # id(plain object) -> its view (view.py)
         self._grad_bound: set[int] = set()
         self._unpinned: set[int] = set()  # inputs without a data-pointer guard
+        self._tensor_metas: dict[tuple[Any, ...], TensorMeta] = {}  # (see _fake)
         self.outputs: list[Any] = []  # tensors and symbolic scalars the replay needs
         self._output_index: dict[int, int] = {}
 
@@ -340,9 +341,15 @@ class TraceContext:
             # path from here on (the guards, the placeholder, the grad's source), so what
             # later looks them up compares by identity, not field by field along the path.
             source = first
-        self.guard(TensorMatchGuard(source, TensorMeta.of(real)))
+        device = real.device
+        spec, layout_id = meta.layout_of(real, device)
+        meta_key = (type(real), layout_id, real.requires_grad)
+        tensor_meta = self._tensor_metas.get(meta_key)
+        if tensor_meta is None:  # (one per layout: inputs of one layout share it)
+            tensor_meta = self._tensor_metas[meta_key] = TensorMeta.of(real)
+        self.guard(TensorMatchGuard(source, tensor_meta))
         static = self._is_static(source)
-        pinned = static and not (real.dim() == 0 and real.device.type == "cpu")
+        pinned = static and not (not spec.shape and device.type == "cpu")
         if pinned:
             # (A 0-dim CPU tensor, a step count, is read by value on the host, or through
             # an address table the backend re-checks each call: its address is free to
@@ -357,7 +364,7 @@ class TraceContext:
         fake = self._fakes.get(i)
         if fake is None:
             name = variable_name(source)
-            fake = self.recorder.placeholder(name, real, source, static)
+            fake = self.recorder.placeholder(name, real, source, static, (spec, layout_id))
             key = id(real)  # (_chosen asked only for the few chosen: a call per tensor else)
             if key in self.python_floats and _chosen(real, self.python_floats):
                 self.recorder.node_of(fake).meta["python_float"] = True

@@ -169,14 +169,20 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self.on_grad_store = None
 
     def placeholder(
-        self, name: str, real: torch.Tensor, source: Any, static: bool = False
+        self,
+        name: str,
+        real: torch.Tensor,
+        source: Any,
+        static: bool = False,
+        layout: tuple[Spec, int] | None = None,
     ) -> TracedTensor:
         """A traced stand-in for the input tensor ``real``, bound to a new placeholder.
         ``static``: the entry's guards fix its address (``meta["static_address"]``), so a
-        backend may bake it in; other tensor inputs (grads) may move every call."""
+        backend may bake it in; other tensor inputs (grads) may move every call. ``layout``:
+        ``meta.layout_of(real)``, where the caller has it."""
         device = real.device
-        spec, layout = meta.layout_of(real, device)
-        t = TracedTensor(self, spec, device, real.requires_grad, layout)
+        spec, layout_id = meta.layout_of(real, device) if layout is None else layout
+        t = TracedTensor(self, spec, device, real.requires_grad, layout_id)
         t._node = self._placeholder(name, source, t)
         t._node.meta["static_address"] = static
         return t
