@@ -273,3 +273,28 @@ def test_appended_nodes_are_named_as_fx_names_them():
             theirs.create_node("call_function", aten.relu.default, name=stem)
         assert [n.name for n in ours.nodes] == [n.name for n in theirs.nodes]
         ours.lint()
+
+
+def test_placeholders_are_named_as_fx_names_them():
+    from opttrace import _torch_compat as compat
+    from torch import fx
+
+    stems = ["opt_params_0", "opt_params_0_grad", "x_1", "x", "if", "print", "_5", "a__7"]
+    stems += ["opt_params", "x_", "2x", "a-b", "x_01", "opt_params_1", "\u00e9_1"]
+    rng = random.Random(0)
+    for _ in range(20):
+        ours, theirs = fx.Graph(), fx.Graph()
+        last: fx.Node | None = None
+        their_last: fx.Node | None = None
+        for stem in rng.choices(stems, k=30):
+            if rng.random() < 0.3:
+                compat.append_node(ours, "call_function", stem, aten.relu.default)
+                theirs.create_node("call_function", aten.relu.default, name=stem)
+                continue
+            last = compat.append_placeholder(ours, stem, last)
+            where = theirs.inserting_before(None) if their_last is None else None
+            with where or theirs.inserting_after(their_last):
+                their_last = theirs.placeholder(stem)
+        assert [n.name for n in ours.nodes] == [n.name for n in theirs.nodes]
+        assert [n.target for n in ours.nodes] == [n.target for n in theirs.nodes]
+        ours.lint()

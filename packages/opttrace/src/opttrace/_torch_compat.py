@@ -70,21 +70,23 @@ def append_placeholder(graph: fx.Graph, name: str, after: fx.Node | None) -> fx.
     whatever the graph's insert point (without ``inserting_after``'s context per input)."""
     namespace = graph._graph_namespace
     used = namespace._used_names
-    if (
-        name.isascii()
-        and name.isidentifier()
-        and not name[-1].isdigit()
-        and name not in used
-        and _ILLEGAL_NAMES is not None
-        and name not in _ILLEGAL_NAMES
-    ):
-        # What create_name gives such a name (an input's, from its Source: most are),
-        # without its regular expression (slow on long names: state[...] paths)
-        unique = name
-        used.add(name)
-        namespace._base_count[name] = namespace._base_count.get(name, 0)
-    else:
+    if name in used or not (name.isascii() and name.isidentifier()):
         unique = namespace.create_name(name, None)
+    else:
+        # What create_name gives a fresh identifier (an input's name, from its Source),
+        # without its regular expression (slow on long names: state[...] paths): the name
+        # itself, counted as ``<base>_<num>`` when it ends so (``params_0``).
+        base, _, num = name.rpartition("_")
+        if base and num.isdigit():
+            unique = name
+            namespace._base_count[base] = int(num)
+            used.add(name)
+        elif _ILLEGAL_NAMES is None or name in _ILLEGAL_NAMES:
+            unique = namespace.create_name(name, None)
+        else:
+            unique = name
+            namespace._base_count[name] = namespace._base_count.get(name, 0)
+            used.add(name)
     where = graph._root if after is None else after
     return _append(
         graph, unique, "placeholder", name, (), {}, _table(graph, "placeholder", None), where.append
