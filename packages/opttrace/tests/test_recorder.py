@@ -298,3 +298,117 @@ def test_placeholders_are_named_as_fx_names_them():
         assert [n.name for n in ours.nodes] == [n.name for n in theirs.nodes]
         assert [n.target for n in ours.nodes] == [n.target for n in theirs.nodes]
         ours.lint()
+
+
+def _graph_text(traced):
+    """Each node's name, op, target, arguments and metadata (values as their layout)."""
+
+    def shown(value):
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), value.stride(), value.dtype, value.device)
+        if isinstance(value, list | tuple):
+            return tuple(shown(v) for v in value)
+        return value if isinstance(value, int | float | bool | str) else type(value).__name__
+
+    return [
+        (
+            n.name,
+            n.op,
+            str(n.target),
+            str(n.args),
+            str(n.kwargs),
+            *[(k, shown(v)) for k, v in n.meta.items() if k != "source"],
+        )
+        for n in traced.graph.nodes
+    ]
+
+
+def _adam_like(params, grads, avgs, lr, beta):
+    for p, g, m in zip(params, grads, avgs, strict=True):
+        m.lerp_(g, 1 - beta)
+        p.mul_(1 - lr * 0.01)
+        denom = (m * m).sqrt().add_(1e-8)
+        p.addcdiv_(m, denom, value=-lr)
+        p.add_(g, alpha=2)
+        m.add_(1)
+
+
+class _Forgetful(dict):
+    """A plan cache that keeps nothing: every op recorded step by step."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+def test_ops_repeated_per_parameter_record_what_a_trace_without_plans_records(monkeypatch):
+    """Later parameters of a layout take the first's op plans (float32 and bfloat16 ones,
+    two shapes): the graph equals one recorded without plans (names, targets, arguments,
+    metadata), and runs to eager's values."""
+    from opttrace import meta
+
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    shapes = [(4, 4), (4, 4), (4, 4), (3,), (4, 4)]
+
+    def inputs():
+        torch.manual_seed(0)
+        return {
+            "params": [torch.randn(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)],
+            "grads": [torch.randn(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)],
+            "avgs": [torch.randn(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)],
+            "lr": 0.1,
+            "beta": 0.9,
+        }
+
+    meta.clear_cache()
+    planned = trace(_adam_like, inputs())
+    assert len(meta.PLANS) >= 8  # (each op planned once per layout and scalar kinds)
+    monkeypatch.setattr(meta, "PLANS", _Forgetful())
+    unplanned = trace(_adam_like, inputs())
+    assert _graph_text(planned) == _graph_text(unplanned)
+    ours, eager = inputs(), inputs()
+    _run(planned, *(source.fetch(ours) for source in planned.input_sources))
+    _adam_like(**eager)
+    for name in ("params", "avgs"):
+        for mine, theirs in zip(ours[name], eager[name], strict=True):
+            torch.testing.assert_close(mine, theirs)
+
+
+def test_a_planned_in_place_op_leaves_the_views_of_what_it_writes_stale():
+    def step(x, y):
+        x.mul_(2)  # (planned here)
+        head = y[:2]
+        y.mul_(2)  # (from the plan)
+        return head * 2
+
+    with pytest.raises(TraceError, match="after writing that tensor in place"):
+        trace(step, {"x": torch.ones(3), "y": torch.ones(3)})
+
+
+def test_a_planned_in_place_op_writes_a_full_alias_s_input():
+    def step(x, y):
+        x.mul_(2)
+        y.detach().mul_(3)  # (the plan of mul_ on a tensor of x's layout, through an alias)
+
+    traced = trace(step, {"x": torch.ones(3), "y": torch.ones(3)})
+    x, y = torch.ones(3), torch.ones(3)
+    _run(traced, x, y)
+    torch.testing.assert_close(y, torch.full((3,), 3.0))
+
+
+def test_an_op_s_plan_is_per_scalar_kind_and_layout():
+    def step(i, j, h):
+        return i * 2, j * 2.5, i * 3, h * 2.5, h[:, :1] * 2.5
+
+    traced = trace(
+        step,
+        {
+            "i": torch.ones(2, 2, dtype=torch.int64),
+            "j": torch.ones(2, 2, dtype=torch.int64),
+            "h": torch.ones(2, 2, dtype=torch.float16),
+        },
+    )
+    vals = [n.meta["val"] for n in traced.graph.output_node().args[0]]
+    assert [v.dtype for v in vals] == [torch.int64, torch.float32, torch.int64] + [
+        torch.float16
+    ] * 2
+    assert [tuple(v.shape) for v in vals] == [(2, 2)] * 4 + [(2, 1)]
