@@ -292,7 +292,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
             # The plan of an op seen before with arguments of the same kinds (most ops of a
             # step: each parameter of a shape class repeats its ops): what it does to the
             # metadata is known, only the graph values are new.
-            key, node_args = _plan_key(self, func, args)
+            key, node_args = _plan_key(self, id(func), args)
             if key is not None and kwargs:
                 key, node_kwargs = _plan_key_kw(self, key, kwargs)
             else:
@@ -352,6 +352,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         info = compat.op_info(func)
         if info.recorded_as is not None:
             func, info = info.recorded_as, compat.op_info(info.recorded_as)
+            key = None  # (a plan holds the op its key names: not this one)
         if info.kind == "foreach":
             return self._foreach(func, args, kwargs, info.written)
         if info.kind == "read":
@@ -665,10 +666,12 @@ class _Plan:
     layout: int
 
 
-def _plan_key(rec: Recorder, func: Any, args: Sequence[Any]) -> tuple[Any, list[Any]]:
-    """An op's plan key and its node's arguments, or (None, []) where the op's arguments
-    are of a kind a plan does not cover (the op is then recorded step by step)."""
-    key: list[Any] = [func]
+def _plan_key(rec: Recorder, head: Any, args: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """An op's plan key (``head``, then its arguments' kinds) and its node's arguments, or
+    (None, []) where the op's arguments are of a kind a plan does not cover (the op is then
+    recorded step by step). An op is keyed by its id (an OpOverload hashes in Python): its
+    plan holds it, so no other op takes that id while the plan exists."""
+    key: list[Any] = [head]
     node_args: list[Any] = []
     for a in args:
         kind = type(a)
