@@ -281,7 +281,9 @@ class CpuPlan:
     def __init__(self, gm: fx.GraphModule, compiler: Compiler) -> None:
         self.gm = gm
         self.compiler = compiler
-        self.num_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        # (found through the graph's node index: a large step has tens of nodes per input)
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        self.num_inputs = len(placeholders)
         self.parts: list[_Part] = []
         self.reason: str | None = None
         self.split: Split | None = None
@@ -291,9 +293,8 @@ class CpuPlan:
         off_cpu = sorted(
             {
                 str(n.meta["val"].device)
-                for n in gm.graph.nodes
-                if n.op == "placeholder"
-                and isinstance(n.meta.get("val"), torch.Tensor)
+                for n in placeholders
+                if isinstance(n.meta.get("val"), torch.Tensor)
                 and n.meta["val"].device.type != "cpu"
             }
         )
@@ -315,8 +316,7 @@ class CpuPlan:
             self.fallback = _torch_plan(gm, compiler)
 
     def _lower(self, graph: fx.Graph) -> list[_Part]:
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        index = {n: i for i, n in enumerate(placeholders)}
+        index = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
         programs = analyze_parts(graph)
         self.layouts = layouts(programs, index, self.num_inputs)
         return [_Part(p, index, self.compiler) for p in programs]

@@ -44,8 +44,10 @@ def lanes_by_dtypes(program: LaneProgram) -> dict[tuple[Any, ...], list[int]]:
     groups: dict[tuple[Any, ...], list[int]] = {}
     items: dict[int, tuple[Any, ...]] = {}  # id of a shared dict -> its sorted items
     by_lane = op_dtypes_by_lane(program)
-    for lane, ops in enumerate(by_lane):
-        dtypes = tuple(column[lane].meta["val"].dtype for column in program.inputs)
+    columns = [[n.meta["val"].dtype for n in column] for column in program.inputs]
+    for lane, (ops, dtypes) in enumerate(
+        zip(by_lane, _by_lane(columns, program.lanes), strict=True)
+    ):
         found = items.get(id(ops))
         if found is None:
             found = items[id(ops)] = tuple(sorted(ops.items()))
@@ -58,8 +60,7 @@ def op_dtypes_by_lane(program: LaneProgram) -> list[dict[int, OpDtypes]]:
     a few dtypes need a few, not 10,000; equal lanes share one dict: do not modify)."""
     known: dict[tuple[Any, ...], dict[int, OpDtypes]] = {}
     out = []
-    for lane in range(program.lanes):
-        key = _lane_key(program, lane)
+    for lane, key in enumerate(_lane_keys(program)):
         found = known.get(key)
         if found is None:
             found = known[key] = op_dtypes(program, lane)
@@ -67,14 +68,28 @@ def op_dtypes_by_lane(program: LaneProgram) -> list[dict[int, OpDtypes]]:
     return out
 
 
-def _lane_key(program: LaneProgram, lane: int) -> tuple[Any, ...]:
-    """Everything ``op_dtypes`` reads of lane ``lane``."""
-    inputs = []
-    for column in program.inputs:
-        node = column[lane]
-        val = node.meta["val"]
-        inputs.append((val.dtype, node.meta.get("dequantized", (None, val.dtype))[1], val.dim()))
-    return tuple(inputs), tuple(op.dtype(lane) for op in program.ops)
+def _lane_keys(program: LaneProgram) -> list[tuple[Any, ...]]:
+    """Everything ``op_dtypes`` reads of each lane (built column by column: a step of
+    10,000 parameters asks for 10,000 keys)."""
+    lanes = program.lanes
+    inputs = [
+        [
+            (val.dtype, node.meta.get("dequantized", (None, val.dtype))[1], val.dim())
+            for node in column
+            for val in (node.meta["val"],)
+        ]
+        for column in program.inputs
+    ]
+    ops = [
+        op.dtypes if len(op.dtypes) > 1 else (op.dtypes[0] if op.dtypes else None,) * lanes
+        for op in program.ops
+    ]
+    return list(zip(_by_lane(inputs, lanes), _by_lane(ops, lanes), strict=True))
+
+
+def _by_lane(columns: list[Any], lanes: int) -> list[tuple[Any, ...]]:
+    """Per lane, its entry of every column (each column: one entry per lane)."""
+    return list(zip(*columns, strict=True)) if columns else [()] * lanes
 
 
 def op_dtypes(program: LaneProgram, lane: int) -> dict[int, OpDtypes]:

@@ -141,7 +141,7 @@ def host_dtypes(program: LaneProgram, order: Sequence[int]) -> dict[int, OpDtype
     Raises NotLanes if the lanes' 0-dim values differ in dtype."""
     if not _reads_items(program) or python_floats(program):
         return None
-    lanes = op_dtypes_by_lane(program)
+    lanes = list({id(d): d for d in op_dtypes_by_lane(program)}.values())  # (equal lanes share)
     out = {}
     for var in order:
         found = {lane[var] for lane in lanes}

@@ -76,19 +76,9 @@ def scalar_constant(node: Any) -> tuple[float, torch.dtype] | None:
     return float(value.item()), value.dtype
 
 
-def lane_numbers(graph: fx.Graph) -> set[fx.Node]:
-    """Python arithmetic in ``graph`` on a value read from a tensor (``.item()``), directly
-    or through other such arithmetic, and the checks on it: per-lane values, not scalars
-    every lane shares."""
-    found: set[fx.Node] = set()
-    for node in graph.nodes:
-        checked = is_python_op(node) or is_assert(node)
-        if checked and any(_reads_tensor(a, found) for a in node.all_input_nodes):
-            found.add(node)
-    return found
-
-
-def _reads_tensor(arg: fx.Node, numbers: set[fx.Node]) -> bool:
+def reads_tensor(arg: fx.Node, numbers: set[fx.Node]) -> bool:
+    """Whether Python arithmetic on ``arg`` computes with a tensor's value: ``arg`` is a
+    tensor, a tensor op's result or one of ``numbers`` (arithmetic on such values)."""
     if arg in numbers:
         return True
     if arg.op == "placeholder":

@@ -643,7 +643,8 @@ class TritonPlan:
         """``host_small``: compute what depends only on 0-dim inputs on the host (None:
         exactly when those inputs live on the CPU and the rest on a device)."""
         self.gm = gm
-        self.num_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        # (found through the graph's node index: a large step has tens of nodes per input)
+        self.num_inputs = len(gm.graph.find_nodes(op="placeholder"))
         self.parts: list[_Part] = []
         self.staging = Staging()  # host -> device copies of every part's buffers
         self.reason: str | None = None
@@ -685,8 +686,7 @@ class TritonPlan:
         return TorchPlan(_python_floats_in_double(self.gm))
 
     def _lower(self, gm: fx.GraphModule, host_small: bool | None) -> list[_Part]:
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.index = {n: i for i, n in enumerate(placeholders)}
+        self.index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
         programs = analyze_parts(gm.graph)
         self.layouts = layouts(programs, self.index, self.num_inputs)
         return [_Part(p, self.index, host_small, self.staging, self._changes) for p in programs]
