@@ -44,7 +44,7 @@ from optkernels.c_kernel import (
     library_source,
 )
 from optkernels.foreach_kernel import KernelError
-from optkernels.lanes import _SINGLE, LaneOp, LaneProgram
+from optkernels.lane_program import _SINGLE, LaneOp, LaneProgram
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -8,7 +8,7 @@ have the same structure, one member per lane. Each position of a family, each fo
 and each shared Python-scalar node becomes one BatchedOp, which ``batched.py`` runs as one
 call over all its lanes.
 
-Unlike ``lanes.py`` (what a Triton kernel can compute) this keeps each node's own ATen op, so
+Unlike ``lanes`` (what a Triton kernel can compute) this keeps each node's own ATen op, so
 the torch backend runs exactly the ops of the graph, and it takes any op: a family's op the
 plan cannot batch runs in a loop over the lanes. Running a family's nodes together reorders
 the graph, which is safe because it is functional (every read sees the inputs as they were
@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from optkernels.lanes import NotLanes, _is_foreach
+from optkernels.lane_program import NotLanes
+from optkernels.lane_scan import is_foreach
 
 aten = torch.ops.aten
 
@@ -204,7 +205,7 @@ def _kinds(nodes: list[fx.Node]) -> dict[fx.Node, str]:
         inputs = node.all_input_nodes
         if target is operator.getitem and kind.get(node.args[0]) == "foreach":  # type: ignore[arg-type]
             kind[node] = "item"
-        elif _is_foreach(node):
+        elif is_foreach(node):
             val = node.meta.get("val")
             if not isinstance(val, list | tuple) or not all(
                 isinstance(v, torch.Tensor) for v in val

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from optkernels.lanes import _is_foreach, _is_scalar, fusible
+from optkernels.lane_scan import is_foreach, is_scalar
+from optkernels.lanes import fusible
 
 aten = torch.ops.aten
 
@@ -126,10 +127,10 @@ def _shared_from(prelude: set[fx.Node], graph: fx.Graph) -> set[fx.Node]:
     tensor's norm) stays in the kernel."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
-        if not _is_foreach(node) or node in prelude:
+        if not is_foreach(node) or node in prelude:
             continue
         for arg in node.args:
-            if isinstance(arg, fx.Node) and arg not in prelude and not _is_scalar(arg):
+            if isinstance(arg, fx.Node) and arg not in prelude and not is_scalar(arg):
                 chain = _computed_from(arg, prelude | found)
                 if chain is not None:
                     found |= chain
@@ -143,9 +144,9 @@ def _computed_from(node: fx.Node, known: set[fx.Node]) -> set[fx.Node] | None:
     todo = [node]
     while todo:
         n = todo.pop()
-        if n in known or n in chain or _is_scalar(n):
+        if n in known or n in chain or is_scalar(n):
             continue
-        if n.op != "call_function" or _is_foreach(n) or isinstance(n.meta.get("val"), list | tuple):
+        if n.op != "call_function" or is_foreach(n) or isinstance(n.meta.get("val"), list | tuple):
             return None
         chain.add(n)
         todo.extend(n.all_input_nodes)
@@ -164,7 +165,7 @@ def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
         if node in seen or node.op == "placeholder":
             continue
         seen.add(node)
-        if not _is_scalar(node):
+        if not is_scalar(node):
             found.add(node)
         todo.extend(node.all_input_nodes)
     return found
@@ -173,11 +174,11 @@ def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
 def _needed(nodes: set[fx.Node]) -> set[fx.Node]:
     """The Python scalar nodes ``nodes`` read, directly or through other scalar nodes."""
     found: set[fx.Node] = set()
-    todo = [a for n in nodes for a in n.all_input_nodes if _is_scalar(a)]
+    todo = [a for n in nodes for a in n.all_input_nodes if is_scalar(a)]
     while todo:
         node = todo.pop()
         if node in found or node.op == "placeholder":
             continue
         found.add(node)
-        todo.extend(a for a in node.all_input_nodes if _is_scalar(a))
+        todo.extend(a for a in node.all_input_nodes if is_scalar(a))
     return found
