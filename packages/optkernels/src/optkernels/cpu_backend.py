@@ -101,7 +101,7 @@ class _Part:
             else host_function(program, order, True, rounding)
         )
         self.dynamic = [
-            not all(n.meta.get("static_address", False) for n in column)
+            not all([n.meta.get("static_address", False) for n in column])
             for column in program.inputs
         ]
         by_dtypes = lanes_by_dtypes(program)

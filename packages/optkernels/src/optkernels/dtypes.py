@@ -41,7 +41,7 @@ class OpDtypes:
 def lanes_by_dtypes(program: LaneProgram) -> dict[tuple[Any, ...], list[int]]:
     """The lanes of ``program`` by their inputs' dtypes and what each op computes in and
     returns (``op_dtypes``, sorted by var): one kernel per group."""
-    groups: dict[tuple[Any, ...], list[int]] = {}
+    by_id: dict[tuple[Any, int], tuple[tuple[Any, ...], list[int]]] = {}
     items: dict[int, tuple[Any, ...]] = {}  # id of a shared dict -> its sorted items
     by_lane = op_dtypes_by_lane(program)
     columns = [[n.meta["val"].dtype for n in column] for column in program.inputs]
@@ -51,7 +51,12 @@ def lanes_by_dtypes(program: LaneProgram) -> dict[tuple[Any, ...], list[int]]:
         found = items.get(id(ops))
         if found is None:
             found = items[id(ops)] = tuple(sorted(ops.items()))
-        groups.setdefault((dtypes, found), []).append(lane)
+        # (grouped by the id of the shared op dtypes: a tuple's hash is not cached, and
+        # hashing every lane's key would hash each of its ops' dtypes)
+        by_id.setdefault((dtypes, id(found)), ((dtypes, found), []))[1].append(lane)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for key, lanes in by_id.values():  # (lanes of other shapes may compute alike)
+        groups[key] = sorted(groups[key] + lanes) if key in groups else lanes
     return groups
 
 

@@ -263,9 +263,9 @@ class Builder:
                 return ("lane", self._input((v[1],) * self.lanes))  # one tensor for all lanes
             raise NotLanes(f"{a.name} ({v[0]}) cannot be an argument of a lane op")
         if isinstance(a, list | tuple):
-            if a and all(isinstance(x, fx.Node) and self._kind(x) == "tensor" for x in a):
-                return ("lane", self._input(tuple(self.value[x][1] for x in a)))
             refs = [self.value.get(x) if isinstance(x, fx.Node) else None for x in a]
+            if a and all([r is not None and r[0] == "tensor" for r in refs]):
+                return ("lane", self._input(tuple([r[1] for r in refs])))  # type: ignore[index]
             if a and all(r is not None and r[0] in ("item", "peritem") for r in refs):
                 vars_ = {r[1] for r in refs}  # type: ignore[index]
                 if len(vars_) == 1 and [r[2] for r in refs] == list(range(len(a))):  # type: ignore[index]
@@ -336,7 +336,7 @@ class Builder:
         for var, targets in by_var.items():
             if sorted(targets) != list(range(self.lanes)):
                 raise NotLanes("a lane value is written back to only some of its lanes")
-            nodes = tuple(targets[i] for i in range(self.lanes))
+            nodes = tuple([targets[i] for i in range(self.lanes)])
             self._input(nodes, load=False)
             column = program.inputs.index(nodes)
             program.writes.append((var, column))

@@ -124,8 +124,8 @@ def result_dtypes(node: fx.Node) -> tuple[torch.dtype, ...]:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         return (val.dtype,)
-    if isinstance(val, list | tuple) and val and all(isinstance(t, torch.Tensor) for t in val):
-        return tuple(t.dtype for t in val)
+    if isinstance(val, list | tuple) and val and all([isinstance(t, torch.Tensor) for t in val]):
+        return tuple([t.dtype for t in val])
     return ()
 
 

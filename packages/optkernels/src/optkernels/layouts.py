@@ -47,11 +47,16 @@ def layouts(
                 if not small
             ]
             fixed = [v for i, v in vals if i < num_inputs]
+            contiguous = [v.is_contiguous() for v in fixed]
             kinds = {
-                "contiguous" if v.is_contiguous() else (tuple(v.shape), tuple(v.stride()))
-                for v in fixed
+                "contiguous" if c else (tuple(v.shape), tuple(v.stride()))
+                for v, c in zip(fixed, contiguous, strict=True)
             }
-            if len(kinds) > 1 or not all(_dense(v) for v in fixed):
+            # (a contiguous tensor holding values is dense: checked without sorting its dims)
+            dense = [
+                (c and v.numel() > 0) or _dense(v) for v, c in zip(fixed, contiguous, strict=True)
+            ]
+            if len(kinds) > 1 or not all(dense):
                 raise NotLanes(
                     f"lane {lane}'s tensors do not share one dense memory layout (shapes and "
                     f"strides {sorted({(tuple(v.shape), tuple(v.stride())) for v in fixed})})"

@@ -263,7 +263,7 @@ class _Part:
                 self._host_fns[tuple(lanes)] = (every, one)
         # An input column is static when the guards fix every lane's address (params, state).
         dynamic = [
-            not all(n.meta.get("static_address", False) for n in column)
+            not all([n.meta.get("static_address", False) for n in column])
             for column in program.inputs
         ]
         self.groups = [
