@@ -83,8 +83,8 @@ def scan(graph: fx.Graph) -> Scan:
             known = (target, *_target_kind(target))
             if len(kinds) < 4096:  # (a step's few distinct ops, asked per node)
                 kinds[id(target)] = known
-        _, scalar, checked, _, is_foreach = known
-        foreach = foreach or is_foreach
+        _, scalar, checked, _, foreach_op = known
+        foreach = foreach or foreach_op
         inputs = node.all_input_nodes
         if checked and (  # (a lane number; arithmetic on shared scalars: quickly not)
             not numbers.isdisjoint(inputs)

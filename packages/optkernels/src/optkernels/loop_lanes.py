@@ -45,10 +45,7 @@ def analyze_per_tensor(graph: fx.Graph, scan: Scan) -> LaneProgram:
     signatures = _signatures(lanes, scalar_ref)
     per_lane = _per_lane_numbers([sig for sig, _ in signatures])
     inputs_per_lane = [placeholders for _, placeholders in signatures]
-    width = len(inputs_per_lane[0])
-    for column in zip(*inputs_per_lane, strict=False):
-        if len(program.inputs) == width:
-            break
+    for column in zip(*inputs_per_lane, strict=True):
         program.inputs.append(column)
         program.input_small.append(all([n.meta["val"].dim() == 0 for n in column]))
     _lower_component(program, lanes, inputs_per_lane[0], scalar_ref, numbers, per_lane)
@@ -60,7 +57,7 @@ def _lanes_from_components(
     components: list[list[fx.Node]], shapes: dict[fx.Node, tuple[int, tuple[bool, ...]]]
 ) -> list[list[fx.Node]]:
     """Components with the same op sequence (each op's target, and which of its inputs are
-    the shared Python scalars) are one family (e.g. the parameter updates, and separately
+    Python scalars) are one family (e.g. the parameter updates, and separately
     the step-count increments); the i-th member of every family is lane i."""
     families: dict[Any, list[list[fx.Node]]] = {}
     for component in components:
