@@ -36,7 +36,7 @@ FIRST_CALL_BUDGET = {
     "Adam foreach": {  # (AdamW's foreach step is this one's code: torch's _multi_tensor_adam)
         "optguard": 310,  # 245 (1,028)
         "opttrace": 190,  # 149 (211 before the foreach items' inference per layout)
-        "optkernels": 28,  # 17-23 (sets of graph nodes iterate in address order; was 270-290)
+        "optkernels": 24,  # 19 (was 270-290)
         "optsidefx": 12,  # 8
         "optcompile": 16,  # 12
     },

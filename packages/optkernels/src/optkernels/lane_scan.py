@@ -16,16 +16,15 @@ from optkernels.numbers import reads_tensor, scalar_constant
 aten = torch.ops.aten
 
 
-def parts(scan: Scan) -> list[set[fx.Node]]:
+def parts(scan: Scan) -> dict[int, set[fx.Node]]:
     """Tensor ops connected through the tensors and lists they share, ignoring the Python
-    scalars every part reads."""
+    scalars every part reads, by their lane count (``lane_count``)."""
     # Parts over the same number of tensors stay one program (a group's step increments are
     # not connected to its update but belong to the same lanes): one kernel per group size.
     by_lanes: dict[int, set[fx.Node]] = {}
     for component in scan.components:
-        part = set(component)
-        by_lanes.setdefault(lane_count(part), set()).update(part)
-    return list(by_lanes.values())
+        by_lanes.setdefault(lane_count(component), set()).update(component)
+    return by_lanes
 
 
 @dataclass
@@ -137,8 +136,10 @@ def _target_kind(target: Any) -> tuple[bool, bool, bool, bool]:
 _TARGET_KINDS: dict[int, tuple[Any, bool, bool, bool, bool]] = {}
 
 
-def lane_count(part: set[fx.Node]) -> int:
-    for node in part:
+def lane_count(component: list[fx.Node]) -> int:
+    """The length of the lists the first foreach op of ``component`` (in graph order) takes;
+    -1 if it has none."""
+    for node in component:
         if is_foreach(node):
             for arg in node.args:
                 if isinstance(arg, list | tuple) and arg:

@@ -30,7 +30,7 @@ from optkernels.lane_program import (
     lane_vars,
     logical_numel,
 )
-from optkernels.lane_scan import is_scalar, lane_count, parts, scan
+from optkernels.lane_scan import is_scalar, parts, scan
 from optkernels.loop_lanes import analyze_per_tensor
 from optkernels.numbers import is_assert, scalar_constant
 
@@ -87,8 +87,8 @@ def analyze_parts(graph: fx.Graph) -> list[LaneProgram]:
         return [analyze_per_tensor(graph, graph_scan)]
     numbers = graph_scan.numbers
     programs = []
-    for part in parts(graph_scan):
-        builder = Builder(lane_count(part), numbers)
+    for count, part in parts(graph_scan).items():
+        builder = Builder(count, numbers)
         for node in graph.nodes:
             if (
                 node in part
