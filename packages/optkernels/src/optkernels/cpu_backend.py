@@ -82,9 +82,9 @@ class _Part:
     def __init__(self, program: LaneProgram, index: dict[Any, int], compiler: Compiler):
         if all(program.input_small):
             raise NotLanes("every lane input is 0-dim (the host computes such steps)")
-        for k, column in enumerate(program.inputs):
-            bf16 = any(n.meta["val"].dtype == torch.bfloat16 for n in column)
-            if program.input_small[k] and bf16:  # the host computes them with numpy: no bf16
+        for column, small in zip(program.inputs, program.input_small, strict=True):
+            # (the host computes 0-dim inputs with numpy: no bf16; only those columns looked at)
+            if small and any([n.meta["val"].dtype == torch.bfloat16 for n in column]):
                 raise NotLanes("a 0-dim bfloat16 input the host would compute with")
         self.program = program
         self.index = index
