@@ -93,3 +93,24 @@ def test_step_counts_the_user_writes_between_hits_are_honoured():
         assert_same(model, opt, reference, eager, rtol=1e-5, atol=1e-6)
     assert float(opt.state[params[0]]["step"]) == 22.0
     assert optcompile.explain(opt).traces <= 2  # (a replaced entry may retrace once)
+
+
+def test_a_hit_hands_the_grads_to_the_plan_by_address_and_a_reload_rearms_it():
+    """The plan reads the grads only for its address tables: a fast-tier hit leaves their
+    slots None (the native check keeps their pointers; explain says so), and the tier
+    rebuilt after a checkpoint reload links the plan to its new check."""
+    model, opt, reference, eager = _armed_pair()
+    compiled, L = _OPTIMIZERS[opt], {"opt": opt}
+    entry, inputs = compiled.cache.find(L)
+    prologue = entry.prologue
+    grads = {i for i, s in enumerate(prologue.input_sources) if s.name().endswith(".grad")}
+    assert grads and grads <= prologue.by_address
+    assert all(inputs[i] is None for i in grads)
+    prologue.release()
+    assert "grads handed over by address (native)" in optcompile.explain(opt).check_code
+    for o in (opt, eager):
+        o.load_state_dict(o.state_dict())  # new state tensors: the tier is built anew
+    step_both(model, opt, reference, eager, range(2, 5))
+    assert_same(model, opt, reference, eager, rtol=1e-5, atol=1e-6)
+    fast = _OPTIMIZERS[opt].cache.entries[0].value.prologue.fast
+    assert fast is not None and fast.gather is not None and fast.gather.links

@@ -113,6 +113,35 @@ def test_addresses_record_positions_and_compare_the_checked_ones(module):
     assert module.addresses_equal(spec, [*tensors[:2], tensors[2], tensors[3]]) is False
 
 
+def test_grads_read_by_address_keep_their_pointers_for_linked_addresses(module):
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn(3)
+    grads, items = module.spec([p.grad for p in params], False), module.spec(params, True, True)
+    assert module.by_address(grads)
+    spec = module.addresses([1, 0], [True, True], [(grads, 1), None])
+    inputs = [params[0], None]  # slot 1: params[1]'s grad, left None
+    with pytest.raises(TypeError, match="input 1 is not a tensor"):
+        module.addresses_record(spec, inputs)  # no match has read the grads yet
+    assert module.match_both(grads, items, params) and module.take(grads) is None
+    assert module.addresses_record(spec, inputs) == [
+        params[1].grad.data_ptr(),
+        params[0].data_ptr(),
+    ]
+    assert module.addresses_equal(spec, inputs)
+    params[1].grad = torch.randn(3)  # a new grad: the next match reads its address
+    assert module.addresses_equal(spec, inputs)  # (not read again until a match)
+    assert module.match_both(grads, items, params)
+    assert not module.addresses_equal(spec, inputs)
+    module.addresses_record(spec, inputs)
+    params[1].grad = torch.randn(6)[::2]  # another stride: the match fails, no pointer given
+    assert not module.match_both(grads, items, params)
+    assert not module.addresses_equal(spec, inputs)
+    assert module.addresses_equal(spec, [params[0], params[1].grad]) is False  # (its own)
+    with pytest.raises(ValueError, match="not by_address"):
+        module.addresses([0], [True], [(items, 0)])
+
+
 @pytest.mark.parametrize("kind", ["native", "python"])
 def test_held_pointers_see_every_way_a_tensor_moves(module, kind, monkeypatch):
     if kind == "python":

@@ -19,7 +19,7 @@ that count moved).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -89,6 +89,14 @@ class GraphedPlan:
 
     def guarded_addresses(self, indices: Collection[int]) -> None:
         self.plan.guarded_addresses(indices)
+
+    def address_only_inputs(self) -> frozenset[int]:
+        """The plan's (a replay reads only its buffers)."""
+        found = getattr(self.plan, "address_only_inputs", None)
+        return found() if found is not None else frozenset()
+
+    def link_addresses(self, links: Mapping[int, tuple[Any, int]]) -> None:
+        self.plan.link_addresses(links)  # type: ignore[attr-defined]
 
     def _decide(self) -> None:
         self._decided = True

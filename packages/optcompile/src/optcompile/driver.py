@@ -66,6 +66,16 @@ class CompiledEntry:
     def gather_code(self) -> str:
         return self.prologue.gather_code
 
+    def read_by_address(self) -> None:
+        """After the plan's first call: the inputs it reads only by address (grads, for
+        its tables) are handed over natively by the prologue's fast tier from its arming
+        on, instead of gathered (a compiled optimizer's entries only: they pin the rest)."""
+        plan: Any = self.plan
+        found = getattr(plan, "address_only_inputs", None)
+        slots = found() if found is not None and self.prologue.pin else frozenset()
+        if slots:
+            self.prologue.read_by_address(slots, plan.link_addresses)
+
     def run(self, L: Locals, inputs: list[Any]) -> Any:
         """Run the plan on the prologue's ``inputs`` and replay the side effects."""
         try:
@@ -154,6 +164,7 @@ class Compiled:
                 return None, None
             # The first run gathers in full (the trace has just read these very inputs).
             outputs = entry.run(L, entry.gather(L))
+            entry.read_by_address()
             entry.prologue.arm(L)
             return entry, outputs
         finally:

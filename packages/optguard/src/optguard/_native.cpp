@@ -22,8 +22,15 @@
 //   take_locals(spec) -> list | None        the ._local_tensor of each DTensor the last
 //                                           passing match of spec read (None where a value
 //                                           had no dts entry), once
-//   addresses(indices, checked) -> capsule  positions in an input list (-1: none) whose
-//                                           data pointers are recorded, some compared
+//   by_address(spec) -> bool                from now on a passing match(spec, True, ...)
+//                                           keeps the grads' data pointers, not the grads
+//                                           (no take(); False for a spec with DTensors)
+//   addresses(indices, checked[, links])    positions in an input list (-1: none) whose
+//       -> capsule                          data pointers are recorded, some compared;
+//                                           links (per position None or (spec, item)):
+//                                           where the list holds None there, the pointer
+//                                           is the one the last passing match of that
+//                                           by_address spec read from item's grad
 //   addresses_record(addresses, tensors)    record tensors[i].data_ptr() for each position
 //                                           (0 for -1) and return them as a list
 //   addresses_equal(addresses, tensors)     the checked positions keep what was recorded
@@ -48,6 +55,16 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <dlfcn.h>
+
+// torch >= 2.13 keeps a tensor's Python object in one slot read with load_pyobj(): a grad's
+// Python type is then read without wrapping it (older torch: THPVariable_Wrap and release).
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#endif
+#if defined(TORCH_VERSION_MAJOR) && defined(TORCH_VERSION_MINOR) && \
+    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+#define OPT_LOAD_PYOBJ 1
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -138,6 +155,11 @@ struct Spec {
   // After a passing match of the items' .grad: the grads it read, in item order (owned), for
   // the caller's gather to take instead of reading them again (see take()).
   PyObject* stash = nullptr;
+  // by_address(): a passing grad match keeps the grads' data pointers instead (in item
+  // order; valid until the next match of this spec begins), for linked Addresses.
+  bool by_address = false;
+  bool ptrs_valid = false;
+  std::vector<const void*> ptrs;
   ~Spec() {
     for (Meta& m : metas) Py_XDECREF(reinterpret_cast<PyObject*>(m.type));
     Py_XDECREF(stash);
@@ -424,12 +446,16 @@ void keep_locals(Spec* s, PyObject* locals) {
 PyObject* match_list(Spec* s, bool grad, Spec* items, PyObject* container) {
   Py_CLEAR(s->stash);
   Py_CLEAR(s->locals);
+  s->ptrs_valid = false;
   if (items != nullptr) Py_CLEAR(items->locals);
   if (!PyList_Check(container)) Py_RETURN_FALSE;
   Py_ssize_t n = PyList_GET_SIZE(container);
   if (n != static_cast<Py_ssize_t>(s->metas.size())) Py_RETURN_FALSE;
-  PyObject* read = nullptr;  // the grads, in item order
-  if (grad && (read = PyList_New(n)) == nullptr) return nullptr;
+  // The grads, in item order; by address: their data pointers instead.
+  const bool by_address = grad && s->by_address;
+  PyObject* read = nullptr;
+  if (grad && !by_address && (read = PyList_New(n)) == nullptr) return nullptr;
+  if (by_address) s->ptrs.assign(static_cast<size_t>(n), nullptr);
   bool failed;
   PyObject* locals = new_locals(s, n, &failed);  // the local tensors of s's DTensors
   if (failed) {
@@ -474,14 +500,31 @@ PyObject* match_list(Spec* s, bool grad, Spec* items, PyObject* container) {
           ok = false;
           continue;
         }
+#ifdef OPT_LOAD_PYOBJ
+        if (by_address && !m.dt) {  // its Python type, without a reference to it
+          if (m.none) continue;
+          PyObject* obj = gt.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+          // (none yet: wrapping would make a plain torch.Tensor)
+          auto* type = obj != nullptr ? Py_TYPE(obj)
+                                      : reinterpret_cast<PyTypeObject*>(THPVariableClass);
+          ok = type == m.type;
+          s->ptrs[m.index] = gt.const_data_ptr();
+          continue;
+        }
+#endif
         PyObject* g = THPVariable_Wrap(gt);  // its Python object (made if it has none)
         if (g == nullptr) {
           PyErr_Clear();
           ok = false;
           continue;
         }
-        PyList_SET_ITEM(read, m.index, g);  // the list owns it from here
         ok = m.none || (Py_TYPE(g) == m.type && dt_part(m, g, locals));
+        if (by_address) {
+          if (ok && !m.none) s->ptrs[m.index] = gt.const_data_ptr();
+          Py_DECREF(g);
+        } else {
+          PyList_SET_ITEM(read, m.index, g);  // the list owns it from here
+        }
         continue;
       }
       PyObject* g = grad_of(item);
@@ -490,8 +533,13 @@ PyObject* match_list(Spec* s, bool grad, Spec* items, PyObject* container) {
         ok = false;
         continue;
       }
-      PyList_SET_ITEM(read, m.index, g);  // the list owns it from here
       ok = matches_dt(m, g, locals);
+      if (by_address) {
+        if (ok && g != Py_None) s->ptrs[m.index] = THPVariable_Unpack(g).const_data_ptr();
+        Py_DECREF(g);
+      } else {
+        PyList_SET_ITEM(read, m.index, g);  // the list owns it from here
+      }
     }
   } catch (const std::exception&) {  // metadata torch cannot give (a nested tensor's sizes)
     ok = false;
@@ -503,6 +551,7 @@ PyObject* match_list(Spec* s, bool grad, Spec* items, PyObject* container) {
     Py_RETURN_FALSE;
   }
   s->stash = read;
+  s->ptrs_valid = by_address;
   keep_locals(s, locals);
   if (items != nullptr) keep_locals(items, item_locals);
   Py_RETURN_TRUE;
@@ -550,6 +599,15 @@ PyObject* take_locals(PyObject*, PyObject* capsule) {
   return take_field(capsule, &Spec::locals);
 }
 
+PyObject* by_address(PyObject*, PyObject* capsule) {
+  auto* s = static_cast<Spec*>(PyCapsule_GetPointer(capsule, kCapsule));
+  if (s == nullptr) return nullptr;
+  if (s->has_dt) Py_RETURN_FALSE;  // (its gather takes the DTensors' local tensors)
+  s->by_address = true;
+  Py_CLEAR(s->stash);
+  Py_RETURN_TRUE;
+}
+
 PyObject* grads(PyObject*, PyObject* objects) {
   if (!PyList_Check(objects)) {
     PyErr_SetString(PyExc_TypeError, "grads(objects: list)");
@@ -571,12 +629,36 @@ PyObject* grads(PyObject*, PyObject* objects) {
 
 // -- addresses of inputs at fixed positions: recorded once, compared each call ----------
 
+bool is_tensor(PyObject* obj) { return is_plain(obj) || THPVariable_Check(obj); }
+
 struct Addresses {
   std::vector<Py_ssize_t> indices;  // positions in the inputs; -1: a slot with no input (0)
   std::vector<bool> checked;         // compared by addresses_equal
   std::vector<const void*> ptrs;     // recorded by addresses_record
   bool recorded = false;
+  // Per position, a by_address spec (or null) and the item whose grad's pointer it read:
+  // used where the inputs hold None at that position. The specs' capsules are owned.
+  std::vector<Spec*> link_spec;
+  std::vector<Py_ssize_t> link_item;
+  std::vector<PyObject*> owned;
+  ~Addresses() {
+    for (PyObject* o : owned) Py_DECREF(o);
+  }
 };
+
+// The data pointer of the input at position k of a (an input tensor's, or where the input
+// list holds None there, its linked spec's): false when there is none to give.
+bool address_of(const Addresses* a, size_t k, PyObject* t, const void** out) {
+  if (t == Py_None && a->link_spec[k] != nullptr) {
+    const Spec* s = a->link_spec[k];
+    if (!s->ptrs_valid) return false;
+    *out = s->ptrs[static_cast<size_t>(a->link_item[k])];
+    return *out != nullptr;
+  }
+  if (!is_tensor(t)) return false;
+  *out = THPVariable_Unpack(t).const_data_ptr();
+  return true;
+}
 
 const char* kAddresses = "optguard.native.Addresses";
 
@@ -584,13 +666,14 @@ void drop_addresses(PyObject* capsule) {
   delete static_cast<Addresses*>(PyCapsule_GetPointer(capsule, kAddresses));
 }
 
-bool is_tensor(PyObject* obj) { return is_plain(obj) || THPVariable_Check(obj); }
-
 PyObject* addresses(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
-      PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+  if (nargs < 2 || nargs > 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+      PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) ||
+      (nargs == 3 && (!PyList_Check(args[2]) ||
+                      PyList_GET_SIZE(args[2]) != PyList_GET_SIZE(args[0])))) {
     PyErr_SetString(PyExc_TypeError,
-                    "addresses(indices: list[int], checked: list[bool] of the same length)");
+                    "addresses(indices: list[int], checked: list[bool], links: list of None or "
+                    "(spec, item), all of the same length)");
     return nullptr;
   }
   auto* out = new Addresses();
@@ -602,6 +685,33 @@ PyObject* addresses(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     out->indices.push_back(i < 0 ? -1 : i);
     out->checked.push_back(i >= 0 && PyList_GET_ITEM(args[1], k) == Py_True);
+    PyObject* link = nargs == 3 ? PyList_GET_ITEM(args[2], k) : Py_None;
+    Spec* s = nullptr;
+    Py_ssize_t item = -1;
+    if (link != Py_None) {
+      if (!PyTuple_Check(link) || PyTuple_GET_SIZE(link) != 2) {
+        PyErr_SetString(PyExc_TypeError, "addresses: a link is None or (spec, item)");
+        delete out;
+        return nullptr;
+      }
+      PyObject* capsule = PyTuple_GET_ITEM(link, 0);
+      s = static_cast<Spec*>(PyCapsule_GetPointer(capsule, kCapsule));
+      item = PyLong_AsSsize_t(PyTuple_GET_ITEM(link, 1));
+      if (s == nullptr || (item == -1 && PyErr_Occurred())) {
+        delete out;
+        return nullptr;
+      }
+      if (!s->by_address || item < 0 || item >= static_cast<Py_ssize_t>(s->metas.size())) {
+        PyErr_SetString(PyExc_ValueError,
+                        "addresses: a link's spec is not by_address or its item is out of range");
+        delete out;
+        return nullptr;
+      }
+      Py_INCREF(capsule);
+      out->owned.push_back(capsule);
+    }
+    out->link_spec.push_back(s);
+    out->link_item.push_back(item);
   }
   out->ptrs.assign(out->indices.size(), nullptr);
   return PyCapsule_New(out, kAddresses, drop_addresses);
@@ -622,8 +732,9 @@ PyObject* addresses_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (!a->checked[k]) continue;
       Py_ssize_t i = a->indices[k];
       if (i >= n) Py_RETURN_FALSE;
-      PyObject* t = PyList_GET_ITEM(tensors, i);
-      if (!is_tensor(t) || THPVariable_Unpack(t).const_data_ptr() != a->ptrs[k]) Py_RETURN_FALSE;
+      const void* ptr = nullptr;
+      if (!address_of(a, k, PyList_GET_ITEM(tensors, i), &ptr) || ptr != a->ptrs[k])
+        Py_RETURN_FALSE;
     }
   } catch (const std::exception&) {  // a tensor without storage: not the recorded address
     Py_RETURN_FALSE;
@@ -645,12 +756,14 @@ PyObject* addresses_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_ssize_t i = a->indices[k];
     if (i < 0) continue;
     PyObject* t = i < n ? PyList_GET_ITEM(tensors, i) : nullptr;
-    if (t == nullptr || !is_tensor(t)) {
-      PyErr_Format(PyExc_TypeError, "addresses_record: input %zd is not a tensor", i);
-      return nullptr;
-    }
     try {
-      ptrs[k] = THPVariable_Unpack(t).const_data_ptr();
+      if (t == nullptr || !address_of(a, k, t, &ptrs[k])) {
+        PyErr_Format(PyExc_TypeError,
+                     "addresses_record: input %zd is not a tensor (nor linked to grads read "
+                     "by address on this call)",
+                     i);
+        return nullptr;
+      }
     } catch (const std::exception& e) {
       PyErr_Format(PyExc_RuntimeError, "addresses_record: input %zd: %s", i, e.what());
       return nullptr;
@@ -909,6 +1022,8 @@ PyMethodDef kMethods[] = {
     {"take", take, METH_O, "The grads the last passing match of a spec read (once), or None."},
     {"take_locals", take_locals, METH_O,
      "The DTensors' local tensors the last passing match of a spec read (once), or None."},
+    {"by_address", by_address, METH_O,
+     "A spec's passing grad matches keep the grads' data pointers (for linked addresses)."},
     {"addresses", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(addresses)),
      METH_FASTCALL, "Positions of inputs whose data pointers are recorded and compared."},
     {"addresses_equal",

@@ -49,7 +49,7 @@ the tier is built anew (check.py limits how often).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import torch
@@ -160,12 +160,19 @@ class FastCheck:
             return True
 
     def describe(self) -> str:
+        links = self.gather.links if self.gather is not None else {}
+        by_address = (
+            [f"then its gather; {len(links)} grads handed over by address (native)"]
+            if links
+            else []
+        )
         return "\n".join(
             [
                 f"C++ guard tree ({len(self.lines)} guards):",
                 *(f"    {line}" for line in self.lines),
                 "then, in Python:",
                 self.residual.code,
+                *by_address,
             ]
         )
 
@@ -174,11 +181,13 @@ def build_fast_check(
     guards: Sequence[Guard],
     L: Locals,
     gathered: tuple[Sequence[Source], Sequence[Any]] | None = None,
+    by_address: Collection[int] = (),
 ) -> FastCheck | None:
     """The fast tier for ``guards``, armed from ``L`` (on which the full check passed), or
     None when this torch lacks the pieces or a key of the state cannot be identified.
     ``gathered``: the input sources and the inputs the full gather fetched from ``L``; the
-    tier then gathers them itself, fetching only what its checks do not pin."""
+    tier then gathers them itself, fetching only what its checks do not pin, and leaving
+    to its checks the inputs at ``by_address`` they read anyway (FastGather)."""
     if not compat.available():
         return None
     sources_of = guard_sources(guards)  # (asked once: 10,000 params' guards)
@@ -280,7 +289,7 @@ def build_fast_check(
     )
     if gathered is not None:
         input_sources, inputs = gathered
-        fast.gather = FastGather(input_sources, pinned, grad_lists, local_lists)
+        fast.gather = FastGather(input_sources, pinned, grad_lists, local_lists, by_address)
         fast.gather.arm(L, inputs)
     return fast
 

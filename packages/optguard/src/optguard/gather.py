@@ -14,6 +14,13 @@ run while the fast tier held, and fetches the rest anew on each call:
   into its slots by one slice assignment when they are evenly spaced;
 - any other input (a hyperparameter in a param group) by straight-line code from ``L``.
 
+Inputs the caller reads only for their data pointers (``by_address``: a plan that only
+writes the grads' addresses into its tables) are not fetched at all where the tier's native
+check reads them anyway (a list's grads): their slots stay None, that check keeps the grads'
+pointers (native ``by_address``), and ``links`` says where the caller's native address
+check finds each (slot -> (spec, item); optkernels' ``AddressCheck.link``). No grad is
+wrapped into a list, stored or released, and the plan does not read them again.
+
 The template holds the pinned objects until the next full gather re-arms it; whoever owns
 the FastGather must own them anyway (a compiled optimizer's entries: its params and state).
 Each call fills the one output list in place (no copy of a thousand slots); ``release()``
@@ -44,9 +51,13 @@ class FastGather:
         pinned: Collection[Source],
         grad_lists: Mapping[Source, tuple[Any, int]] | None = None,
         local_lists: Mapping[Source, tuple[Any, int]] | None = None,
+        by_address: Collection[int] = (),
     ) -> None:
-        """``grad_lists``, ``local_lists``: the fast tier's (``FastCheck``)."""
+        """``grad_lists``, ``local_lists``: the fast tier's (``FastCheck``); ``by_address``:
+        the input slots its caller reads only for their data pointers."""
         self.sources = list(sources)
+        # slot -> (native spec, item) for the inputs left None and read by address
+        self.links: dict[int, tuple[Any, int]] = {}
         position = {s: i for i, s in enumerate(self.sources)}
         families: dict[str, list[tuple[int, Source]]] = {}
         rest: list[tuple[int, Source]] = []
@@ -79,6 +90,14 @@ class FastGather:
             if attr == "grad" and module is not None:
                 values = f"{body.constant(module.grads, 'grads')}(bases[{k}])"
                 spec = _grad_list(grad_lists or {}, [b for _, b in bases])
+                if (
+                    spec is not None
+                    and all(i in by_address for i in slots)
+                    and module.by_address(spec)
+                ):  # the tier's check keeps their pointers on this call; nothing fetched
+                    self.links.update((i, (spec, j)) for j, i in enumerate(slots))
+                    body.emit(f"# out[{_slice_text(slots)}]: the grads, by address (native)")
+                    continue
                 if spec is not None:  # the tier's check read them on this call
                     take = body.constant(module.take, "take")
                     values = f"({take}({body.constant(spec, 'spec')}) or {values})"
@@ -127,7 +146,7 @@ class FastGather:
 
     @property
     def fetched(self) -> int:
-        """Inputs fetched anew on each call."""
+        """Inputs fetched anew on each call (those read by address included)."""
         return len(self.sources) - len(self.pinned_slots)
 
 
@@ -164,6 +183,13 @@ def _taken_locals(
         if sorted(slots) == list(range(n)):
             out.append((spec, [slots[k] for k in range(n)]))
     return out
+
+
+def _slice_text(slots: list[int]) -> str:
+    step = slots[1] - slots[0] if len(slots) > 1 else 1
+    if step > 0 and slots == list(range(slots[0], slots[-1] + 1, step)):
+        return f"{slots[0]}:{slots[-1] + 1}:{step}"
+    return ", ".join(map(str, slots))
 
 
 def _emit_slots(

@@ -12,6 +12,12 @@ None. Inside, two ways to the same answer:
   (gather.py) that fetches only what can change (grads, hyperparameters) and reuses the
   objects the tree proved unchanged.
 
+A caller that reads some inputs only for their data pointers (a plan writing grads'
+addresses into its tables) says so once, before the tier is armed: ``read_by_address(slots,
+link)``. A fast-tier hit then leaves those slots None where the tier's native check reads
+them anyway, and ``link`` is handed, at each arming, where the native address check finds
+each one (see gather.py). The generated check's path always gathers every input.
+
 The fast tier answers first; when it fails, the generated check decides (a tier whose
 pinned state was replaced is dropped; one whose check passes again is rebuilt, at most
 ``MAX_REBUILDS`` times in quick succession). The caller runs its plan on the inputs, then
@@ -22,7 +28,7 @@ grads must not outlive it). ``first_failure(L)`` names the first failing guard.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from optguard.check import GuardSet, compile_check
@@ -60,6 +66,8 @@ class Prologue:
         self.pin = pin
         self.fast: FastCheck | None = None
         self.fast_note: str | None = None if fast else "off"
+        self.by_address: frozenset[int] = frozenset()  # see read_by_address
+        self._link: Callable[[dict[int, tuple[Any, int]]], None] | None = None
         self.rebuilds = 0  # in a row, each soon after the one before
         self.hits = 0  # fast-tier hits since it was last built
         self.fast_hits = 0  # fast-tier hits in all (explain, tests)
@@ -96,6 +104,16 @@ class Prologue:
                 self._arm(L, inputs)
         return self.fast is not None
 
+    def read_by_address(
+        self, slots: Collection[int], link: Callable[[dict[int, tuple[Any, int]]], None]
+    ) -> None:
+        """The caller reads the inputs at ``slots`` only for their data pointers: from the
+        next arming of the fast tier on, a hit may leave them None and hand them over
+        natively; ``link(slot -> (native spec, item))`` is called at each arming (see the
+        module docstring)."""
+        self.by_address = frozenset(slots)
+        self._link = link
+
     def release(self) -> None:
         """Drop what the last call fetched into the fast tier's reused list."""
         if self.fast is not None:
@@ -111,9 +129,12 @@ class Prologue:
             self.rebuilds += 1
             self.hits = 0
             gathered = (self.input_sources, inputs) if self.pin else None
-            self.fast = build_fast_check(self.guards.guards, L, gathered)
+            self.fast = build_fast_check(self.guards.guards, L, gathered, self.by_address)
             if self.fast is None:
                 self.fast_note = "off: not available with this torch"
+            if self._link is not None:
+                gather = self.fast.gather if self.fast is not None else None
+                self._link(gather.links if gather is not None else {})
             log.debug("fast tier %s", "built" if self.fast is not None else self.fast_note)
         except Exception as exc:  # never let the fast tier break a correct check
             self.fast, self.fast_note = None, f"off: {type(exc).__name__}: {exc}"

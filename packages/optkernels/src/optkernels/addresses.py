@@ -6,11 +6,16 @@ must know whether any of them moved. ``AddressCheck`` records them once and comp
 each call: through one C++ loop over the positions once optguard's native module is handed
 in (``use_native_addresses``; ~5 ns per tensor), else through torch's batch compare (~100 ns
 per tensor). This layer does not depend on optguard: optcompile hands the module in.
+
+A caller whose guard check reads some inputs' data pointers anyway (optguard's native grad
+check) may leave those inputs None and ``link`` the check to where it keeps them: the native
+loops then take those pointers where the input list holds None (no tensor is fetched,
+wrapped or read twice). Without the native module nothing is linked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from optkernels._torch_compat import data_ptrs_equal
@@ -19,7 +24,9 @@ from optkernels._torch_compat import data_ptrs_equal
 class NativeAddresses(Protocol):
     """What optguard's native module offers (see its ``_native.cpp``)."""
 
-    def addresses(self, indices: list[int], checked: list[bool]) -> Any: ...
+    def addresses(
+        self, indices: list[int], checked: list[bool], links: list[Any] | None = None
+    ) -> Any: ...
 
     def addresses_equal(self, spec: Any, tensors: list[Any]) -> bool: ...
 
@@ -55,6 +62,13 @@ class AddressCheck:
         self._module: NativeAddresses | None = None
         self._spec: Any = None
         self._ptrs: list[int] | None = None  # by input position (the torch compare)
+        self._links: Mapping[int, tuple[Any, int]] = {}
+
+    def link(self, links: Mapping[int, tuple[Any, int]]) -> None:
+        """Where the data pointer of an input left None is found (input position -> a
+        native spec and an item: see the module docstring); the next ``equal`` is False."""
+        self._links = dict(links)
+        self._module = self._spec = None
 
     def equal(self, inputs: Sequence[Any]) -> bool:
         module = self._module
@@ -74,7 +88,14 @@ class AddressCheck:
         module = _native
         if module is not None:
             if module is not self._module or self._spec is None:
-                self._spec = module.addresses(self.indices, self._checked)
+                links = self._links
+                self._spec = (
+                    module.addresses(
+                        self.indices, self._checked, [links.get(i) for i in self.indices]
+                    )
+                    if links
+                    else module.addresses(self.indices, self._checked)
+                )
             self._module = module
             return module.addresses_record(self._spec, tensors)
         self._module = self._spec = None

@@ -13,7 +13,7 @@ import copy
 import functools
 import logging
 import os
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -846,6 +846,30 @@ class TritonPlan:
                 write_back(self.split.writes, inputs, capture.raw)
             capture.inputs = []
             self._call_inputs = ()
+
+    def address_only_inputs(self) -> frozenset[int]:
+        """The inputs this plan reads only for their data pointers, in its address tables
+        (grads): after its first call, a caller may leave them None and hand their pointers
+        over natively instead (``link_addresses``). None of them with a prelude (it runs
+        torch ops on the inputs) or before the first call (the devices are not settled)."""
+        if not self._checked_devices or not self.parts or self.split is not None:
+            return frozenset()
+        tabled: set[int] = set()
+        read: set[int] = set()  # read otherwise: sizes, 0-dim values, static tables
+        for part in self.parts:
+            for group in part.groups:
+                tabled.update(group.dynamic_slots)
+                read.update(group.static_slots, group.numel_slots)
+                for slots in group.small_slots.values():
+                    read.update(slots)
+        return frozenset(i for i in tabled - read if 0 <= i < self.num_inputs)
+
+    def link_addresses(self, links: Mapping[int, tuple[Any, int]]) -> None:
+        """Where the address tables find the data pointer of an input left None (input
+        position -> what optguard's native check read: ``AddressCheck.link``)."""
+        for part in self.parts:
+            for group in part.groups:
+                group.dynamic.link(links)
 
     def guarded_addresses(self, indices: Collection[int]) -> None:
         """The caller checks, before every call, that the inputs at ``indices`` keep the
