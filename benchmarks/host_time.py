@@ -5,10 +5,14 @@
 
 For optcompile with the defaults and with capturable=True, times (host microseconds per call,
 mean over ``--calls`` after warm-up) the whole ``opt.step()`` and each part of it: the guard
-check (the prologue's C++ fast tier), the fast gather of the inputs, the whole prologue (both,
-as a step runs them), the plan's host preparation (scalars, host-side step counts,
-address-table checks, staging copies) and the graph replay (as a step replays: the plan's
-buffers compared only when it replaced one, ``buffers_version``). With
+check (the prologue's C++ fast tier), the fast gather of the inputs (timed alone: it reads
+the grads itself where no check ran before it; a step's gather takes what its check read,
+or with the grads handed to the plan by address reads none), the whole prologue (both, as a
+step runs them), the plan's host preparation (scalars, host-side step counts, address-table
+checks, staging copies), the whole hit (the cache lookup with its prologue, then prepare and
+release: every host part before the replay, as a step runs them) and the graph replay (as a
+step replays: the plan's buffers compared only when it replaced one,
+``buffers_version``). With
 ``--profile ROWS``, also a cProfile of ``--calls`` steps per variant, sorted by own time.
 ``fused=True`` (torch's fused kernel, same run) is timed as a whole step beside them. With
 ``--slope``, the whole step's host time at 200, 2,000 and 20,000 tensors of 4x4 and the
@@ -79,8 +83,10 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {args.set} "
         f"{args.optimizer}; native checks: {native.status()}"
     )
-    print("| variant | step | guard check | fast gather | prologue | prepare | graph replay |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| variant | step | guard check | fast gather | prologue | prepare | hit | graph replay |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     steps = {
         v: step_time.build(v, args.optimizer, params)
         for v in ["optcompile", "optcompile-capturable"]
@@ -91,7 +97,7 @@ def main() -> None:
     copies = "; ".join(f"{v} {_driver_copies(step)}" for v, step in steps.items())
     waits = "; ".join(f"{v} {_staging_waits(step)}" for v, step in steps.items())
     fused = step_time.build("fused", args.optimizer, params)
-    print(f"| fused=True | {_time(fused, args.calls):.1f} µs | | | | | |")
+    print(f"| fused=True | {_time(fused, args.calls):.1f} µs | | | | | | |")
     print(f"\nHost-to-device copies of the plans' staged values through the CUDA driver: {copies}")
     print(f"Staging rounds (none waits for the device): {waits}")
     if args.slope:
@@ -162,11 +168,25 @@ def _cpu_parts(set_name: str, optimizer: str, calls: int) -> None:
 
     params = step_time.make_params(set_name, "cpu")
     print(f"CPU; torch {torch.__version__}; {set_name} {optimizer}; native: {native.status()}")
-    print("| variant | guard check | fast gather | prologue | prepare |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| variant | guard check | fast gather | prologue | prepare | hit |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for variant in ["optcompile", "optcompile-capturable"]:
         row = _cpu_row(step_time.build(variant, optimizer, params), calls)
         print(f"| {variant} | " + " | ".join(f"{v:.1f} µs" for v in row) + " |")
+
+
+def _whole_hit(step: Callable[[], Any], plan: Any) -> Callable[[], None]:
+    """The host parts of a step before its replay: lookup (prologue), prepare, release."""
+    from optcompile.api import _OPTIMIZERS
+
+    compiled, L = _OPTIMIZERS[step.__self__], {"opt": step.__self__}  # type: ignore[attr-defined]
+
+    def hit() -> None:
+        entry, inputs = compiled.cache.find(L)
+        plan.prepare(inputs)
+        entry.prologue.release()
+
+    return hit
 
 
 def _hit(step: Callable[[], Any], warmup: int) -> tuple[dict[str, Any], Any, list[Any], int]:
@@ -208,6 +228,7 @@ def _cpu_row(step: Callable[[], Any], calls: int) -> list[float]:
         _time(gather_alone, calls, rounds=5),
         _time(prologue_alone, calls, rounds=5),
         _time(lambda: plan.prepare(inputs), calls, rounds=5),
+        _time(_whole_hit(step, plan), calls, rounds=5),
     ]
 
 
@@ -231,6 +252,7 @@ def _row(step: Callable[[], Any], calls: int) -> list[float]:
         _time(lambda: fast.gather(L) if fast.gather is not None else None, calls),
         _time(prologue_alone, calls),
         _time(lambda: plan.prepare(inputs), calls),
+        _time(_whole_hit(step, plan), calls),
         _time(replay, calls),
     ]
 
