@@ -652,8 +652,8 @@ bool address_of(const Addresses* a, size_t k, PyObject* t, const void** out) {
   if (t == Py_None && a->link_spec[k] != nullptr) {
     const Spec* s = a->link_spec[k];
     if (!s->ptrs_valid) return false;
-    *out = s->ptrs[static_cast<size_t>(a->link_item[k])];
-    return *out != nullptr;
+    *out = s->ptrs[static_cast<size_t>(a->link_item[k])];  // (null: an empty grad's)
+    return true;
   }
   if (!is_tensor(t)) return false;
   *out = THPVariable_Unpack(t).const_data_ptr();
