@@ -11,20 +11,20 @@ from __future__ import annotations
 import optcompile
 import pytest
 import torch
-from differential_cases import TRITON_OK
+from differential_cases import DEVICE, TRITON_OK
 from optkernels.c_kernel import find_compiler
 
 STEPS = 300
 
 
 def _pair(
-    dtype: torch.dtype, backend: str, **options: object
+    dtype: torch.dtype, backend: str, device: str = "cpu", **options: object
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.optim.Optimizer, torch.optim.Optimizer]:
     torch.manual_seed(0)
     params = [
-        torch.randn(37, dtype=dtype),
-        torch.randn(3, 4, dtype=dtype),
-        torch.randn((), dtype=dtype),
+        torch.randn(37, dtype=dtype).to(device),
+        torch.randn(3, 4, dtype=dtype).to(device),
+        torch.randn((), dtype=dtype).to(device),
     ]
     params = [p.requires_grad_() for p in params]
     twins = [p.detach().clone().requires_grad_() for p in params]
@@ -73,7 +73,9 @@ def test_radam_for_loop_is_eagers_bits_through_the_rectification(dtype, options)
 )
 def test_radam_for_loop_fuses_on_the_kernel_backends(backend):
     optcompile.reset()
-    params, twins, opt, eager = _pair(torch.float32, backend, lr=0.1)
+    # (the Triton kernels on the GPU where there is one: step counts on the CPU, params there)
+    device = DEVICE if backend == "triton" else "cpu"
+    params, twins, opt, eager = _pair(torch.float32, backend, device, lr=0.1)
     for _ in range(8):  # through the rectification's start (step 6)
         for p, t in zip(params, twins, strict=True):
             p.grad = torch.randn_like(p)
