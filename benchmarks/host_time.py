@@ -12,7 +12,12 @@ step runs them), the plan's host preparation (scalars, host-side step counts, ad
 checks, staging copies), the whole hit (the cache lookup with its prologue, then prepare and
 release: every host part before the replay, as a step runs them) and the graph replay (as a
 step replays: the plan's buffers compared only when it replaced one,
-``buffers_version``). With
+``buffers_version``). A second table splits the step as it runs (its phases timed in
+one loop with ``perf_counter_ns`` between them, each step's replay interleaved with the next
+step's host work): the lookup with its prologue, prepare, the graph replay, the release with
+the side effects' replay, and the glue (the whole ``opt.step()`` timed alone, less those
+phases: the step's dispatch, the driver's lock). A part slower here than alone pays for
+the interleaving (a copy queued behind a replay, cold caches). With
 ``--profile ROWS``, also a cProfile of ``--calls`` steps per variant, sorted by own time.
 ``fused=True`` (torch's fused kernel, same run) is timed as a whole step beside them. With
 ``--slope``, the whole step's host time at 200, 2,000 and 20,000 tensors of 4x4 and the
@@ -93,6 +98,14 @@ def main() -> None:
     }
     for variant, step in steps.items():
         row = _row(step, args.calls)
+        print(f"| {variant} | " + " | ".join(f"{v:.1f} µs" for v in row) + " |")
+    print("\nThe step as it runs (its phases in one loop; see the module docstring):\n")
+    print(
+        "| variant | step | lookup + prologue | prepare | graph replay | release + effects | glue |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for variant, step in steps.items():
+        row = _in_situ(step, args.calls)
         print(f"| {variant} | " + " | ".join(f"{v:.1f} µs" for v in row) + " |")
     copies = "; ".join(f"{v} {_driver_copies(step)}" for v, step in steps.items())
     waits = "; ".join(f"{v} {_staging_waits(step)}" for v, step in steps.items())
@@ -230,6 +243,42 @@ def _cpu_row(step: Callable[[], Any], calls: int) -> list[float]:
         _time(lambda: plan.prepare(inputs), calls, rounds=5),
         _time(_whole_hit(step, plan), calls, rounds=5),
     ]
+
+
+def _in_situ(step: Callable[[], Any], calls: int) -> list[float]:
+    """The step's phases as a step runs them, in one loop: the whole step (timed alone), the
+    lookup with its prologue, prepare, the graph replay, the release with the side effects'
+    replay, and the rest (the whole step less the four: the glue around them)."""
+    from optcompile.api import _OPTIMIZERS
+
+    opt = step.__self__  # type: ignore[attr-defined]
+    compiled, L = _OPTIMIZERS[opt], {"opt": opt}
+    graphed_plan = compiled.cache.entries[0].value.plan
+    plan, graphed = graphed_plan.plan, graphed_plan.graphed
+    buffers = plan.buffers()
+    clock = time.perf_counter_ns
+    spent = [0, 0, 0, 0]
+    for n in (20, calls):  # (warm-up, then the timed calls)
+        spent = [0, 0, 0, 0]
+        for _ in range(n):
+            t0 = clock()
+            entry, inputs = compiled.cache.find(L)
+            t1 = clock()
+            plan.prepare(inputs)
+            t2 = clock()
+            graphed(buffers, same=plan.buffers_version is not None)
+            t3 = clock()
+            entry.prologue.release()
+            entry.value.replay(L, ())
+            t4 = clock()
+            spent[0] += t1 - t0
+            spent[1] += t2 - t1
+            spent[2] += t3 - t2
+            spent[3] += t4 - t3
+        _sync()
+    parts = [s / calls / 1e3 for s in spent]
+    whole = _time(step, calls)
+    return [whole, *parts, whole - sum(parts)]
 
 
 def _row(step: Callable[[], Any], calls: int) -> list[float]:
