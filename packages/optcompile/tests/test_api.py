@@ -7,6 +7,7 @@ import pytest
 import torch
 from optcompile.testing import assert_same, run_pair, set_grads, step_both
 from optcompile.testing import small_model as make_model
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 OPTIMIZERS = {
     "sgd_momentum_foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
@@ -187,6 +188,26 @@ def test_step_hooks_run_around_the_compiled_step():
     set_grads(model, 0)
     opt.step()
     assert calls == ["pre", "post"]
+
+
+def test_hooks_registered_after_direct_steps_run_and_stop_when_removed():
+    """The usual call goes straight to the compiled step; a hook (the optimizer's or a
+    global one) registered later is still seen on the next call."""
+    model = make_model()
+    opt = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    for step in range(2):
+        set_grads(model, step)
+        opt.step()  # (direct: no hook yet)
+    own = opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    shared = register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global pre"))
+    try:
+        opt.step()
+    finally:
+        shared.remove()
+    own.remove()
+    opt.step()
+    assert calls == ["global pre", "post"]
 
 
 def test_lr_scheduler_wraps_the_compiled_step():

@@ -122,6 +122,9 @@ class Compiled:
         self.cache: GuardedCache[CompiledEntry] = GuardedCache(recompile_limit)
         self.stats = Stats()
         self.released = False
+        # Its caller's usual call needs nothing around ``__call__`` (a compiled optimizer's
+        # step without closure, hooks, in-backward update or rounding counter: optimizer.py)
+        self.direct = False
         self._lock = threading.RLock()
         _ALL.add(self)
 

@@ -120,6 +120,8 @@ def _build(opt: torch.optim.Optimizer, options: Options) -> Compiled:
     reason = closure_reason(base)
     if reason is not None:  # LBFGS: its own step (hooks, closure) runs; explain() says why
         compiled.fall_back(reason)
+    # (a compile() with other options builds a new Compiled: _recompile)
+    compiled.direct = reason is None and not options.in_backward and fmt is None
     # Entries fetch their inputs through Sources and pin only what the optimizer holds anyway
     # (params, state); what they own themselves (plans, graphs) goes with the optimizer: the
     # finalizer releases it even if something still holds `compiled`.
@@ -221,6 +223,16 @@ def compiled_class(base: type) -> type:
         def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
             if torch.compiler.is_compiling():  # (57 ns; a disabled function costs 300 ns)
                 return _step_under_dynamo(self, closure)
+            compiled = _OPTIMIZERS.get(self)
+            # The usual call (no closure, no hook) goes straight to the prologue
+            if (
+                compiled is not None
+                and compiled.direct
+                and closure is None
+                and not has_step_hooks(self)
+            ):
+                compiled({"opt": self})
+                return None
             return _step(self, closure)
 
         step.__doc__ = raw.__doc__
