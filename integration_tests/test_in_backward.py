@@ -34,6 +34,7 @@ from in_backward_setup import (
 )
 from optcompile import _torch_compat
 from optcompile.backward import buckets
+from optcompile.optimizer import registered
 from optcompile.testing import assert_same
 
 
@@ -298,22 +299,33 @@ def test_on_cuda_a_bucket_update_never_waits_for_the_device(monkeypatch):
 
 
 @needs_triton
-def test_a_bucket_update_is_one_staging_round_for_all_of_its_plans_parts():
-    """Two param groups: each bucket's plan has two parts (one per group), which stage
-    their buffers in one round (one slot check, at most one event) per update."""
+def test_a_bucket_update_is_one_part_and_one_staging_round():
+    """Two param groups: a bucket holds one of them, so its plan is one part (one lane
+    program) staging its buffers in one round per update; the same groups stepped after
+    backward make a plan of two parts, which stage in one round per step all the same."""
     device, backend = TRITON_DEVICE, "triton"
     torch.manual_seed(0)
     model = TinyTransformer().to(device)
+    after_model = copy.deepcopy(model)
     adamw = torch.optim.AdamW(groups(model, weight_decay=0.1), foreach=True)  # (CPU: for-loop)
     opt = optcompile.compile(adamw, backend=backend, in_backward=True, bucket_bytes=8192)
+    after = optcompile.compile(
+        torch.optim.AdamW(groups(after_model, weight_decay=0.1), foreach=True), backend=backend
+    )
     steps = 3
     for step in range(steps):
         model(batch(step)).backward()
+        after_model(batch(step)).backward()
+        after.step()
+        after.zero_grad()
     plans = _bucket_plans(opt)
-    assert any(len(plan.parts) == 2 for plan in plans)
-    for plan in plans:
-        assert {id(part.staging) for part in plan.parts} == {id(plan.staging)}
-        assert plan.staging.round == steps
+    assert len(plans) > 2
+    assert all(len(plan.parts) == 1 and plan.staging.round == steps for plan in plans)
+    (entry,) = registered(after).cache.entries
+    plan = getattr(entry.value.plan, "plan", entry.value.plan)
+    assert len(plan.parts) == 2
+    assert {id(part.staging) for part in plan.parts} == {id(plan.staging)}
+    assert plan.staging.round == steps
 
 
 def test_the_packages_wait_for_the_device_only_where_a_staging_ring_is_dropped():

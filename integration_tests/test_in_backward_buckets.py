@@ -34,11 +34,17 @@ def test_once_learned_only_the_first_and_each_buckets_last_param_keep_a_hook():
 
     model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
     state = _STATES[opt]
+    arrived: list[torch.Tensor] = []
+    handles = [
+        p.register_post_accumulate_grad_hook(arrived.append) for p in model.parameters()
+    ]
     model(batch(0)).backward()
+    for handle in handles:
+        handle.remove()
     eager_iteration(reference, eager, 0)
     learned = [params for params, _ in buckets(opt)]
     assert len(learned) > 2
-    assert sorted(state.handles) == sorted({id(learned[0][0]), *(id(b[-1]) for b in learned)})
+    assert sorted(state.handles) == sorted({id(arrived[0]), *(id(b[-1]) for b in learned)})
     freed: list[bool] = []
     last = learned[-1][-1]
     earlier = [p for params in learned[:-1] for p in params]
@@ -78,13 +84,42 @@ def test_buckets_follow_the_order_gradients_arrive_in():
     assert len(order) == len(list(model.parameters()))
 
 
-def test_one_bucket_when_all_gradients_fit():
-    model, opt, _, _ = make_pair("AdamW")  # the 25 MiB default
+def test_a_bucket_holds_one_param_group_in_arrival_order():
+    """Each bucket's update is one lane program: its params come from one group (the
+    decayed matrices or the undecayed vectors), in the order their gradients arrived; a
+    group's last bucket closes with its last gradient, however few bytes it holds."""
+    model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
+    arrived: list[torch.Tensor] = []
+    handles = [
+        p.register_post_accumulate_grad_hook(arrived.append) for p in model.parameters()
+    ]
+    model(batch(0)).backward()
+    for handle in handles:
+        handle.remove()
+    eager_iteration(reference, eager, 0)
+    group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+    learned = [params for params, _ in buckets(opt)]
+    assert {len({group_of[id(p)] for p in params}) for params in learned} == {1}
+    assert sorted(group_of[id(params[0])] for params in learned).count(1) == 1  # vectors
+    for params in learned:
+        order = [i for i, p in enumerate(arrived) if any(p is q for q in params)]
+        assert order == sorted(order)
+    assert sum(map(len, learned)) == len(arrived)
+    for step in range(1, 4):
+        model(batch(step)).backward()
+        eager_iteration(reference, eager, step)
+        assert_same(model, opt, reference, eager)
+
+
+def test_one_bucket_per_group_when_all_gradients_fit():
+    model, opt, _, _ = make_pair("AdamW")  # the default size
     for step in range(3):
         model(batch(step)).backward()
-    ((params, compiled),) = buckets(opt)
-    assert len(params) == len(list(model.parameters()))
-    assert compiled.stats.traces == 1
+    learned = buckets(opt)
+    assert sorted(len(params) for params, _ in learned) == sorted(
+        len(g["params"]) for g in opt.param_groups
+    )
+    assert [compiled.stats.traces for _, compiled in learned] == [1, 1]
 
 
 def test_gradient_accumulation_updates_once_with_the_summed_gradients():

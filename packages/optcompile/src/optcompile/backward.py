@@ -1,9 +1,12 @@
 """The step inside backward: ``compile(opt, in_backward=True)``.
 
 Each parameter gets a post-accumulate-grad hook. The first backward learns the buckets: the
-parameters in the order their gradients arrive, a bucket closed once it holds
-``bucket_bytes`` of gradients (or every parameter has arrived). Later backwards run a
-bucket's update as soon as all of its gradients are there. A bucket's update is the
+parameters of each param group in the order their gradients arrive, a bucket closed once it
+holds ``bucket_bytes`` of gradients (or every parameter of its group has arrived). A bucket
+never mixes param groups: its update is then one lane program (one Triton part, one C
+chain), where groups with other options (AdamW's weight decay 0 for biases) would make it
+two, or none on the CPU (their op sequences differ: batched torch ops). Later backwards run
+a bucket's update as soon as all of its gradients are there. A bucket's update is the
 optimizer's own step over a *view*: an optimizer of the same class whose param groups hold
 only the bucket's params (the group's other entries copied from the live group before each
 update, so LR schedules apply) and whose state holds the very per-param state dicts of the
@@ -147,9 +150,14 @@ class InBackward:
         self.group_of: dict[int, int] = {}  # id(param) -> index of its group
         self.hooked: set[int] = set()  # ids of the params with a hook (those requiring grad)
         self.bucket_of: dict[int, Bucket] = {}
-        self.buckets: list[Bucket] = []
-        self.open: list[torch.Tensor] = []  # the bucket being learned
-        self.open_bytes = 0
+        self.buckets: list[Bucket] = []  # in the order they closed (their updates' order)
+        # Learning: each group's bucket being filled, its gradient bytes, the group's params
+        # with a hook, those already in a closed bucket; the first param that arrived.
+        self.open: dict[int, list[torch.Tensor]] = {}
+        self.open_bytes: dict[int, int] = {}
+        self.hooked_in: dict[int, int] = {}
+        self.closed_in: dict[int, int] = {}
+        self.first_arrived: torch.Tensor | None = None
         self.refresh(opt)
 
     # -- params and hooks --
@@ -171,6 +179,7 @@ class InBackward:
                 self.group_of[id(p)] = index
                 if p.requires_grad:
                     self.hooked.add(id(p))
+                    self.hooked_in[index] = self.hooked_in.get(index, 0) + 1
                     self.params.append(p)
                     self.handles[id(p)] = p.register_post_accumulate_grad_hook(hook)
                     owned = _OWNED[id(p)] = (weakref.ref(p), self.name)
@@ -183,7 +192,9 @@ class InBackward:
             return
         if len(self.bucket_of) != len(self.hooked) or len(self.params) != len(self.hooked):
             return
-        first = self.buckets[0].params[0]
+        first = self.first_arrived
+        if first is None or id(first) not in self.bucket_of:
+            return
         self.trigger_of = {id(b.params[-1]): b for b in self.buckets}
         keep = {id(first), *self.trigger_of}
         for key in [k for k in self.handles if k not in keep]:
@@ -215,7 +226,10 @@ class InBackward:
         self.bucket_of.clear()
         self.buckets.clear()
         self.open.clear()
-        self.open_bytes = 0
+        self.open_bytes.clear()
+        self.hooked_in.clear()
+        self.closed_in.clear()
+        self.first_arrived = None
         self.key = ()
 
     # -- a gradient arrives --
@@ -239,13 +253,26 @@ class InBackward:
             if bucket.arrived >= len(bucket.params):
                 self.update(bucket)
             return
-        if id(p) not in self.group_of:  # hooked by an older param set: step() rehooks
+        index = self.group_of.get(id(p))
+        if index is None:  # hooked by an older param set: step() rehooks
             return
-        self.open.append(p)
-        self.open_bytes += p.numel() * p.element_size()
-        placed = len(self.bucket_of) + len(self.open)
-        if self.open_bytes >= self.bucket_bytes or placed >= len(self.hooked):
-            self.update(self.close())
+        if self.first_arrived is None:
+            self.first_arrived = p
+        bucket = self.place(p, index)
+        if bucket is not None:
+            self.update(bucket)
+
+    def place(self, p: torch.Tensor, index: int) -> Bucket | None:
+        """Learning: ``p`` joins its group's open bucket, which closes (and is returned) once
+        it holds ``bucket_bytes`` or the group's last hooked param."""
+        open_ = self.open.setdefault(index, [])
+        open_.append(p)
+        size = self.open_bytes.get(index, 0) + p.numel() * p.element_size()
+        self.open_bytes[index] = size
+        placed = self.closed_in.get(index, 0) + len(open_)
+        if size >= self.bucket_bytes or placed >= self.hooked_in.get(index, 0):
+            return self.close(index)
+        return None
 
     def arrived_thin(self, p: torch.Tensor) -> None:
         """A thin hook (see the module): the first param's checks that the backward started
@@ -264,14 +291,14 @@ class InBackward:
         if all(q.grad is not None for q in bucket.params):
             self.update(bucket)
 
-    def close(self) -> Bucket:
-        """Make the params being learned a bucket."""
-        bucket = Bucket(self.open)
+    def close(self, index: int) -> Bucket:
+        """Make group ``index``'s params being learned a bucket."""
+        bucket = Bucket(self.open.pop(index))
+        self.open_bytes.pop(index, None)
+        self.closed_in[index] = self.closed_in.get(index, 0) + len(bucket.params)
         self.buckets.append(bucket)
         for p in bucket.params:
             self.bucket_of[id(p)] = bucket
-        self.open = []
-        self.open_bytes = 0
         return bucket
 
     def end_of_backward(self) -> None:
@@ -289,8 +316,8 @@ class InBackward:
         if self.thin and self.compiled_autograd:
             self.thicken()
         self.refresh(opt)
-        if self.open:
-            self.update(self.close())
+        for index in list(self.open):
+            self.update(self.close(index))
         for bucket in self.buckets:
             if any(p.grad is not None for p in bucket.params):
                 self.update(bucket)
@@ -300,9 +327,12 @@ class InBackward:
         if any(p.requires_grad and id(p) not in self.hooked for p in left):
             self.key = ()  # frozen when hooked, trained now: hooked now, buckets learned again
             self.refresh(opt)
-        if left:
-            self.open = left
-            self.update(self.close())
+        for p in left:
+            if self.first_arrived is None:
+                self.first_arrived = p
+            self.open.setdefault(self.group_of[id(p)], []).append(p)
+        for index in list(self.open):
+            self.update(self.close(index))
         self.thin_out()
 
     # -- a bucket's update --
