@@ -35,9 +35,7 @@ def test_once_learned_only_the_first_and_each_buckets_last_param_keep_a_hook():
     model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
     state = _STATES[opt]
     arrived: list[torch.Tensor] = []
-    handles = [
-        p.register_post_accumulate_grad_hook(arrived.append) for p in model.parameters()
-    ]
+    handles = [p.register_post_accumulate_grad_hook(arrived.append) for p in model.parameters()]
     model(batch(0)).backward()
     for handle in handles:
         handle.remove()
@@ -90,9 +88,7 @@ def test_a_bucket_holds_one_param_group_in_arrival_order():
     group's last bucket closes with its last gradient, however few bytes it holds."""
     model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
     arrived: list[torch.Tensor] = []
-    handles = [
-        p.register_post_accumulate_grad_hook(arrived.append) for p in model.parameters()
-    ]
+    handles = [p.register_post_accumulate_grad_hook(arrived.append) for p in model.parameters()]
     model(batch(0)).backward()
     for handle in handles:
         handle.remove()
