@@ -5,7 +5,8 @@
                                           [--profile ROWS] [--cprofile ROWS]
 
 The model and optimizer of benchmarks/in_backward.py (GPT-2 124M, bf16 autocast, AdamW in two
-param groups) compiled with ``in_backward=True`` (13 buckets at the default bucket size), and
+param groups) compiled with ``in_backward=True`` (4 buckets at the default 128 MiB: 3 of the
+matrices, 1 of the vectors; 13 mixed ones at 25 MiB before buckets held one group), and
 a copy compiled to step after backward. Reported, host microseconds (medians):
 
 - iterations: forward, backward and ``opt.step()`` of both, alternated iteration by
@@ -22,7 +23,7 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
   slower inside backward than alone on the H100 host: is it Python there, or our code?);
 - per hook: one call of a bucket's last param's post-accumulate-grad hook that leaves its
   bucket alone, and of its body alone (once the buckets are learned only the first param
-  and each bucket's last one keep a hook: 14 of GPT-2's 148 params at 13 buckets);
+  and each bucket's last one keep a hook: 5 of GPT-2's 148 params at 4 buckets);
 - per bucket update: the whole update (what the hook of a bucket's last gradient runs), the
   compiled step inside it (prologue, plan, replay) and the plan alone (on CUDA: the host
   preparation, also shown alone, and the graph launch); the rest is the update's own
@@ -40,9 +41,9 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
 GPU (from the repository root; under 3 minutes on an H100):
   PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
       python benchmarks/in_backward_host.py --sweep 1,4,40 --profile 25
-A CPU run (``--device cpu``: a narrow GPT-2 with the same 148 tensors, its gradients split
-into ``--buckets`` buckets, 13 by default) times the same host-side parts, CPU kernels in the
-plan.
+A CPU run (``--device cpu``: a narrow GPT-2 with the same 148 tensors, buckets of
+1/``--buckets`` of its gradient bytes, 4 by default) times the same host-side parts, CPU
+kernels in the plan.
 """
 
 from __future__ import annotations
@@ -538,7 +539,7 @@ def main() -> None:
     if args.config is None:
         args.config = "gpt2" if args.device == "cuda" else "gpt2-narrow"
     if args.buckets is None and args.device != "cuda":
-        args.buckets = 13  # GPT-2's count on the GPU at the default 25 MiB
+        args.buckets = 4  # about GPT-2's bytes per bucket on the GPU at the default 128 MiB
     from optguard import native
 
     native.start(wait=True)  # the steady state (it builds in the background otherwise)

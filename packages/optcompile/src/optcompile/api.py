@@ -83,8 +83,9 @@ def compile(
     back to eager with a warning.
     ``recompile_limit``: entries kept per object before it falls back to eager.
     ``in_backward=True`` (optimizers only): ``loss.backward()`` updates the parameters as
-    their gradients arrive, in buckets of about ``bucket_bytes`` of gradients, each one
-    compiled launch, and frees each gradient after its update (see docs/in_backward.md).
+    their gradients arrive, in buckets of about ``bucket_bytes`` of gradients (one param
+    group each; default 128 MiB), each one compiled launch, and frees each gradient after
+    its update (see docs/in_backward.md).
     ``state_dtype``: None keeps the optimizer's state as it is; ``torch.bfloat16`` stores
     each state tensor of a parameter's shape in bfloat16 with stochastic rounding,
     ``"int8"`` in blockwise int8 (256 per block, float32 scales); ``state_dict()`` stays
