@@ -42,6 +42,7 @@ import threading
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Collection, Iterator
+from itertools import repeat
 from operator import is_
 from typing import Any
 
@@ -138,6 +139,7 @@ class InBackward:
         self.handles: dict[int, Any] = {}  # id(param) -> its hook's handle
         self.hook: Callable[[torch.Tensor], None] | None = None
         self.params: list[torch.Tensor] = []  # those with a hook, when all have one
+        self.every: list[torch.Tensor] = []  # every param of every group
         # Thin hooks (see the module): the first param, the others, each bucket's last one.
         self.thin = False
         self.first: torch.Tensor | None = None
@@ -176,6 +178,7 @@ class InBackward:
             for p in group["params"]:
                 if id(p) in self.group_of:
                     continue
+                self.every.append(p)
                 self.group_of[id(p)] = index
                 if p.requires_grad:
                     self.hooked.add(id(p))
@@ -220,6 +223,7 @@ class InBackward:
         self.owned.clear()
         self.handles.clear()
         self.params.clear()
+        self.every.clear()
         self.thin, self.first, self.others, self.trigger_of = False, None, [], {}
         self.group_of.clear()
         self.hooked.clear()
@@ -280,10 +284,7 @@ class InBackward:
         this backward and all of its gradients are there (else the end of backward does)."""
         task = _torch_compat.graph_task_id()
         if p is self.first:
-            others = self.others
-            module = native.module()  # (its grads(): every .grad read in one C loop)
-            grads = module.grads(others) if module is not None else [q.grad for q in others]
-            clean = task >= 0 and grads.count(None) == len(grads)
+            clean = task >= 0 and _none_held(self.others)
             self.clean_task = task if clean else None
         bucket = self.trigger_of.get(id(p))
         if bucket is None or self.clean_task != task:
@@ -316,6 +317,11 @@ class InBackward:
         if self.thin and self.compiled_autograd:
             self.thicken()
         self.refresh(opt)
+        if not self.open and _none_held(self.every):  # (the usual case: nothing left)
+            for bucket in self.buckets:
+                bucket.arrived = 0
+            self.thin_out()
+            return
         for index in list(self.open):
             self.update(self.close(index))
         for bucket in self.buckets:
@@ -397,6 +403,16 @@ class InBackward:
 
 
 _MISSING = object()
+
+
+def _none_held(params: list[torch.Tensor]) -> bool:
+    """Whether none of ``params`` holds a gradient: their ``.grad`` read in one C loop
+    (optguard's native ``grads``) and compared by identity (``==`` would call
+    ``Tensor.__eq__`` on each gradient held); attribute reads where dynamo traces this (an
+    ``opt.step()`` inside a ``torch.compile``d function), which the native call would break."""
+    module = None if torch.compiler.is_compiling() else native.module()
+    grads = module.grads(params) if module is not None else [p.grad for p in params]
+    return all(map(is_, grads, repeat(None)))
 
 
 def _same(values: Collection[Any], seen: Collection[Any]) -> bool:
