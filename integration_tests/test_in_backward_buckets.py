@@ -218,9 +218,15 @@ def test_state_dict_round_trip_continues_like_eager():
     assert opt.state_dict()["param_groups"] == eager.state_dict()["param_groups"]
 
 
-def test_changes_to_groups_and_state_between_backwards_reach_the_next_update():
+@pytest.mark.parametrize("tags", [True, False], ids=["dict-versions", "lookups"])
+def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tags, monkeypatch):
     # A bucket's view syncs with the optimizer only where something changed since its last
-    # update (compared by identity): each kind of change must still arrive.
+    # update (compared by identity; the state's lookups skipped while CPython's dict version
+    # tags say neither state dict changed): each kind of change must still arrive.
+    from optcompile import backward
+
+    if not tags:
+        monkeypatch.setattr(backward, "_tags", lambda: None)
     model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
 
     def change(step: int, o: torch.optim.Optimizer, m: torch.nn.Module) -> None:
@@ -242,6 +248,8 @@ def test_changes_to_groups_and_state_between_backwards_reach_the_next_update():
         opt.zero_grad()
         eager_iteration(reference, eager, step)
         assert_same(model, opt, reference, eager)
+    versioned = [b.versions is not None for b in backward._STATES[opt].buckets]
+    assert versioned == [tags and backward._tags() is not None] * len(versioned)
 
 
 def test_explain_lists_the_buckets_and_counts_their_traces():

@@ -87,6 +87,9 @@ class Bucket:
     L: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"opt": view}
     groups: list[Synced] = dataclasses.field(default_factory=list)
     entries: list[Any] = dataclasses.field(default_factory=list)  # the view's state, by param
+    # CPython's dict version tags of the optimizer's and the view's state (and of their
+    # entries) after the last update, where optguard's native module reads them (see update)
+    versions: tuple[Any, Any] | None = None
     arrived: int = 0  # gradients arrived in this backward
 
 
@@ -354,22 +357,32 @@ class InBackward:
         for synced in bucket.groups:
             synced.pull(live_groups[synced.index])
         # The view's state holds the optimizer's own per-param entries: synced entry by
-        # entry only where one differs from what the view held after its last update.
+        # entry only where one differs from what the view held after its last update. While
+        # a state dict keeps its version tag since then (no entry added, replaced or removed,
+        # nor any entry dict changed), its side of the sync is skipped: a lookup by tensor
+        # costs a Python-level Tensor.__hash__ per param.
         state, own_state, params = opt.state, view.state, bucket.params
-        entries = list(map(state.get, params))
-        if not _same(entries, bucket.entries):
-            for p, entry in zip(params, entries, strict=True):
-                if entry is None:
-                    own_state.pop(p, None)  # cleared (load_state_dict without it)
-                elif own_state.get(p) is not entry:
-                    own_state[p] = entry
+        tags = _tags()
+        seen = bucket.versions if tags is not None else None
+        if seen is None or not tags.versions_match(seen[0], state):
+            entries = list(map(state.get, params))
+            if not _same(entries, bucket.entries):
+                for p, entry in zip(params, entries, strict=True):
+                    if entry is None:
+                        own_state.pop(p, None)  # cleared (load_state_dict without it)
+                    elif own_state.get(p) is not entry:
+                        own_state[p] = entry
+            bucket.entries, seen = entries, None
         bucket.step(bucket.L)
-        held = list(map(own_state.get, params))
-        if not _same(held, entries):
-            for p, entry in zip(params, held, strict=True):
-                if entry is not None and state.get(p) is not entry:
-                    state[p] = entry  # (state the step created)
-        bucket.entries = held
+        if seen is None or not tags.versions_match(seen[1], own_state):
+            held = list(map(own_state.get, params))
+            if not _same(held, bucket.entries):
+                for p, entry in zip(params, held, strict=True):
+                    if entry is not None and state.get(p) is not entry:
+                        state[p] = entry  # (state the step created)
+            bucket.entries, seen = held, None
+        if seen is None and tags is not None:
+            bucket.versions = _versions_of(tags, state, own_state)
         for p in params:
             p.grad = None
         for synced in bucket.groups:  # what the step wrote into its group
@@ -413,6 +426,22 @@ def _none_held(params: list[torch.Tensor]) -> bool:
     module = None if torch.compiler.is_compiling() else native.module()
     grads = module.grads(params) if module is not None else [p.grad for p in params]
     return all(map(is_, grads, repeat(None)))
+
+
+def _tags() -> Any:
+    """optguard's native module where it reads CPython's dict version tags (before 3.14),
+    else None."""
+    module = native.module()
+    return module if module is not None and hasattr(module, "versions") else None
+
+
+def _versions_of(tags: Any, *dicts: dict[Any, Any]) -> tuple[Any, ...] | None:
+    """Each dict's version tags (its own and its values'), or None where a value is not a
+    dict (state a custom step keeps otherwise: synced by lookups every time)."""
+    try:
+        return tuple(tags.versions(d) for d in dicts)
+    except TypeError:
+        return None
 
 
 def _same(values: Collection[Any], seen: Collection[Any]) -> bool:
