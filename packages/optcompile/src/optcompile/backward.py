@@ -292,7 +292,7 @@ class InBackward:
         bucket = self.trigger_of.get(id(p))
         if bucket is None or self.clean_task != task:
             return
-        if all(q.grad is not None for q in bucket.params):
+        if not any(map(is_, _grads(bucket.params), repeat(None))):  # all there
             self.update(bucket)
 
     def close(self, index: int) -> Bucket:
@@ -419,13 +419,17 @@ _MISSING = object()
 
 
 def _none_held(params: list[torch.Tensor]) -> bool:
-    """Whether none of ``params`` holds a gradient: their ``.grad`` read in one C loop
-    (optguard's native ``grads``) and compared by identity (``==`` would call
-    ``Tensor.__eq__`` on each gradient held); attribute reads where dynamo traces this (an
-    ``opt.step()`` inside a ``torch.compile``d function), which the native call would break."""
+    """Whether none of ``params`` holds a gradient (compared by identity: ``==`` would call
+    ``Tensor.__eq__`` on each gradient held)."""
+    return all(map(is_, _grads(params), repeat(None)))
+
+
+def _grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Each param's ``.grad``, read in one C loop (optguard's native ``grads``); attribute
+    reads where dynamo traces this (an ``opt.step()`` inside a ``torch.compile``d function),
+    which the native call would break."""
     module = None if torch.compiler.is_compiling() else native.module()
-    grads = module.grads(params) if module is not None else [p.grad for p in params]
-    return all(map(is_, grads, repeat(None)))
+    return module.grads(params) if module is not None else [p.grad for p in params]
 
 
 def _tags() -> Any:
