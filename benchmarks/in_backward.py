@@ -8,10 +8,13 @@ Variants, each in a fresh process (so peak memory counts only its own tensors):
   optcompile              optcompile.compile(AdamW) stepped after backward
   optcompile-in-backward  optcompile.compile(AdamW, in_backward=True): the update runs inside
                           backward in buckets, each gradient freed after its update
+                          (``optcompile-in-backward@25``: buckets of 25 MiB, not the default)
 
 Reported per variant: median iteration time (forward + backward + step, CUDA-synchronized,
 after warm-up iterations), peak allocated memory over the timed iterations
-(torch.cuda.max_memory_allocated), the first iteration's time (includes compiling), and the
+(torch.cuda.max_memory_allocated; on the CPU the process's peak resident set, VmHWM reset
+after warm-up, with glibc's malloc returning each freed tensor's memory at once), the first
+iteration's time (includes compiling), and the
 loss of each timed iteration (the same data in every variant: the losses agree to bf16
 rounding when the updates agree). The target of issue 26: the in-backward peak lower than
 the after-backward ones by at least the gradients' size, its time no worse than
@@ -22,6 +25,9 @@ Usage (GPU machine, from the repository root):
       python benchmarks/in_backward.py --json benchmarks/results/in_backward_h100.json \\
       --out benchmarks/results/in_backward_h100.md
 A CPU smoke run: python benchmarks/in_backward.py --config tiny --device cpu --iters 2 --batches 2
+The peaks on the CPU (GPT-2 124M, a few seconds per iteration):
+  python benchmarks/in_backward.py --device cpu --context 128 --batches 1 --warmup 2 --iters 2 \
+      --variants optcompile,optcompile-in-backward,optcompile-in-backward@25
 ``--rounds N`` runs each variant N times, interleaved (a host's speed drifts between processes
 by several ms at these sizes); ``benchmarks/in_backward_host.py`` takes the in-backward
 iteration apart on the host, in one process.
@@ -30,8 +36,10 @@ iteration apart on the host, in one process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -127,8 +135,10 @@ def make_step(variant: str, model: torch.nn.Module, device: str) -> Any:
     opt = torch.optim.AdamW(optimizer_groups(model), **kwargs)
     if variant == "optcompile":
         opt = optcompile.compile(opt)
-    elif variant == "optcompile-in-backward":
-        opt = optcompile.compile(opt, in_backward=True)
+    elif variant.startswith("optcompile-in-backward"):
+        _, _, mib = variant.partition("@")
+        sizes = {"bucket_bytes": max(1, int(float(mib) * 2**20))} if mib else {}
+        opt = optcompile.compile(opt, in_backward=True, **sizes)
     elif variant not in ("eager", "eager-fused"):
         raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
@@ -170,6 +180,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for i, tokens in enumerate(data):
         if i == args.warmup and device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        elif i == args.warmup:
+            reset_peak_resident()
         sync()
         start = time.perf_counter()
         loss = iteration(tokens)
@@ -187,7 +199,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "iteration_s": statistics.median(times),
         "iteration_s_all": times,
         "first_iteration_s": first,
-        "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else peak_resident(),
         "grad_bytes": param_bytes,  # fp32 params: gradients of the same size
         "params": sum(p.numel() for p in model.parameters()),
         "losses": losses,
@@ -205,6 +217,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def reset_peak_resident() -> None:
+    """Start the process's peak resident set (VmHWM) afresh (Linux; elsewhere a no-op)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_resident() -> int | None:
+    """The process's peak resident set in bytes since ``reset_peak_resident`` (Linux)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def run_all(args: argparse.Namespace) -> None:
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for _ in range(args.rounds):  # (rounds interleave the variants: host drift hits all)
@@ -218,6 +245,7 @@ def run_all(args: argparse.Namespace) -> None:
     meta = {
         "command": "python benchmarks/in_backward.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+        "device_type": args.device,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "config": args.config,
@@ -248,7 +276,10 @@ def run_one(args: argparse.Namespace, variant: str, batch: str) -> dict[str, Any
     if args.context:
         command += ["--context", str(args.context)]
     command += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    # (CPU peaks: glibc's malloc then maps each tensor of 64 KiB or more on its own and
+    # unmaps it when freed, so the resident set follows the live tensors)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"} if args.device == "cpu" else None
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         error = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
@@ -287,6 +318,11 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             "rounds' medians; each round's in the notes)."
             if meta.get("rounds", 1) > 1
             else "."
+        )
+        + (
+            " Peaks on the CPU: the process's peak resident set (torch and Python included)."
+            if meta.get("device_type") == "cpu"
+            else ""
         ),
         "",
         "| batch | variant | iteration ms | first iteration s | peak MiB "

@@ -2,8 +2,8 @@
 run them: the sharded ones on gloo, benchmarks/sharded_step.py (world size 1, in one process)
 and benchmarks/fsdp_train.py (torchrun, world size 2), each in its --smoke mode (a tiny model,
 a few steps; they raise if optcompile falls back or retraces, or if the compiled and eager runs
-or the checkpoint round trip differ); benchmarks/first_call.py and
-benchmarks/in_backward_host.py on a tiny case; benchmarks/host_time.py's host parts on the CPU
+or the checkpoint round trip differ); benchmarks/first_call.py, benchmarks/in_backward.py
+and benchmarks/in_backward_host.py on a tiny case; benchmarks/host_time.py's host parts on the CPU
 (the Triton interpreter)."""
 
 from __future__ import annotations
@@ -127,6 +127,19 @@ def test_in_backward_host_benchmark_times_hooks_and_bucket_updates(tmp_path: Pat
     speed = result["python_speed"]
     assert speed["inside_us"] > 0 and speed["outside_us"] > 0
     assert "The same pure Python:" in done.stdout
+
+
+def test_in_backward_benchmark_reports_peaks_and_bucket_sizes_on_the_cpu(tmp_path: Path) -> None:
+    js = tmp_path / "result.json"
+    args = ["--device", "cpu", "--config", "tiny", "--batches", "2", "--warmup", "1"]
+    variants = "optcompile,optcompile-in-backward,optcompile-in-backward@0.01"
+    args += ["--iters", "2", "--variants", variants, "--json", str(js)]
+    _script([sys.executable, str(BENCHMARKS / "in_backward.py"), *args])
+    rows = {r["variant"]: r for r in json.loads(js.read_text())["rows"]}
+    assert all(r["peak_bytes"] > 0 for r in rows.values())  # the peak resident set
+    assert not rows["optcompile"].get("buckets")
+    assert len(rows["optcompile-in-backward"]["buckets"]) == 2  # one per group
+    assert len(rows["optcompile-in-backward@0.01"]["buckets"]) > 2  # 10 KiB each
 
 
 def test_host_time_benchmark_times_the_host_parts_on_the_cpu() -> None:
