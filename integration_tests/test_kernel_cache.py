@@ -85,6 +85,7 @@ CHILD = COUNT_COMPILES + textwrap.dedent(
         "self_hashes": triton_cache.triton_key.cache_info().misses,
         "param": params[0][0].item(),
         "gluon": "triton.experimental.gluon" in sys.modules,
+        "imported": any(m.startswith("optkernels_generated_") for m in sys.modules),
     }))
     """
 )
@@ -115,6 +116,9 @@ def test_a_second_process_reuses_the_generated_kernels(tmp_path):
         # The second launches the recorded kernels itself: Triton's binder, which imports
         # its Gluon packages on its first call, did not run.
         assert not second["gluon"]
+        # Nor did it import the generated modules (Triton's JIT builds their functions from
+        # their source lines): the records keep what its launches need of them.
+        assert first["imported"] and not second["imported"]
         # A cold cache: Triton's runtime modules were built ahead, in the background threads
         # the backend started (_triton_compat.prefetch_runtime), none at the first launch.
         assert first["c_builds"], "Triton built no runtime module in a cold cache?"
@@ -156,6 +160,7 @@ LAUNCHES = COUNT_COMPILES + textwrap.dedent(
             kernel[(1,)](*args, BLOCK=8)
             results.append(buffer.tolist())
     gluon = "triton.experimental.gluon" in sys.modules
+    imported = any(m.startswith("optkernels_generated_") for m in sys.modules)
     self_hashes = triton_cache.triton_key.cache_info().misses
     same = []  # the specialization made from the fingerprint, and Triton's binder's
     for args in calls:
@@ -164,7 +169,7 @@ LAUNCHES = COUNT_COMPILES + textwrap.dedent(
         made = _triton_compat._specialization(kernel.fn, key, launch.bound)
         same.append(made == launch.specialization and _triton_compat._agrees(key, made))
     print(json.dumps({
-        "results": results, "compiles": compiles, "gluon": gluon,
+        "results": results, "compiles": compiles, "gluon": gluon, "imported": imported,
         "self_hashes": self_hashes, "same": same,
     }))
     """
@@ -185,4 +190,5 @@ def test_kernels_compile_without_triton_s_self_hash_and_launch_from_the_record(t
     assert first["self_hashes"] == 0  # (compiled without Triton's cache: no key needed)
     assert second["compiles"] == [] and second["self_hashes"] == 0
     assert not second["gluon"]  # (Triton's binder never ran)
+    assert first["imported"] and not second["imported"]  # (nor Triton's jit decorator)
     assert first["same"] == second["same"] == [True] * 3

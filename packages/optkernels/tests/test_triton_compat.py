@@ -5,10 +5,12 @@ here: no GPU needed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -210,7 +212,7 @@ def test_a_recorded_kernel_loads_as_the_kernel_triton_compiled(offline, tmp_path
     assert entry is not None
     record = str(tmp_path / "k_0123.twice_first.json")
     name = _triton_compat._entry_name(target, key)
-    _triton_compat._remember(record, name, entry)
+    _triton_compat._remember(record, name, entry, fn)
 
     loaded = _triton_compat._load(fn, record, name)
     assert loaded.asm["cubin"] == compiled.asm["cubin"]
@@ -220,9 +222,90 @@ def test_a_recorded_kernel_loads_as_the_kernel_triton_compiled(offline, tmp_path
     assert loaded.src.constants == compiled.src.constants == {(3,): 128, (4,): 2.0}
     assert _triton_compat._constexpr_args(fn, len(args), kwargs) == (128, 2.0)
 
+    # A later process launches it from what the record keeps of the function: the same
+    # fingerprint, arguments and compiled kernel, without building the function.
+    header = _triton_compat._read(record)[_triton_compat._HEADER]
+    recorded = _triton_compat._Recorded.of(header, lambda: pytest.fail("function built"))
+    assert _triton_compat._fingerprint(recorded, args, kwargs) == key
+    assert _triton_compat._constexpr_args(recorded, len(args), kwargs) == (128, 2.0)
+    warm = _triton_compat._load(recorded, record, name)
+    assert warm.asm["cubin"] == compiled.asm["cubin"] and warm.hash == compiled.hash
+    assert warm.src.signature == signature and warm.src.constants == compiled.src.constants
+
     assert _triton_compat._load(fn, record, name.replace("arch=90", "arch=80")) is None
     os.remove(entry["group"]["twice_first.cubin"])  # (Triton's cache emptied since)
     assert _triton_compat._load(fn, record, name) is None
+
+
+def _counting(fn):
+    """A loader of ``fn`` that counts its calls (a generated module's import)."""
+    calls: list[int] = []
+
+    def load():
+        calls.append(1)
+        return fn
+
+    return load, calls
+
+
+def test_what_the_record_keeps_of_a_function_launches_as_the_function(offline):
+    fn = offline[0]
+    load, calls = _counting(fn)
+    recorded = _triton_compat._Recorded.of(_triton_compat._Recorded.header(fn), load)
+    table, out = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.float16)
+    for args in ((table, 5, out), (table[1:], 1, out[3:]), (table, 2**40, 2.5)):
+        for kwargs in ({"BLOCK": 64}, {"BLOCK": 32, "SCALE": 3.0, "num_warps": 2}):
+            fingerprint = _triton_compat._fingerprint(recorded, args, kwargs)
+            assert fingerprint == _triton_compat._fingerprint(fn, args, kwargs)
+            constexprs = _triton_compat._constexpr_args(recorded, len(args), kwargs)
+            assert constexprs == _triton_compat._constexpr_args(fn, len(args), kwargs)
+    assert recorded.__name__ == "twice_first" and recorded.arg_names == fn.arg_names
+    assert calls == []  # (nothing above needed the function)
+    assert recorded.cache_key == fn.cache_key and calls == [1]  # (the rest is the function's)
+
+
+def test_a_record_without_the_function_s_header_builds_the_function(offline, tmp_path):
+    fn = offline[0]
+    record = tmp_path / "k_0123.twice_first.json"
+    broken = {**_triton_compat._Recorded.header(fn), "params": 3}
+    for header in (None, {"name": "twice_first"}, broken):
+        entries = {} if header is None else {_triton_compat._HEADER: header}
+        record.write_text(json.dumps(entries))
+        load, calls = _counting(fn)
+        kernel = _triton_compat.Kernel(str(record), load)
+        assert kernel._recorded() is fn and calls == [1]
+
+
+def test_a_function_json_cannot_keep_is_not_recorded(offline):
+    fn = offline[0]
+    assert _triton_compat._Recorded.header(fn)["params"][-1] == ["SCALE", True, 2.0]
+
+    class Default:  # (a default value JSON cannot keep)
+        pass
+
+    params = [_triton_compat._Param("x", True, Default())]
+    odd = types.SimpleNamespace(__name__="f", debug=None, arg_names=["x"], params=params)
+    assert _triton_compat._Recorded.header(odd) is None
+    assert _triton_compat._Recorded.header(object()) is None
+
+
+def test_a_launch_from_the_record_imports_no_generated_module(tmp_path, monkeypatch):
+    """A kernel whose record keeps its function launches (on a GPU) without importing the
+    module ``load_kernel`` wrote; the interpreter, or anything else, imports it on use."""
+    from optkernels.foreach_kernel import load_kernel
+
+    monkeypatch.setenv("OPTKERNELS_CACHE_DIR", str(tmp_path))
+    name = f"unused_{os.getpid()}"
+    source = f"@triton.jit\ndef {name}(x, BLOCK: tl.constexpr):\n    pass\n"
+    kernel = load_kernel(source, name)
+    module = [m for m in sys.modules if m.startswith("optkernels_generated_")]
+    digest = os.path.basename(kernel.record).split(".")[0][2:]
+    assert f"optkernels_generated_{digest}" not in module
+    assert os.path.exists(tmp_path / f"k_{digest}.py")
+    assert kernel.fn.__name__ == name  # (imported now)
+    assert f"optkernels_generated_{digest}" in sys.modules
+    again = load_kernel(source, name)  # (the same module's function, given at once)
+    assert again._fn is kernel.fn and again._compiled is kernel._compiled
 
 
 def test_the_record_names_the_triton_it_was_made_by():

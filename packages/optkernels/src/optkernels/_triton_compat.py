@@ -50,25 +50,41 @@ class Kernel:
     On CUDA a launch finds its compiled kernel by the arguments' fingerprint (``_fingerprint``:
     what Triton's JIT specializes on, or finer) and launches it directly; the first launch of
     a fingerprint in a process looks it up in the record (see the module docstring), else
-    goes through Triton's JIT, which compiles it, and records it."""
+    goes through Triton's JIT, which compiles it, and records it.
 
-    def __init__(self, fn: Any, record: str) -> None:
-        self.fn = fn
+    ``load`` returns the function (importing its module, whose ``@triton.jit`` builds a
+    JITFunction from its source lines); it runs when Triton's JIT, the interpreter or an
+    unrecorded fingerprint needs the function: a warm launch of a recorded kernel needs only
+    what the record keeps of it (``_Recorded``)."""
+
+    def __init__(self, record: str, load: Callable[[], Any], fn: Any = None) -> None:
         self.record = record
-        self._direct = hasattr(fn, "device_caches")  # the interpreter has no JIT cache
+        self._load_fn = load
+        self._fn = fn  # (given where its module is imported already)
+        self._seen: Any = fn  # the function, or what the record keeps of it
+        self._direct: bool | None = None  # (decided at the first launch)
         # (device, fingerprint) -> the compiled kernel, or None where Triton's JIT launches
-        # it; kept on the function, which a second Kernel of the same source shares.
-        self._compiled: dict[Any, Any] = (
-            fn.__dict__.setdefault("_optkernels_compiled", {}) if self._direct else {}
-        )
+        # it; shared by every Kernel of the same source and name (the same record's name).
+        self._compiled = _COMPILED.setdefault(os.path.basename(record), {})
+
+    @property
+    def fn(self) -> Any:
+        """The ``@triton.jit`` function (its module imported on first use)."""
+        if self._fn is None:
+            self._fn = self._seen = self._load_fn()
+        return self._fn
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        if self._direct is None:  # (the interpreter's functions have no JIT cache)
+            loaded = self._fn is not None
+            self._direct = hasattr(self._fn, "device_caches") if loaded else not _interpreting()
         if not self._direct:
             return self.fn[grid]
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        key = _fingerprint(self.fn, args, kwargs)
+        fn = self._seen if self._seen is not None else self._recorded()
+        key = _fingerprint(fn, args, kwargs)
         device = _current_device()
         compiled = self._compiled.get((device, key), _UNSEEN)
         if compiled is None:
@@ -76,7 +92,15 @@ class Kernel:
         elif compiled is _UNSEEN:
             self._first(grid, args, kwargs, device, key)
         else:
-            compiled[(*grid, 1, 1)[:3]](*args, *_constexpr_args(self.fn, len(args), kwargs))
+            compiled[(*grid, 1, 1)[:3]](*args, *_constexpr_args(fn, len(args), kwargs))
+
+    def _recorded(self) -> Any:
+        """What the record keeps of the function (``_Recorded``), else the function."""
+        recorded = _Recorded.of(_read(self.record).get(_HEADER), lambda: self.fn)
+        if recorded is None:
+            return self.fn
+        self._seen = recorded
+        return recorded
 
     def _first(
         self,
@@ -89,17 +113,18 @@ class Kernel:
         """A fingerprint's first launch in this process: recorded, or Triton's."""
         _await_driver()  # (loading, compiling, binding use Triton's driver, built there)
         compiled = None
+        fn = self._seen
         if key is not None:
             name = _entry_name(_current_target(), key)
-            compiled = _load(self.fn, self.record, name)
+            compiled = _load(fn, self.record, name)
             if compiled is None:
                 compiled = _compile(self.fn, self.record, name, key, args, kwargs)
         _await_runtime()  # (the launchers: built there, while this compiled)
         if compiled is not None:
             try:
-                compiled[(*grid, 1, 1)[:3]](*args, *_constexpr_args(self.fn, len(args), kwargs))
+                compiled[(*grid, 1, 1)[:3]](*args, *_constexpr_args(fn, len(args), kwargs))
             except _MISMATCH as exc:  # another Triton's launcher: its JIT launches it
-                log.debug("%s: recorded kernel not launched (%r)", self.fn.__name__, exc)
+                log.debug("%s: recorded kernel not launched (%r)", fn.__name__, exc)
             else:
                 self._compiled[device, key] = compiled
                 return
@@ -126,11 +151,73 @@ class Kernel:
         entry = _entry(self.fn, backend, launch, compiled, key)
         if entry is None:
             return None
-        _remember(self.record, _entry_name(launch.target, key), entry)
+        _remember(self.record, _entry_name(launch.target, key), entry, self.fn)
         return compiled
 
 
 _UNSEEN = object()
+_COMPILED: dict[str, dict[Any, Any]] = {}  # a record's name -> its kernels (Kernel._compiled)
+_HEADER = "function"  # the record's entry for what it keeps of the function (_Recorded)
+
+
+def _interpreting() -> bool:
+    """Whether ``@triton.jit`` makes interpreted functions (TRITON_INTERPRET)."""
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+@dataclass(frozen=True)
+class _Param:
+    name: str
+    has_default: bool
+    default: Any
+
+
+class _Recorded:
+    """What a warm launch of a recorded kernel needs of its ``@triton.jit`` function, kept
+    in its record by the process that compiled it: its name, debug setting and parameters
+    (the fingerprint, the constexpr arguments, the compiled kernel's source). Anything else
+    is asked of the function itself (``load``), built on first use."""
+
+    def __init__(self, header: dict[str, Any], load: Callable[[], Any]) -> None:
+        self._load = load
+        self.__name__: str = header["name"]
+        self.debug = header["debug"]
+        self.arg_names: list[str] = list(header["arg_names"])
+        self.params = [_Param(str(n), bool(d), v) for n, d, v in header["params"]]
+        self._load = load
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_load":  # (not set yet)
+            raise AttributeError(name)
+        return getattr(self._load(), name)
+
+    @staticmethod
+    def header(fn: Any) -> dict[str, Any] | None:
+        """What ``_Recorded`` keeps of ``fn``; None where JSON would not keep it as it is."""
+        try:
+            header = {
+                "name": fn.__name__,
+                "debug": fn.debug,
+                "arg_names": list(fn.arg_names),
+                "params": [
+                    [p.name, p.has_default, p.default if p.has_default else None] for p in fn.params
+                ],
+            }
+            kept = json.loads(json.dumps(header)) == header
+        except (*_MISMATCH, ValueError):
+            return None
+        return header if kept else None
+
+    @classmethod
+    def of(cls, header: Any, load: Callable[[], Any]) -> _Recorded | None:
+        """The function as ``header`` (from a record) keeps it; None where it is no header."""
+        try:
+            return cls(header, load)
+        except (*_MISMATCH, ValueError):
+            return None
+
 
 # Python types of kernel arguments a fingerprint covers, and the one Triton's JIT gives them.
 _INT_RANGES = (("i32", -(2**31), 2**31), ("i64", -(2**63), 2**63), ("u64", 0, 2**64))
@@ -346,7 +433,7 @@ def _compile(
         return None
     entry = _entry_of(compiled, signature, constexprs, attrs)
     if entry is not None:
-        _remember(record, name, entry)
+        _remember(record, name, entry, fn)
     return compiled
 
 
@@ -473,9 +560,14 @@ def _installation() -> str:
     return "|".join(parts)
 
 
-def _remember(record: str, name: str, entry: dict[str, Any]) -> None:
+def _remember(record: str, name: str, entry: dict[str, Any], fn: Any) -> None:
+    """Record ``entry`` as ``name``, and what a later process needs of ``fn`` to launch it
+    without building ``fn`` (``_Recorded``)."""
     entries = _read(record)
     entries[name] = entry
+    header = _Recorded.header(fn)
+    if header is not None:
+        entries[_HEADER] = header
     tmp = f"{record}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(entries, f)

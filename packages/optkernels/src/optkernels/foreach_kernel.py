@@ -13,6 +13,7 @@ device buffer.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import math
@@ -737,16 +738,17 @@ def source_dir() -> str:
 
 
 def load_kernel(source: str, name: str) -> Kernel:
-    """Import the generated source as a module (Triton jit needs real source files) and
-    return the kernel.
+    """The kernel ``name`` of the generated ``source``, written to a module file (Triton's
+    JIT needs real source files), which is imported when the kernel's function is needed.
 
     The on-disk kernel cache: a module's file is named by a hash of its text, which the graph
-    structure and dtypes determine, so a second process compiling the same optimizer
-    imports the same file, and the compiled binary Triton stored for it (keyed by that
-    source, the Triton version, the target and the compile options) is loaded without
-    running the compiler or Triton's per-process self-hash (``_triton_compat.Kernel``)."""
-    text = prelude_for(source) + source
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    structure and dtypes determine, so a second process compiling the same optimizer finds
+    the same file, and the record of the kernels compiled from it (Triton's files, keyed by
+    that source, the Triton version, the target and the compile options): it launches them
+    without running the compiler or Triton's per-process self-hash, and without importing
+    the module, whose ``@triton.jit`` functions Triton builds from their source lines
+    (``_triton_compat.Kernel``)."""
+    text, digest = _module_text(source)
     directory = source_dir()
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"k_{digest}.py")
@@ -756,11 +758,30 @@ def load_kernel(source: str, name: str) -> Kernel:
             f.write(text)
         os.replace(tmp, path)
     module_name = f"optkernels_generated_{digest}"
+    record = os.path.join(directory, f"k_{digest}.{name}.json")
+    module = sys.modules.get(module_name)
+    load = functools.partial(_import_kernel, module_name, path, name)
+    return Kernel(record, load, getattr(module, name) if module is not None else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _module_text(source: str) -> tuple[str, str]:
+    """The module text of a kernel's ``source`` (the prelude's helpers it uses first) and its
+    hash (a kernel and its ``_small`` kernel share the module)."""
+    text = prelude_for(source) + source
+    return text, hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _import_kernel(module_name: str, path: str, name: str) -> Any:
     module = sys.modules.get(module_name)
     if module is None:
         spec = importlib.util.spec_from_file_location(module_name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return Kernel(getattr(module, name), os.path.join(directory, f"k_{digest}.{name}.json"))
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    return getattr(module, name)
