@@ -240,6 +240,28 @@ def test_the_cache_follows_optcompile_cache_dir_then_torch_extensions_dir(tmp_pa
     assert torch.__version__.replace(".", "_").replace("+", "_") in path.name
 
 
+def test_without_either_the_cache_is_torch_s_extension_root_found_without_cpp_extension(
+    monkeypatch,
+):
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("OPTCOMPILE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    from torch.utils import cpp_extension
+
+    expected = Path(cpp_extension.get_default_build_root()) / "optguard"
+    assert native.cache_directory() == expected
+    # (a fresh process: finding it imports neither cpp_extension nor setuptools)
+    script = (
+        "import sys; from optguard import native; print(native.cache_directory()); "
+        "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == [str(expected), "[]"]
+
+
 def test_a_missing_module_is_not_built_by_a_step_and_status_says_how_to_build_it(
     tmp_path, monkeypatch
 ):

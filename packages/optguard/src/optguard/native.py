@@ -140,11 +140,7 @@ def _short(exc: BaseException) -> str:
 def cache_directory() -> Path:
     """Where built modules are kept (see the module docstring)."""
     root = os.environ.get("OPTCOMPILE_CACHE_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
-        from torch.utils import cpp_extension
-
-        root = cpp_extension.get_default_build_root()
-    return Path(root) / "optguard"
+    return Path(root or compat.extension_root()) / "optguard"
 
 
 def library_path() -> Path:
