@@ -3,7 +3,7 @@
 Usage (from the repo root, PYTHONPATH naming packages/*/src):
     python benchmarks/first_call.py [--cases gpt2-adamw tiny-200-adamw ...] [--device cpu]
         [--machine "CPU dev machine"] [--out benchmarks/results/first_call_cpu.md]
-        [--warm] [--repeat N] [--profile DIR]
+        [--warm] [--repeat N] [--profile DIR] [--settle]
     python benchmarks/first_call.py --device cuda --cases gpt2-adamw --warm --repeat 3 \
         --machine "H100" --profile prof --out benchmarks/results/first_call_h100.md   # GPU
 
@@ -17,8 +17,12 @@ the phases nested in it, so they add up to at most the total; "other" is the res
 ``--warm`` runs each case a second time in another fresh process on the first one's caches
 (what a user's second run of the same script does); ``--repeat N`` runs each N times (a
 table row per run); ``--profile DIR`` adds one more cold and warm run of each case under
-cProfile (the main thread only: background threads are not attributed to it) and writes
-their statistics to ``DIR/first_call_<case>_<cold|warm>.txt``. Each JSON line also gives
+cProfile and writes their statistics to ``DIR/first_call_<case>_<cold|warm>.txt``: the main
+thread's, as its step starts once optkernels' background threads are done (from Python 3.12
+on, cProfile records every thread's calls: the threads' loads of Triton's launchers showed
+as the step's). ``--settle`` waits for them so in every run (a script's forward and
+backward would, between ``compile()`` and the first step; "settled_s" in the JSON says how
+long that took); without it the step overlaps them, as here. Each JSON line also gives
 the background threads' spans (Triton's self-hash, its runtime modules' C builds; seconds
 from the first step's start) and, as a phase, how long the first launch waited for them:
 
@@ -250,15 +254,33 @@ def _record_background() -> dict[str, list[float]]:
     return spans
 
 
-def run_case(case: str, device: str, profile: str | None = None) -> dict[str, Any]:
+def _settle() -> float:
+    """Wait for optkernels' background threads (started by ``compile()``); seconds waited."""
+    start = time.perf_counter()
+    try:
+        from optkernels import _triton_compat
+    except ImportError:
+        return 0.0
+    _triton_compat._await_runtime()
+    _triton_compat._await_triton_key()
+    return time.perf_counter() - start
+
+
+def run_case(
+    case: str, device: str, profile: str | None = None, settle: bool = False
+) -> dict[str, Any]:
     """Time the first and second step of ``case`` in this (fresh) process; ``profile``: a
-    file to write the first step's cProfile statistics to (main thread)."""
+    file to write the first step's cProfile statistics to (main thread: the background
+    threads are waited for first, since from Python 3.12 on cProfile, built on
+    sys.monitoring, records every thread's calls); ``settle``: wait for them before the
+    step (as a script's forward and backward would, between ``compile()`` and its step)."""
     import optcompile
     import torch
 
     params, kind = _params(case, device)
     background = _record_background()
     opt = optcompile.compile(_optimizer(kind, params))
+    settled = _settle() if settle or profile else None
     timer = Timer()
     _patch_phases(timer)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -290,6 +312,7 @@ def run_case(case: str, device: str, profile: str | None = None) -> dict[str, An
     return {
         "case": case,
         "params": len(params),
+        "settled_s": None if settled is None else round(settled, 4),
         "first_s": round(first, 4),
         "first_cpu_s": round(first_cpu, 4),
         "second_s": round(second, 4),
@@ -498,10 +521,11 @@ def run_fresh(
     triton: str | None = None,
     warm: bool = False,
     profile: str | None = None,
+    settle: bool = False,
 ) -> list[dict[str, Any]]:
     """``case`` in a fresh process with empty caches (its result, labelled "cold"); with
     ``warm``, then in a second one on the caches the first left ("warm"). ``profile``: a
-    folder for their cProfile statistics."""
+    folder for their cProfile statistics; ``settle``: see ``run_case``."""
     results = []
     with tempfile.TemporaryDirectory(prefix="first_call_") as tmp:
         env = dict(os.environ)
@@ -518,6 +542,8 @@ def run_fresh(
             if profile is not None:
                 path = os.path.join(profile, f"first_call_{case}_{caches}.txt")
                 command += ["--profile", path]
+            if settle:
+                command += ["--settle"]
             if triton is not None:
                 env.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
                 command = [sys.executable, __file__, "--triton-child", triton]
@@ -612,7 +638,13 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             "collections within the call (in the phases they interrupted); what the first "
             "call built is in the collector's oldest generation, scanned by the process's "
             "next full collection (a training loop's own allocations start one, some steps "
-            "later).",
+            "later)."
+            + (
+                " Each first step started after optkernels' background threads were done "
+                "(--settle)."
+                if args.settle
+                else ""
+            ),
             "",
             *_markdown(head, rows),
             "",
@@ -649,11 +681,17 @@ def main() -> None:
         metavar="ARCH",
         help="also compile GPT-2's Triton kernels for sm_ARCH (e.g. 90) on this machine",
     )
+    parser.add_argument(
+        "--settle",
+        action="store_true",
+        help="time each first step after optkernels' background threads are done",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--triton-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_case(args.child, args.device, args.profile)), flush=True)
+        result = run_case(args.child, args.device, args.profile, args.settle)
+        print(json.dumps(result), flush=True)
         return
     if args.triton_child is not None:
         arch, _, variant = args.triton_child.partition(":")
@@ -663,7 +701,7 @@ def main() -> None:
     results = []
     for case in args.cases:
         for _ in range(args.repeat):
-            for result in run_fresh(case, args.device, warm=args.warm):
+            for result in run_fresh(case, args.device, warm=args.warm, settle=args.settle):
                 results.append(result)
                 print(json.dumps(result), flush=True)
     if args.profile is not None:
