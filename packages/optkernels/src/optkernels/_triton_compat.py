@@ -6,9 +6,11 @@ found; and its binder (``native_specialize_impl``) imports Triton's Gluon packag
 first call (0.17 s where they have no .pyc). So each generated kernel keeps a small record
 next to its source: for each fingerprint of the arguments it was launched with (what the
 JIT specializes on, or finer: ``_fingerprint``), Triton's cache entry (the hash and the
-files) and the signature its launcher is built for. A later process builds the compiled
-kernel from those files and launches it itself: Triton neither compiles, hashes itself nor
-binds. Anything unexpected (another Triton, target or setting, files gone, a JIT that
+files) and the signature its launcher is built for; and, once, what a launch needs of the
+function itself (``_Recorded``: its name, debug setting and parameters). A later process
+builds the compiled kernel from those files and launches it itself: Triton neither
+compiles, hashes itself nor binds, and the function's module is not even imported (Triton's
+``@triton.jit`` builds a JITFunction from its source lines: ~2 ms each). Anything unexpected (another Triton, target or setting, files gone, a JIT that
 specializes differently, a launcher that refuses the arguments) falls back to Triton's
 own path, which is always correct, only slower.
 
