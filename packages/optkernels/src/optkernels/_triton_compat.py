@@ -10,9 +10,10 @@ files) and the signature its launcher is built for; and, once, what a launch nee
 function itself (``_Recorded``: its name, debug setting and parameters). A later process
 builds the compiled kernel from those files and launches it itself: Triton neither
 compiles, hashes itself nor binds, and the function's module is not even imported (Triton's
-``@triton.jit`` builds a JITFunction from its source lines: ~2 ms each). Anything unexpected (another Triton, target or setting, files gone, a JIT that
-specializes differently, a launcher that refuses the arguments) falls back to Triton's
-own path, which is always correct, only slower.
+``@triton.jit`` builds a JITFunction from its source lines: ~2 ms each). Anything
+unexpected (another Triton, target or setting, files gone, a JIT that specializes
+differently, a launcher that refuses the arguments) falls back to Triton's own path, which
+is always correct, only slower.
 
 A process whose kernels are not recorded yet (a cold cache) compiles them: through
 Triton's stages as ``triton.compile`` does on a miss, but into files beside the record
