@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -752,16 +753,12 @@ def load_kernel(source: str, name: str) -> Kernel:
     directory = source_dir()
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"k_{digest}.py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+    _write_module(path, text)
     module_name = f"optkernels_generated_{digest}"
     record = os.path.join(directory, f"k_{digest}.{name}.json")
     module = sys.modules.get(module_name)
-    load = functools.partial(_import_kernel, module_name, path, name)
-    return Kernel(record, load, getattr(module, name) if module is not None else None)
+    load = functools.partial(_import_kernel, module_name, path, text, name)
+    return Kernel(record, load, getattr(module, name, None))
 
 
 @functools.lru_cache(maxsize=64)
@@ -772,9 +769,26 @@ def _module_text(source: str) -> tuple[str, str]:
     return text, hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _import_kernel(module_name: str, path: str, name: str) -> Any:
+_IMPORTING = threading.Lock()  # (a module's first launches on two threads import it once)
+
+
+def _import_kernel(module_name: str, path: str, text: str, name: str) -> Any:
+    with _IMPORTING:
+        return getattr(_import_module(module_name, path, text), name)
+
+
+def _write_module(path: str, text: str) -> None:
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+
+def _import_module(module_name: str, path: str, text: str) -> Any:
     module = sys.modules.get(module_name)
     if module is None:
+        _write_module(path, text)  # (again, where the cache was emptied since)
         spec = importlib.util.spec_from_file_location(module_name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -784,4 +798,4 @@ def _import_kernel(module_name: str, path: str, name: str) -> Any:
         except BaseException:
             del sys.modules[module_name]
             raise
-    return getattr(module, name)
+    return module
