@@ -708,24 +708,23 @@ _HELPERS = {
 }
 
 
+# Any helper's name, as a word; and the helpers each helper calls.
+_HELPER_NAME = re.compile(r"\b(" + "|".join(map(re.escape, _HELPERS)) + r")\b")
+_CALLS = {name: frozenset(_HELPER_NAME.findall(block)) - {name} for name, block in _HELPERS.items()}
+_HEADER = _PRELUDE.split("\n@triton.jit\n", 1)[0]
+
+
 def prelude_for(source: str) -> str:
     """The prelude's imports and the helpers ``source`` uses, directly or through another
     helper: a warm process imports the module for its kernel, and each helper there is a
     JITFunction that Triton builds from its source lines on import (~1 ms each)."""
-    needed: set[str] = set()
-    text = source
-    while True:
-        more = [
-            name
-            for name in _HELPERS
-            if name not in needed and re.search(rf"\b{name}\b", text) is not None
-        ]
-        if not more:
-            break
-        needed.update(more)
-        text += "".join(_HELPERS[name] for name in more)
-    header = _PRELUDE.split("\n@triton.jit\n", 1)[0]
-    return header + "".join("\n" + block for name, block in _HELPERS.items() if name in needed)
+    needed = set(_HELPER_NAME.findall(source))
+    todo = list(needed)
+    while todo:
+        for name in _CALLS[todo.pop()] - needed:
+            needed.add(name)
+            todo.append(name)
+    return _HEADER + "".join("\n" + block for name, block in _HELPERS.items() if name in needed)
 
 
 def source_dir() -> str:
