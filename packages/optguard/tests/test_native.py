@@ -254,8 +254,10 @@ def test_without_either_the_cache_is_torch_s_extension_root_found_without_cpp_ex
     assert native.cache_directory() == expected
     # (a fresh process: finding it imports neither cpp_extension nor setuptools)
     script = (
-        "import sys; from optguard import native; print(native.cache_directory()); "
-        "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools') if m in sys.modules))"
+        "import sys; from optguard import native\n"
+        "before = set(sys.modules); print(native.cache_directory())\n"
+        "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools') "
+        "if m in set(sys.modules) - before))"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
