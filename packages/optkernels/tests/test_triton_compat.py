@@ -260,6 +260,8 @@ def test_what_the_record_keeps_of_a_function_launches_as_the_function(offline):
             constexprs = _triton_compat._constexpr_args(recorded, len(args), kwargs)
             assert constexprs == _triton_compat._constexpr_args(fn, len(args), kwargs)
     assert recorded.__name__ == "twice_first" and recorded.arg_names == fn.arg_names
+    # (what Triton's launcher reads of it where a launch-enter hook is set: a profiler's)
+    assert recorded.launch_metadata is None is fn.launch_metadata
     assert calls == []  # (nothing above needed the function)
     assert recorded.cache_key == fn.cache_key and calls == [1]  # (the rest is the function's)
 
@@ -284,8 +286,16 @@ def test_a_function_json_cannot_keep_is_not_recorded(offline):
         pass
 
     params = [_triton_compat._Param("x", True, Default())]
-    odd = types.SimpleNamespace(__name__="f", debug=None, arg_names=["x"], params=params)
+    odd = types.SimpleNamespace(
+        __name__="f", debug=None, arg_names=["x"], params=params, launch_metadata=None
+    )
     assert _triton_compat._Recorded.header(odd) is None
+    plain = types.SimpleNamespace(
+        __name__="f", debug=None, arg_names=["x"], params=[], launch_metadata=None
+    )
+    assert _triton_compat._Recorded.header(plain) is not None
+    hooked = types.SimpleNamespace(**{**vars(plain), "launch_metadata": lambda *args: {}})
+    assert _triton_compat._Recorded.header(hooked) is None  # (its launches call it)
     assert _triton_compat._Recorded.header(object()) is None
 
 

@@ -189,6 +189,9 @@ class _Recorded:
         self.debug = header["debug"]
         self.arg_names: list[str] = list(header["arg_names"])
         self.params = [_Param(str(n), bool(d), v) for n, d, v in header["params"]]
+        # (Triton's launcher asks for it where a launch-enter hook is set: a profiler's;
+        # only functions without one are recorded)
+        self.launch_metadata = None
         self._load = load
 
     def __getattr__(self, name: str) -> Any:
@@ -200,6 +203,8 @@ class _Recorded:
     def header(fn: Any) -> dict[str, Any] | None:
         """What ``_Recorded`` keeps of ``fn``; None where JSON would not keep it as it is."""
         try:
+            if fn.launch_metadata is not None:  # (a callable: JSON would not keep it)
+                return None
             header = {
                 "name": fn.__name__,
                 "debug": fn.debug,
