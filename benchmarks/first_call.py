@@ -104,10 +104,13 @@ class Timer:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.cpu = dict.fromkeys(PHASES, 0.0)
         self._stack: list[list[Any]] = []  # [phase, start, cpu start, nested, nested cpu]
+        self.active = True  # (off: the patched functions run untimed, e.g. between first calls)
 
     def wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return fn(*args, **kwargs)
             self._stack.append([phase, time.perf_counter(), _cpu(), 0.0, 0.0])
             try:
                 return fn(*args, **kwargs)
