@@ -14,7 +14,6 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opttrace.meta import Spec
 from opttrace.patches import patched
 
 
@@ -166,16 +165,10 @@ def _append(
     return node
 
 
-def make_wrapper_tensor(cls: type, spec: Spec, device: torch.device, requires_grad: bool) -> Any:
-    """A tensor of class ``cls`` with this metadata and no storage (its ops dispatch to Python)."""
-    return torch.Tensor._make_wrapper_subclass(
-        cls,
-        spec.shape,
-        strides=spec.stride,
-        dtype=spec.dtype,
-        device=device,
-        requires_grad=requires_grad,
-    )
+# ``MAKE_WRAPPER(cls, shape, strides=, dtype=, device=, requires_grad=)``: a tensor of class
+# ``cls`` with this metadata and no storage (its ops dispatch to Python). Called directly (one
+# per tensor a step makes: hundreds of thousands for a large for-loop step).
+MAKE_WRAPPER: Any = torch.Tensor._make_wrapper_subclass
 
 
 def compiling() -> contextlib.AbstractContextManager[None]:

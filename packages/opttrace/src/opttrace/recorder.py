@@ -79,15 +79,22 @@ class TracedTensor(torch.Tensor):
         requires_grad: bool = False,
         layout: int | None = None,
     ) -> TracedTensor:
-        t: TracedTensor = compat.make_wrapper_tensor(cls, spec, device, requires_grad)
+        t: TracedTensor = compat.MAKE_WRAPPER(
+            cls,
+            spec.shape,
+            strides=spec.stride,
+            dtype=spec.dtype,
+            device=device,
+            requires_grad=requires_grad,
+        )
         t._recorder = recorder
         t._spec = spec
         t._device = device
         t._layout = meta.layout_id(spec, device) if layout is None else layout
         return t
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    # (no __init__ of its own: Tensor's is object's, a C call that ignores the arguments
+    # __new__ took; a Python one would cost a frame for each of a step's tensors)
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -305,7 +312,11 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
     def _run_plan(
         self, plan: _Plan, args: Sequence[Any], node_args: list[Any], node_kwargs: dict[str, Any]
     ) -> Any:
-        node = self.call(plan.target, tuple(node_args), node_kwargs)
+        op = plan.target
+        kind = self._kinds.get(id(op))  # (``call``'s work, inline: a call per op less)
+        if kind is None or kind[0] is not op:
+            kind = self._kinds[id(op)] = compat.call_kind(self.graph, op, _stem(self.graph, op))
+        node = compat.append_call(self.graph, kind, tuple(node_args), node_kwargs)
         if plan.inplace is None:
             t = TracedTensor(self, plan.spec, plan.device, False, plan.layout)
             t._node = node
