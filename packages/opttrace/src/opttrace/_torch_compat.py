@@ -165,6 +165,27 @@ def _append(
     return node
 
 
+def last_node(graph: fx.Graph) -> fx.Node:
+    """The graph's last node (its root sentinel when it has none)."""
+    last: fx.Node = graph._root._prev
+    return last
+
+
+def nodes_after(graph: fx.Graph, node: fx.Node) -> list[fx.Node]:
+    """The nodes after ``node`` (``last_node``'s answer earlier), in graph order."""
+    out = []
+    node = node._next
+    while node is not graph._root:
+        out.append(node)
+        node = node._next
+    return out
+
+
+def graph_length(graph: fx.Graph) -> int:
+    length: int = graph._len
+    return length
+
+
 # ``MAKE_WRAPPER(cls, shape, strides=, dtype=, device=, requires_grad=)``: a tensor of class
 # ``cls`` with this metadata and no storage (its ops dispatch to Python). Called directly (one
 # per tensor a step makes: hundreds of thousands for a large for-loop step).

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from opttrace import asgd, radam
+from opttrace import asgd, radam, replicate
 from opttrace._torch_compat import default_foreach, raw_step
 from opttrace._torch_compat import for_loop as patch_for_loop
 from opttrace.errors import TraceError
@@ -81,6 +81,11 @@ def trace_step(opt: torch.optim.Optimizer, capturable: bool = False) -> TracedSt
         raise TraceError(reason)
     init_state(opt)
     step = raw_step(type(opt))
+    with replicate.replicated():
+        return _trace_step(opt, step, capturable)
+
+
+def _trace_step(opt: torch.optim.Optimizer, step: Any, capturable: bool) -> TracedStep:
     if capturable:
         try:
             with _eager_averaging(opt):
