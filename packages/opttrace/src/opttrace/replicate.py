@@ -207,6 +207,12 @@ class _Template:
         self.inputs = inputs  # the body's first tensors' nodes -> their position in the lists
         self.steps = steps  # (node, copied per parameter: it reads the parameter's tensors)
         self.tensors = tensors  # id of the body's first item at each position (None: not a tensor)
+        # The nodes whose arguments are nodes or plain constants (nothing nested).
+        self.flat = {
+            node
+            for node, own in steps
+            if own and all(type(a) in _FLAT for a in (*node.args, *node.kwargs.values()))
+        }
 
     @staticmethod
     def of(
@@ -251,21 +257,27 @@ class _Template:
     def replicate(self, rec: Recorder, items: list[Any]) -> None:
         """Append the template's nodes for another parameter of its kind (``items``: its
         entries of the lists), binding its tensors to them as the body would have."""
-        mapped: dict[fx.Node, Any] = {node: items[k]._node for node, k in self.inputs.items()}
+        mapped: dict[Any, Any] = {node: items[k]._node for node, k in self.inputs.items()}
         tensors: dict[int, TracedTensor] = {}
         for k, first in enumerate(self.tensors):
             if type(items[k]) is TracedTensor:
                 tensors.setdefault(first, items[k])
 
+        get = mapped.get
+
         def arg(a: Any) -> Any:
-            return mapped.get(a, a)
+            return get(a, a)
 
         for node, own in self.steps:
             if not own:
                 continue
-            copy = rec.call(
-                node.target, fx.node.map_arg(node.args, arg), fx.node.map_arg(node.kwargs, arg)
-            )
+            args, kwargs = node.args, node.kwargs
+            if node in self.flat:  # (no nested argument: map_arg's walk, without its calls)
+                args = tuple([get(a, a) for a in args])
+                kwargs = {k: get(v, v) for k, v in kwargs.items()} if kwargs else {}
+            else:
+                args, kwargs = fx.node.map_arg(args, arg), fx.node.map_arg(kwargs, arg)
+            copy = rec.call(node.target, args, kwargs)
             copy.meta.update(node.meta)
             mapped[node] = copy
             val = node.meta.get("val")  # (none on a runtime check: _assert_scalar)
@@ -278,6 +290,22 @@ class _Template:
                 )
             t._node, t._item = copy, None
             copy.meta["val"] = t
+
+
+_FLAT = frozenset(
+    {
+        fx.Node,
+        bool,
+        int,
+        float,
+        str,
+        type(None),
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
+)
 
 
 def _tensor_valued(node: fx.Node) -> bool:
