@@ -24,6 +24,11 @@ OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer
     "Adamax": lambda ps: torch.optim.Adamax(ps, foreach=False),
     "NAdam": lambda ps: torch.optim.NAdam(ps, decoupled_weight_decay=True, foreach=False),
     "Adadelta": lambda ps: torch.optim.Adadelta(ps, weight_decay=0.1, foreach=False),
+    "RAdam": lambda ps: torch.optim.RAdam(ps, foreach=False),
+    "RAdam decoupled": lambda ps: torch.optim.RAdam(
+        ps, weight_decay=0.1, decoupled_weight_decay=True, foreach=False
+    ),
+    "ASGD": lambda ps: torch.optim.ASGD(ps, t0=1.0, foreach=False),
 }
 
 

@@ -168,8 +168,8 @@ def _own_for_loop(
 
     def for_loop(original: Any, *args: Any, **kwargs: Any) -> Any:
         if next(own, True):
-            return original(*args, **kwargs)
-        return replacement(*args, **{**kwargs, "capturable": False})
+            return replicate.run(original, *args, **kwargs)
+        return replicate.run(replacement, *args, **{**kwargs, "capturable": False})
 
     return patch_for_loop(module, for_loop)
 

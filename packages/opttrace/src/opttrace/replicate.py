@@ -16,6 +16,7 @@ tuple result or value read into Python), or Python arithmetic on shared scalars 
 recorder's scalar cache would hand every parameter anyway; nothing it decided depends on the
 parameter's values; it stored nothing into the lists or a ``.grad``. Anything else, or a
 parameter whose tensors are views or aliases, runs the rest of the loop as torch wrote it.
+opttrace's own for-loops of RAdam and ASGD (radam.py, asgd.py) are replicated alike.
 ``OPTTRACE_REPLICATE=0`` turns replication off.
 """
 
@@ -45,9 +46,6 @@ MIN_LANES = 8
 @contextlib.contextmanager
 def replicated() -> Iterator[None]:
     """The for-loops of MODULES replicated in the tracing thread (see the module doc)."""
-    if os.environ.get("OPTTRACE_REPLICATE", "") == "0":
-        yield
-        return
     with contextlib.ExitStack() as stack:
         for module in MODULES:
             stack.enter_context(compat.for_loop(module, run))
@@ -62,6 +60,8 @@ def run(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     lanes = [k for k, a in enumerate(args) if type(a) is list and len(a) == n]
     rec = params[0]._recorder if n and type(params[0]) is TracedTensor else None
     if n < MIN_LANES or rec is None or not _shared_args_plain(args, kwargs, lanes):
+        return original(*args, **kwargs)
+    if os.environ.get("OPTTRACE_REPLICATE", "") == "0":
         return original(*args, **kwargs)
     lists = [args[k] for k in lanes]
     templates: dict[Any, _Template] = {}
@@ -202,11 +202,18 @@ class _Template:
     """The nodes one parameter's loop body appended, and how to copy them for another."""
 
     def __init__(
-        self, inputs: dict[fx.Node, int], steps: list[tuple[fx.Node, bool]], tensors: list[int]
+        self,
+        inputs: dict[fx.Node, int],
+        steps: list[tuple[fx.Node, bool]],
+        items: list[Any],
+        tensors: dict[int, TracedTensor],
     ) -> None:
         self.inputs = inputs  # the body's first tensors' nodes -> their position in the lists
         self.steps = steps  # (node, copied per parameter: it reads the parameter's tensors)
-        self.tensors = tensors  # id of the body's first item at each position (None: not a tensor)
+        self.items = [id(x) for x in items]  # (what stands at each position of the lists)
+        # Every tensor the body saw or made, by id: where each ended (its node, the tensors
+        # it is one value with, e.g. a detach()) is where its copy ends.
+        self.tensors = tensors
         # The nodes whose arguments are nodes or plain constants (nothing nested).
         self.flat = {
             node
@@ -226,6 +233,7 @@ class _Template:
         mine: set[fx.Node] = set()  # nodes that read the parameter's tensors
         appended = set(nodes)
         steps = []
+        tensors = {id(x): x for x in items if type(x) is TracedTensor}
         for node in nodes:
             if node.op != "call_function":
                 return None
@@ -240,8 +248,7 @@ class _Template:
                 # (a tensor, or a number read from one with .item(): a symbolic scalar
                 # without a hint, the same for every parameter)
                 if isinstance(val, TracedTensor):
-                    if not _plain(rec, val):
-                        return None  # (a view or an alias)
+                    tensors[id(val)] = val
                 elif _tensor_valued(node):
                     return None  # (a tuple)
                 mine.add(node)
@@ -250,19 +257,23 @@ class _Template:
             steps.append((node, own))
         if any(node in mine for node in decided):
             return None
-        if not all(_plain(rec, x) for x in items if type(x) is TracedTensor):
-            return None
-        return _Template(inputs, steps, [id(x) for x in items])
+        for t in tensors.values():
+            if t._view_of is not None or t._stale is not None or id(t) in rec._views:
+                return None  # (a view, or a base with views)
+            if t._item is not None or t._recorder is not rec:
+                return None
+            if t._aliases and any(id(a) not in tensors for a in t._aliases):
+                return None  # (one value with a tensor from outside the body)
+        return _Template(inputs, steps, items, tensors)
 
     def replicate(self, rec: Recorder, items: list[Any]) -> None:
         """Append the template's nodes for another parameter of its kind (``items``: its
         entries of the lists), binding its tensors to them as the body would have."""
         mapped: dict[Any, Any] = {node: items[k]._node for node, k in self.inputs.items()}
-        tensors: dict[int, TracedTensor] = {}
-        for k, first in enumerate(self.tensors):
+        copies: dict[int, TracedTensor] = {}  # the body's tensor (by id) -> this one's
+        for k, first in enumerate(self.items):
             if type(items[k]) is TracedTensor:
-                tensors.setdefault(first, items[k])
-
+                copies.setdefault(first, items[k])
         get = mapped.get
 
         def arg(a: Any) -> Any:
@@ -283,13 +294,21 @@ class _Template:
             val = node.meta.get("val")  # (none on a runtime check: _assert_scalar)
             if type(val) is not TracedTensor:
                 continue
-            t = tensors.get(id(val))
+            t = copies.get(id(val))
             if t is None:
-                t = tensors[id(val)] = TracedTensor(
+                t = copies[id(val)] = TracedTensor(
                     rec, val._spec, val._device, val.requires_grad, val._layout
                 )
-            t._node, t._item = copy, None
             copy.meta["val"] = t
+        groups: dict[int, list[TracedTensor]] = {}
+        for key, body in self.tensors.items():
+            t = copies[key]
+            t._node, t._item = get(body._node, t._node), None
+            if body._aliases:
+                group = groups.get(id(body._aliases))
+                if group is None:
+                    group = groups[id(body._aliases)] = [copies[id(a)] for a in body._aliases]
+                t._aliases = group
 
 
 _FLAT = frozenset(
