@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from opttrace import replicate, trace_step
+from opttrace import meta, replicate, trace_step
 
 OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
     "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False),
@@ -62,6 +62,7 @@ def _traces(name: str, capturable: bool, monkeypatch: pytest.MonkeyPatch) -> lis
     for _ in range(2):
         for steps, setting in zip(out, ("1", "0"), strict=True):
             monkeypatch.setenv("OPTTRACE_REPLICATE", setting)
+            meta.clear_cache()  # (each trace from cold op plans, as a fresh process's first)
             steps.append(trace_step(opt, capturable=capturable))
         opt.step()  # (eager: the second traces see the state the first step made)
     return out
