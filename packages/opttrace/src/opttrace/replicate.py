@@ -48,7 +48,11 @@ def replicated() -> Iterator[None]:
     """The for-loops of MODULES replicated in the tracing thread (see the module doc)."""
     with contextlib.ExitStack() as stack:
         for module in MODULES:
-            stack.enter_context(compat.for_loop(module, run))
+            try:
+                patch = compat.for_loop(module, run)
+            except (ImportError, AttributeError):  # (a torch without that loop)
+                continue
+            stack.enter_context(patch)
         yield
 
 
