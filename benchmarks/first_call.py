@@ -540,6 +540,11 @@ def run_fresh(
         ):
             env[var] = os.path.join(tmp, sub)
         env.pop("OPTCOMPILE_NATIVE", None)  # never build the C++ checks inside the timing
+        # Bytecode of the modules a first call imports (ours, Triton's): a pip install
+        # writes it, the GPU machine's environment turns writing it off, and without it a
+        # "warm" process compiles those sources again (as step_time.py's compile timing).
+        env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         for caches in ("cold", "warm") if warm else ("cold",):
             command = [sys.executable, __file__, "--child", case, "--device", device]
             if profile is not None:
@@ -629,7 +634,9 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             f"average {load:.2f} at start  ",
             f"Versions: {versions}; source {source_revision()}  ",
             "Each case in a fresh process with empty optcompile/optkernels/Triton caches "
-            '("cold"; "warm": another fresh process on the caches the cold one left) '
+            '("cold"; "warm": another fresh process on the caches the cold one left, the '
+            "bytecode of the modules the cold one imported included, as a pip install "
+            "writes it) "
             "(the optguard C++ module not built); phases are exclusive (see the script's "
             'docstring). Tiny params are 4x4 float32. "first call s" is wall time; "its CPU '
             's", the ms per param and the phases are CPU seconds (all threads, and the C '
