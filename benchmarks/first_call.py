@@ -44,7 +44,8 @@ Cases: ``gpt2-adamw`` (AdamW over the 148 tensors of GPT-2 124M, foreach as torc
 on the device; ``gpt2-adamw-foreach``: foreach=True on any device, CUDA's path on the CPU)
 and ``tiny-N-OPT`` for N in 200, 2000, 10000 and OPT one of ``adamw``
 (AdamW, torch's default: the for-loop on the CPU), ``sgd`` (SGD, momentum 0.9),
-``adam-foreach`` and ``adam-forloop`` (Adam with foreach=True / False), over 4x4 params.
+``adam-foreach`` and ``adam-forloop`` (Adam with foreach=True / False), ``radam``, ``rprop``
+and ``asgd`` (torch's defaults; not among the default cases), over 4x4 params.
 Writes a markdown table (``--out``) and prints one JSON line per case.
 """
 
@@ -68,8 +69,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-OPTIMIZERS = ("adamw", "sgd", "adam-foreach", "adam-forloop")
-DEFAULT_CASES = ["gpt2-adamw", *(f"tiny-{n}-{o}" for n in (200, 2000, 10000) for o in OPTIMIZERS)]
+OPTIMIZERS = ("adamw", "sgd", "adam-foreach", "adam-forloop", "radam", "rprop", "asgd")
+DEFAULT_CASES = [
+    "gpt2-adamw",
+    *(f"tiny-{n}-{o}" for n in (200, 2000, 10000) for o in OPTIMIZERS[:4]),
+]
 PHASES = [
     "state init",
     "trace",
@@ -231,6 +235,9 @@ def _optimizer(kind: str, params: list[Any]) -> Any:
         return torch.optim.Adam(params, lr=1e-3, foreach=True)
     if kind == "adam-forloop":
         return torch.optim.Adam(params, lr=1e-3, foreach=False)
+    loops = {"radam": torch.optim.RAdam, "rprop": torch.optim.Rprop, "asgd": torch.optim.ASGD}
+    if kind in loops:  # (torch's defaults: the for-loop on the CPU)
+        return loops[kind](params, lr=1e-3)
     raise SystemExit(f"unknown optimizer {kind!r}")
 
 
