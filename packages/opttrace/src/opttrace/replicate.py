@@ -13,7 +13,9 @@ full trace (tests/test_replicate.py compares them).
 A template is replicated only where the body did nothing a copy would miss: every node it
 appended is an op on the parameter's own tensors (no constant, placeholder, view, alias,
 tuple result or value read into Python), or Python arithmetic on shared scalars that the
-recorder's scalar cache would hand every parameter anyway; nothing it decided depends on the
+recorder's scalar cache would hand every parameter anyway, or a tensor made from shared
+scalars alone (Rprop's ``torch.where(mask, etaplus, sign)`` makes a 0-dim ``etaplus`` for
+every parameter: so does each replica); nothing it decided depends on the
 parameter's values; it stored nothing into the lists or a ``.grad``. Anything else, or a
 parameter whose tensors are views or aliases, runs the rest of the loop as torch wrote it.
 opttrace's own for-loops of RAdam and ASGD (radam.py, asgd.py) are replicated alike.
@@ -37,8 +39,9 @@ aten = torch.ops.aten
 
 # torch.optim modules whose ``_single_tensor_<module>`` is a loop over the parameters with
 # nothing shared between iterations (RAdam's and ASGD's are opttrace's own: radam.py, asgd.py).
-# (Rprop's body writes through masks: never replicable, left out.)
-MODULES = ("adam", "sgd", "adagrad", "rmsprop", "adamax", "nadam", "adadelta")
+# (Rprop's eager path writes through boolean masks, a value read into Python: it runs as
+# written; its capturable path, torch.where over fresh 0-dim etas, is replicated.)
+MODULES = ("adam", "sgd", "adagrad", "rmsprop", "adamax", "nadam", "adadelta", "rprop")
 # Fewer parameters than this: the loop runs as it is.
 MIN_LANES = 8
 
@@ -248,6 +251,8 @@ class _Template:
                 elif a not in appended and a.op != "get_attr" and _tensor_valued(a):
                     return None  # (a tensor of the trace that is not one of this parameter's)
             val = node.meta.get("val")
+            if not own and isinstance(val, TracedTensor):
+                own = True  # (a tensor made anew from shared scalars: made anew by each copy)
             if own:
                 # (a tensor, or a number read from one with .item(): a symbolic scalar
                 # without a hint, the same for every parameter)
@@ -257,7 +262,7 @@ class _Template:
                     return None  # (a tuple)
                 mine.add(node)
             elif _tensor_valued(node) or node.target is aten._assert_scalar.default:
-                return None  # (made anew for every parameter by a full trace)
+                return None  # (made anew for every parameter by a full trace: not copied)
             steps.append((node, own))
         if any(node in mine for node in decided):
             return None
