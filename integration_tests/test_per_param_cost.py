@@ -41,10 +41,18 @@ FIRST_CALL_BUDGET = {
         "optsidefx": 12,  # 8
         "optcompile": 16,  # 12
     },
+    "Rprop for-loop": {  # (the capturable path's torch.where over fresh 0-dim etas)
+        "optguard": 295,  # 236
+        "opttrace": 240,  # 192 (536 before its loop body was replicated)
+        "optkernels": 87,  # 69
+        "optsidefx": 12,  # 8
+        "optcompile": 16,  # 11
+    },
 }
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
     "AdamW for-loop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
     "Adam foreach": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
+    "Rprop for-loop": lambda ps: torch.optim.Rprop(ps, lr=1e-3, foreach=False),
 }
 
 
