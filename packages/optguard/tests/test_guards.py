@@ -233,7 +233,7 @@ def test_predicate_guard_evaluates_numpy_values_whose_repr_is_not_python():
 
 def test_guards_of_one_kind_share_a_compiled_test_and_each_tests_its_own_constant():
     from optguard import DataPtrGuard
-    from optguard.guards import _COMPILED
+    from optguard.guard import _COMPILED
 
     a, b = torch.zeros(3), torch.zeros(3)
     guard_a = DataPtrGuard(LocalSource("a"), a.data_ptr())
@@ -245,7 +245,7 @@ def test_guards_of_one_kind_share_a_compiled_test_and_each_tests_its_own_constan
 
 
 def test_guards_differing_only_in_their_source_share_one_test():
-    from optguard.guards import _single_test
+    from optguard.guard import _single_test
 
     meta = TensorMeta.of(torch.zeros(2, 3))
     first = TensorMatchGuard(LocalSource("a"), meta)
