@@ -46,8 +46,9 @@ from torch import fx
 from opttrace import _torch_compat as compat
 from opttrace import dtensor, meta
 from opttrace.errors import TraceError
-from opttrace.recorder import Recorder, TracedTensor
+from opttrace.recorder import Recorder
 from opttrace.symbolic import ScalarNode, guard_template, node_of
+from opttrace.traced_tensor import TracedTensor
 from opttrace.trackers import TrackedDict, TrackedList, TrackedStateDict
 from opttrace.view import is_plain_object, object_view, optimizer_view, view_source
 

@@ -39,7 +39,7 @@ def clear_cache() -> None:
     _INPUT_LAYOUTS.clear()
 
 
-# The recorder's per-signature plans of ops (see Recorder._plan): what one op does to its
+# The recorder's per-signature plans of ops (see plans.py): what one op does to its
 # inputs' metadata, keyed by the op and its arguments' kinds (tensors by ``layout_id``).
 PLANS: dict[tuple[Any, ...], Any] = {}
 _LAYOUT_IDS: dict[tuple[Spec, torch.device], int] = {}

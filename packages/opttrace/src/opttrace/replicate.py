@@ -33,7 +33,8 @@ import torch
 from torch import fx
 
 from opttrace import _torch_compat as compat
-from opttrace.recorder import Recorder, TracedTensor
+from opttrace.recorder import Recorder
+from opttrace.traced_tensor import TracedTensor
 
 aten = torch.ops.aten
 

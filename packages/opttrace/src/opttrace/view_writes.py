@@ -22,7 +22,8 @@ from opttrace import meta
 from opttrace.errors import TraceError
 
 if TYPE_CHECKING:
-    from opttrace.recorder import Recorder, TracedTensor
+    from opttrace.recorder import Recorder
+    from opttrace.traced_tensor import TracedTensor
 
 aten = torch.ops.aten
 
