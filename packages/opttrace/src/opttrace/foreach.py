@@ -66,7 +66,7 @@ def record_foreach(
     for i, (t, computed) in enumerate(zip(written_tensors, promoted, strict=True)):
         if computed is None:
             if t._view_of is None and not t._aliases and id(t) not in views:
-                t._node, t._item = None, (node, i)  # (_set_value's work for a plain item)
+                t._node, t._item = None, (node, i)  # (set_value's work for a plain item)
             else:
                 set_value(rec, t, None, (node, i))
             continue

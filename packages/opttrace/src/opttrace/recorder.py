@@ -222,7 +222,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         node.meta["inplace"] = plan.inplace
         target: TracedTensor = args[0]
         if target._view_of is None and not target._aliases and id(target) not in self._views:
-            target._node, target._item = node, None  # (_set_value's work for a plain tensor)
+            target._node, target._item = node, None  # (set_value's work for a plain tensor)
         else:
             set_value(self, target, node, None)
         node.meta["val"] = target
