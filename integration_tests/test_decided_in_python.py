@@ -32,6 +32,20 @@ def _pair(
     return params, twins, opt, torch.optim.RAdam(twins, foreach=False, **options)
 
 
+def _step_both(
+    params: list[torch.Tensor],
+    twins: list[torch.Tensor],
+    opt: torch.optim.Optimizer,
+    eager: torch.optim.Optimizer,
+) -> None:
+    """One step of each optimizer on the same random grads."""
+    for p, t in zip(params, twins, strict=True):
+        p.grad = torch.randn_like(p)
+        t.grad = p.grad.clone()
+    opt.step()
+    eager.step()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     "options",
@@ -46,11 +60,7 @@ def test_radam_for_loop_is_eagers_bits_through_the_rectification(dtype, options)
     optcompile.reset()
     params, twins, opt, eager = _pair(dtype, "torch", **options)
     for step in range(STEPS):
-        for p, t in zip(params, twins, strict=True):
-            p.grad = torch.randn_like(p)
-            t.grad = p.grad.clone()
-        opt.step()
-        eager.step()
+        _step_both(params, twins, opt, eager)
         for p, t in zip(params, twins, strict=True):
             assert torch.equal(p, t), f"step {step}: param"
             for key in ("exp_avg", "exp_avg_sq", "step"):
@@ -77,11 +87,7 @@ def test_radam_for_loop_fuses_on_the_kernel_backends(backend):
     device = DEVICE if backend == "triton" else "cpu"
     params, twins, opt, eager = _pair(torch.float32, backend, device, lr=0.1)
     for _ in range(8):  # through the rectification's start (step 6)
-        for p, t in zip(params, twins, strict=True):
-            p.grad = torch.randn_like(p)
-            t.grad = p.grad.clone()
-        opt.step()
-        eager.step()
+        _step_both(params, twins, opt, eager)
     for p, t in zip(params, twins, strict=True):
         torch.testing.assert_close(p, t)
     explanation = optcompile.explain(opt)

@@ -192,7 +192,6 @@ class _Recorded:
         # (Triton's launcher asks for it where a launch-enter hook is set: a profiler's;
         # only functions without one are recorded)
         self.launch_metadata = None
-        self._load = load
 
     def __getattr__(self, name: str) -> Any:
         if name == "_load":  # (not set yet)
