@@ -193,13 +193,13 @@ def _patch_phases(timer: Timer) -> None:
     timer.patch(optcompile.driver.CompiledEntry, "run", "run")
     try:
         import optcudagraph.tree
-        import optkernels._triton_compat
+        import optkernels._triton_compat.prefetch
     except ImportError:
         return
     timer.patch(optkernels._triton_compat.Kernel, "_first", "Triton compile")
-    timer.patch(optkernels._triton_compat, "_await_runtime", "Triton wait")
-    timer.patch(optkernels._triton_compat, "_await_driver", "Triton wait")
-    timer.patch(optkernels._triton_compat, "_await_triton_key", "Triton wait")
+    timer.patch(optkernels._triton_compat.prefetch, "_await_runtime", "Triton wait")
+    timer.patch(optkernels._triton_compat.prefetch, "_await_driver", "Triton wait")
+    timer.patch(optkernels._triton_compat.prefetch, "_await_triton_key", "Triton wait")
     timer.patch(optcudagraph.tree.Graphed, "_record", "graph capture")
 
 
@@ -246,10 +246,10 @@ def _record_background() -> dict[str, list[float]]:
     perf_counter values by thread name; to be called before the optimizer is compiled."""
     spans: dict[str, list[float]] = {}
     try:
-        from optkernels import _triton_compat
+        from optkernels._triton_compat import prefetch
     except ImportError:
         return spans
-    quietly = _triton_compat._quietly
+    quietly = prefetch._quietly
 
     def timed(fn: Callable[[], Any]) -> None:
         import threading
@@ -260,7 +260,7 @@ def _record_background() -> dict[str, list[float]]:
         finally:
             span[1] = time.perf_counter()
 
-    _triton_compat._quietly = timed  # type: ignore[assignment]
+    prefetch._quietly = timed  # type: ignore[assignment]
     return spans
 
 
@@ -268,11 +268,11 @@ def _settle() -> float:
     """Wait for optkernels' background threads (started by ``compile()``); seconds waited."""
     start = time.perf_counter()
     try:
-        from optkernels import _triton_compat
+        from optkernels._triton_compat import prefetch
     except ImportError:
         return 0.0
-    _triton_compat._await_runtime()
-    _triton_compat._await_triton_key()
+    prefetch._await_runtime()
+    prefetch._await_triton_key()
     return time.perf_counter() - start
 
 
@@ -360,13 +360,14 @@ def triton_offline(arch: int, capturable: bool) -> dict[str, Any]:
     build the prologue, lower to Triton kernels; then compile each generated kernel for an
     ``sm_<arch>`` target, timing each and its ptxas stage, as a first launch on a cold cache
     compiles it: through Triton's stages without Triton's cache, so without its self-hash
-    (``_triton_compat._compile``). ``capturable=False`` (``gpt2-adamw``: torch's default) keeps
-    the step counts on the CPU: on a GPU the plan then computes what depends on them on the
-    host, with its own kernel (``_Part.check_devices``), which is the one compiled here."""
+    (``_triton_compat.stages._compile``). ``capturable=False`` (``gpt2-adamw``: torch's
+    default) keeps the step counts on the CPU: on a GPU the plan then computes what depends on
+    them on the host, with its own kernel (``_Part.check_devices``), which is the one compiled
+    here."""
     import optguard
     import torch
     import triton
-    from optkernels import _triton_compat
+    from optkernels._triton_compat.stages import _run_stages
     from optkernels.triton_backend import LAUNCH_SIGNATURES, TritonPlan
     from opttrace import trace_step
     from opttrace.optimizer import init_state
@@ -410,7 +411,7 @@ def triton_offline(arch: int, capturable: bool) -> dict[str, Any]:
                 start = time.perf_counter()
                 given = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
                 options = backend.parse_options(given)
-                compiled = _triton_compat._run_stages(
+                compiled = _run_stages(
                     source, target, backend, options, str(folder / fn.__name__), fn.__name__
                 )
                 spent = time.perf_counter() - start

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import optkernels.foreach_kernel as foreach_kernel
+import optkernels.kernel_prelude as kernel_prelude
 import optkernels.triton_backend as triton_backend
 import torch
 
@@ -100,14 +100,14 @@ def _source_before(source: str) -> str:
 
 @contextlib.contextmanager
 def _patched(source: Any, config: Any, prelude: str) -> Iterator[None]:
-    saved = triton_backend.kernel_source, triton_backend.launch_config, foreach_kernel._PRELUDE
+    saved = triton_backend.kernel_source, triton_backend.launch_config, kernel_prelude._PRELUDE
     triton_backend.kernel_source, triton_backend.launch_config = source, config
-    foreach_kernel._PRELUDE = prelude
+    kernel_prelude._PRELUDE = prelude
     try:
         yield
     finally:
         triton_backend.kernel_source, triton_backend.launch_config = saved[:2]
-        foreach_kernel._PRELUDE = saved[2]
+        kernel_prelude._PRELUDE = saved[2]
 
 
 def kernels_before() -> contextlib.AbstractContextManager[None]:
@@ -121,7 +121,7 @@ def kernels_before() -> contextlib.AbstractContextManager[None]:
     def config(dtypes: Any) -> tuple[int, int]:
         return (1024, 4) if torch.uint8 in dtypes else today_config(dtypes)
 
-    return _patched(source, config, foreach_kernel._PRELUDE + _HELPERS_BEFORE)
+    return _patched(source, config, kernel_prelude._PRELUDE + _HELPERS_BEFORE)
 
 
 def launch_shape(block: int, warps: int) -> contextlib.AbstractContextManager[None]:
@@ -131,4 +131,4 @@ def launch_shape(block: int, warps: int) -> contextlib.AbstractContextManager[No
     def config(dtypes: Any) -> tuple[int, int]:
         return (block, warps) if torch.uint8 in dtypes else today_config(dtypes)
 
-    return _patched(triton_backend.kernel_source, config, foreach_kernel._PRELUDE)
+    return _patched(triton_backend.kernel_source, config, kernel_prelude._PRELUDE)

@@ -137,7 +137,7 @@ LAUNCHES = COUNT_COMPILES + textwrap.dedent(
     import json, sys, textwrap
     import torch
     from triton.runtime import cache as triton_cache
-    from optkernels import _triton_compat
+    from optkernels._triton_compat import specialize
     from optkernels.foreach_kernel import load_kernel
     SOURCE = '''
     @triton.jit
@@ -164,10 +164,10 @@ LAUNCHES = COUNT_COMPILES + textwrap.dedent(
     self_hashes = triton_cache.triton_key.cache_info().misses
     same = []  # the specialization made from the fingerprint, and Triton's binder's
     for args in calls:
-        key = _triton_compat._fingerprint(kernel.fn, args, {"BLOCK": 8})
-        launch = _triton_compat._bind(kernel.fn, args, {"BLOCK": 8})
-        made = _triton_compat._specialization(kernel.fn, key, launch.bound)
-        same.append(made == launch.specialization and _triton_compat._agrees(key, made))
+        key = specialize._fingerprint(kernel.fn, args, {"BLOCK": 8})
+        launch = specialize._bind(kernel.fn, args, {"BLOCK": 8})
+        made = specialize._specialization(kernel.fn, key, launch.bound)
+        same.append(made == launch.specialization and specialize._agrees(key, made))
     print(json.dumps({
         "results": results, "compiles": compiles, "gluon": gluon, "imported": imported,
         "self_hashes": self_hashes, "same": same,

@@ -4,25 +4,23 @@ On CPU the kernels run under TRITON_INTERPRET=1 (the test sessions set it); on a
 machine they run on the device. Sizes are odd on purpose (1, 7, 1000, 4097 elements and a
 0-dim parameter): blocks straddle tensor ends. The capturable path is traced for the kernels,
 so results match eager within float rounding, not bitwise.
+
+Here: what fuses, and what runs on the torch backend (inside the plan or instead of it).
+Beside it: the address tables (test_triton_addresses.py), step counts on the host
+(test_triton_host_steps.py), a prelude run as its CUDA graph would
+(test_triton_prelude_capture.py); what they share is in triton_setup.py.
 """
 
 from __future__ import annotations
 
-import io
-import os
-
-import numpy as np
 import optcompile
-import opttrace
 import pytest
 import torch
 from optcompile.api import _OPTIMIZERS
 from optkernels._triton_compat import launch_signature
-from optkernels.host import scalar_function
 from optkernels.triton_backend import LAUNCH_SIGNATURES, TritonPlan
 from step_optimizers import (
     ClippedAdam,
-    CountedClippedMomentum,
     DecayMatricesOnly,
     ForeachLamb,
     MaskedTrust,
@@ -31,38 +29,21 @@ from step_optimizers import (
     StepScaledTrustSGD,
     TrustRatioSGD,
 )
+from triton_setup import (
+    CAP,
+    DEVICE,
+    FUSED,
+    LOOP_FUSED,
+    SHAPES,
+    _assert_close,
+    _plan,
+    _run,
+    _unwrap,
+    needs_triton,
+)
 
 optim = torch.optim
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
-)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPES = [(1,), (7,), (1000,), (4097,), (), (3, 5)]
-# On CUDA, capturable=True keeps step counts on the device, where the kernels read them
-# (capturable=False keeps them on the CPU: that graph runs on the torch backend).
-CAP = {"capturable": True} if DEVICE == "cuda" else {}
-
-FUSED = {
-    "Adam": lambda ps: optim.Adam(ps, lr=1e-2, foreach=True, **CAP),
-    "AdamW weight decay": lambda ps: optim.AdamW(
-        ps, lr=1e-2, foreach=True, weight_decay=0.1, **CAP
-    ),
-    "AdamW amsgrad maximize": lambda ps: optim.AdamW(
-        ps, lr=1e-2, foreach=True, amsgrad=True, maximize=True, **CAP
-    ),
-    "NAdam": lambda ps: optim.NAdam(ps, lr=1e-2, foreach=True, **CAP),
-    "Adamax": lambda ps: optim.Adamax(ps, lr=1e-2, foreach=True, **CAP),
-    "Adadelta": lambda ps: optim.Adadelta(ps, foreach=True, **CAP),
-    "RMSprop centered momentum": lambda ps: optim.RMSprop(
-        ps, lr=1e-2, foreach=True, centered=True, momentum=0.5, **CAP
-    ),
-    "SGD nesterov": lambda ps: optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, foreach=True),
-    "ASGD": lambda ps: optim.ASGD(ps, lr=1e-2, foreach=True, **CAP),
-}
-FUSED["RAdam"] = lambda ps: optim.RAdam(ps, lr=1e-2, foreach=True, **CAP)
-FUSED["Rprop"] = lambda ps: optim.Rprop(ps, lr=1e-2, foreach=True, **CAP)
-FUSED["Adagrad"] = lambda ps: optim.Adagrad(ps, lr=1e-2, foreach=True)
+pytestmark = needs_triton
 
 
 # A reduction inside the step: the kernels are elementwise only, so the norms (and what they
@@ -71,28 +52,6 @@ PARTLY_FUSED = {
     "trust ratio (for-loop)": (TrustRatioSGD, "aten.linalg_vector_norm.default", 0),
     "LAMB (foreach)": (ForeachLamb, "aten._foreach_norm.Scalar", 1),
 }
-
-
-def _run(make, dtype=torch.float32, steps=3):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE, dtype)) for s in SHAPES]
-    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = optcompile.compile(make(params), backend="triton")
-    eager = make(reference)
-    for _ in range(steps):
-        for p, q in zip(params, reference, strict=True):
-            grad = torch.randn(p.shape, generator=gen).to(DEVICE, dtype)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        opt.step()
-        eager.step()
-    return params, opt, reference, eager
-
-
-def _assert_close(params, opt, reference, eager, **tolerance):
-    for p, q in zip(params, reference, strict=True):
-        torch.testing.assert_close(p, q, **tolerance)
-        for key, value in eager.state[q].items():
-            torch.testing.assert_close(opt.state[p][key], value, **tolerance)
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
@@ -235,102 +194,6 @@ def test_a_grad_laid_out_unlike_its_param_runs_on_the_torch_backend_and_matches(
     assert "the torch backend runs this graph" in code
 
 
-def _plan(opt):
-    from optcompile.api import _compiled_of
-    from optcompile.driver import newest
-
-    entry = newest(_compiled_of(opt))
-    assert entry is not None
-    plan = _unwrap(entry.plan)
-    assert isinstance(plan, TritonPlan)
-    return plan
-
-
-def _unwrap(plan):
-    """The backend's plan inside optcompile's CUDA-graph wrapper."""
-    return getattr(plan, "plan", plan)
-
-
-def test_new_grad_tensors_each_step_update_the_address_table_only():
-    params, opt, *_ = _run(FUSED["Adam"], steps=2)
-    plan = _unwrap(_OPTIMIZERS[opt].cache.entries[0].value.plan)
-    tables = dict(plan._tables)
-    (group,) = plan.groups
-    static = group.ptrs
-    uploads = group.table_uploads
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt.step()
-    assert plan._tables == tables  # block tables are built once, from shapes
-    assert group.ptrs is static  # params and state did not move: their table stays
-    assert group.table_uploads == uploads + 1  # the grads' table only
-    opt.step()
-    assert group.table_uploads == uploads + 1  # same grads: nothing uploaded
-    assert _OPTIMIZERS[opt].stats.traces == 1
-
-
-def test_the_buffers_version_stands_while_every_buffer_stays_and_moves_when_one_is_replaced():
-    """A CUDA graph's static inputs (``buffers()``) are compared only when this count moves
-    (optcompile.cudagraphs): new grads rewrite their table in place, which keeps it."""
-    params, opt, *_ = _run(FUSED["Adam"], steps=2)
-    plan = _unwrap(_OPTIMIZERS[opt].cache.entries[0].value.plan)
-    version, buffers = plan.buffers_version, plan.buffers()
-    for p in params:
-        p.grad = torch.ones_like(p)  # new addresses: the grads' table is rewritten
-    opt.step()
-    opt.step()
-    assert plan.buffers_version == version
-    assert [b.data_ptr() for b in plan.buffers()] == [b.data_ptr() for b in buffers]
-    (group,) = plan.groups
-    group.dptrs = None  # as when a table must grow: the next call makes a new buffer
-    opt.step()
-    assert plan.buffers_version != version
-    assert any(a is not b for a, b in zip(plan.buffers(), buffers, strict=True))
-
-
-def test_a_param_moved_to_new_storage_is_seen_by_the_kernel():
-    """``p.data = ...`` keeps the object but moves its address: the entry's data-pointer
-    guards (tested on every hit, by either tier) reject the call, so the kernel never reads
-    through the old address table; the new trace bakes the new addresses in."""
-    params, opt, reference, eager = _run(FUSED["AdamW weight decay"], steps=2)
-    entry = _OPTIMIZERS[opt].cache.entries[0].value
-    first, inputs = _unwrap(entry.plan), entry.gather({"opt": opt})
-    # The plan compares only the static addresses no guard tests: 0-dim CPU step counts.
-    checked = first.groups[0].static.compared
-    assert all(inputs[i].dim() == 0 and not inputs[i].is_cuda for i in checked)
-    assert len(checked) < sum(i >= 0 for i in first.groups[0].static_slots)
-    for p, q in zip(params, reference, strict=True):
-        p.data = p.data.clone()
-        opt.state[p]["exp_avg"].data = opt.state[p]["exp_avg"].data.clone()
-        grad = torch.full_like(p, 0.25)
-        p.grad, q.grad = grad, grad.clone()
-    opt.step()
-    eager.step()
-    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
-    report = optcompile.explain(opt)
-    assert report.traces == 2 and "data pointer" in report.retrace_reasons[0]
-    assert _unwrap(_OPTIMIZERS[opt].cache.entries[0].value.plan) is not first
-
-
-LOOP_FUSED = {
-    "Adam": lambda ps: optim.Adam(ps, lr=1e-2, foreach=False, **CAP),
-    "AdamW weight decay": lambda ps: optim.AdamW(
-        ps, lr=1e-2, foreach=False, weight_decay=0.1, **CAP
-    ),
-    "AdamW amsgrad maximize": lambda ps: optim.AdamW(
-        ps, lr=1e-2, foreach=False, amsgrad=True, maximize=True, **CAP
-    ),
-    "NAdam": lambda ps: optim.NAdam(ps, lr=1e-2, foreach=False, **CAP),
-    "RAdam": lambda ps: optim.RAdam(ps, lr=1e-2, foreach=False, **CAP),
-    "Adamax": lambda ps: optim.Adamax(ps, lr=1e-2, foreach=False, **CAP),
-    "SGD nesterov": lambda ps: optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, foreach=False),
-    # Its step reads ``-clr`` back as a Python number (.item()): the read stays a lane value.
-    "Adagrad lr decay": lambda ps: optim.Adagrad(
-        ps, lr=1e-2, lr_decay=0.01, weight_decay=0.1, foreach=False
-    ),
-}
-
-
 @pytest.mark.parametrize("name", sorted(LOOP_FUSED))
 def test_for_loop_steps_fuse_into_one_kernel_too(name):
     """A for-loop step is the same op sequence once per parameter: its independent
@@ -340,52 +203,6 @@ def test_for_loop_steps_fuse_into_one_kernel_too(name):
     report = optcompile.explain(opt)
     assert 1 <= report.kernel_launches_per_step <= 2, report.graph_code[:300]
     assert "@triton.jit" in report.graph_code
-
-
-@pytest.mark.parametrize("name", sorted(n for n in FUSED if not n.startswith("SGD")))
-def test_step_counts_computed_on_the_host_give_the_same_results(name):
-    """capturable=False optimizers on CUDA keep step counts on the CPU: the plan computes
-    what depends only on them there (for all lanes at once) and the kernel reads the
-    results; forced here on the CPU, the numbers agree with the device-side path's to float32
-    rounding (lanes with equal step counts are computed in float64, as eager does)."""
-    make = FUSED[name]
-    gen = torch.Generator().manual_seed(1)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES]
-    others = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt, other = optcompile.compile(make(params), backend="triton"), make(others)
-    plan = None
-    for _ in range(3):
-        for p, q in zip(params, others, strict=True):
-            grad = torch.randn(p.shape, generator=gen).to(DEVICE)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        opt.step()
-        if plan is None:
-            entry = _OPTIMIZERS[opt].cache.entries[0].value
-            plan = TritonPlan(entry.traced.graph_module, host_small=True)
-            opttrace.init_state(other)
-        plan(entry.gather({"opt": other}))
-        steps = [other.state[q]["step"] for q in others]
-        # The step counts alias one buffer (read and written as one tensor per call)...
-        assert len({t.untyped_storage().data_ptr() for t in steps}) == 1
-        # ...and one re-pointed in between (same value, new storage) is aliased again.
-        steps[1].set_(steps[1].clone())
-    assert plan.host and plan.kernel_launches_per_step == 1
-    # Only what the kernel reads goes to the device: one row (stride 0) while the lanes agree.
-    (part,) = plan.parts
-    assert set(part.host_read) <= set(part.host_order)
-    for group in part.groups:
-        assert group.host_vals is not None and group.host_vals.device == part.device
-        assert group.host_vals.numel() == 4 + len(group.lanes) * len(part.host_read)
-        assert float(group.host_vals[0]) in (0.0, float(len(part.host_read)))
-    _assert_close(params, opt, others, other, rtol=1e-5, atol=1e-6)
-    # The aliased step counts save and load as separate values.
-    buffer = io.BytesIO()
-    torch.save(other.state_dict(), buffer)
-    buffer.seek(0)
-    fresh = make([torch.nn.Parameter(q.detach().clone()) for q in others])
-    fresh.load_state_dict(torch.load(buffer))
-    saved = [fresh.state[q]["step"] for q in fresh.param_groups[0]["params"]]
-    assert [float(t) for t in saved] == [float(other.state[q]["step"]) for q in others]
 
 
 def test_param_groups_of_different_sizes_fuse_group_by_group():
@@ -441,110 +258,6 @@ def test_a_step_without_any_grad_launches_nothing():
     report = optcompile.explain(opt)
     assert report.kernel_launches_per_step == 0
     assert report.graph_code.startswith("# no tensor work")
-
-
-def test_host_step_counts_that_differ_between_lanes_match_eager():
-    """Lanes whose step counts differ (a param whose state was reset) take the per-lane
-    numpy path instead of the uniform one; either way the step matches eager's."""
-    make = FUSED["Adam"]
-    gen = torch.Generator().manual_seed(2)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES]
-    copies = [[torch.nn.Parameter(p.detach().clone()) for p in params] for _ in range(2)]
-    opt = optcompile.compile(make(params), backend="triton")
-    other, eager = make(copies[0]), make(copies[1])
-    plan = None
-    for step in range(4):
-        for p, q, r in zip(params, *copies, strict=True):
-            grad = torch.randn(p.shape, generator=gen).to(DEVICE)
-            p.grad, q.grad, r.grad = grad, grad.clone(), grad.clone()
-        opt.step()
-        if plan is None:
-            entry = _OPTIMIZERS[opt].cache.entries[0].value
-            plan = TritonPlan(entry.traced.graph_module, host_small=True)
-            opttrace.init_state(other)
-        if step == 2:  # lane 1 counts from 10 from now on, in both
-            for o in (other, eager):
-                o.state[o.param_groups[0]["params"][1]]["step"].fill_(10.0)
-        plan(entry.gather({"opt": other}))
-        eager.step()
-    steps = [float(other.state[q]["step"]) for q in copies[0]]
-    assert steps[1] == 12.0 and steps[0] == 4.0
-    (part,) = plan.parts
-    for group in part.groups:  # one row per lane now: the row stride is the row's length
-        assert float(group.host_vals[0]) == len(part.host_read) > 0
-    _assert_close(copies[0], other, copies[1], eager, rtol=1e-5, atol=1e-6)
-
-
-def test_uniform_host_arithmetic_agrees_with_per_lane_and_refuses_what_python_cannot():
-    """The uniform (Python float) and per-lane (numpy float32) forms of the host arithmetic
-    give the same values; where Python raises (1 - beta1 ** step == 0 with beta1 = 1), the
-    uniform form raises and the per-lane one gives torch's inf."""
-    make = FUSED["Adam"]
-    params = [torch.nn.Parameter(torch.randn(s).to(DEVICE)) for s in SHAPES]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = optcompile.compile(make(params), backend="triton")
-    opt.step()
-    entry = _OPTIMIZERS[opt].cache.entries[0].value
-    plan = TritonPlan(entry.traced.graph_module, host_small=True)
-    inputs = entry.gather({"opt": opt})
-    plan(inputs)
-    part = plan.parts[0]
-    group = part.groups[0]
-    scalars = scalar_function(part.program, part.index)(inputs)
-    lanes = len(group.lanes)
-    views = {k: b.cpu().numpy() for k, b in group.small_buffers.items()}  # CPU or CUDA steps
-    every, one_fn = part._host_fns[tuple(group.lanes)]
-    assert one_fn is not None
-    per_lane = every(views, scalars, lanes)
-    one = {k: float(v[0]) for k, v in views.items()}
-    uniform = one_fn(one, scalars, 1)
-    for var in part.host_order:  # float32's 1 - 0.999 ** step loses ~1e-5 to cancellation
-        np.testing.assert_allclose(per_lane[var], np.full(lanes, uniform[var]), rtol=5e-5)
-    assert part._uniform_host_values(one_fn, views, scalars) == uniform  # what a call takes
-    uneven = {k: v.copy() for k, v in views.items()}
-    for v in uneven.values():
-        v[1] += 1
-    assert part._uniform_host_values(one_fn, uneven, scalars) is None  # lanes differ: per lane
-    opt.param_groups[0]["betas"] = (1.0, 0.999)
-    scalars = scalar_function(part.program, part.index)(entry.gather({"opt": opt}))
-    with pytest.raises(ZeroDivisionError):
-        one_fn(one, scalars, 1)
-    assert part._uniform_host_values(one_fn, views, scalars) is None
-    with np.errstate(all="ignore"):
-        per_lane = every(views, scalars, lanes)
-    assert any(np.isinf(per_lane[var]).all() for var in part.host_order)
-
-
-@pytest.mark.parametrize("kind", ["native", "torch"])
-def test_address_checks_see_a_moved_input_through_either_kind(kind, monkeypatch):
-    """An address table's check (optkernels.addresses) with optguard's C++ loops handed in
-    and with torch's compare: the same answers."""
-    from optguard import native
-    from optkernels import addresses
-
-    module = native.start(wait=True) if kind == "native" else None
-    if kind == "native" and module is None:
-        pytest.skip(f"native checks: {native.status()}")
-    monkeypatch.setattr(addresses, "_native", module)
-    inputs = [torch.randn(3), 2.0, torch.randn(4), torch.randn(5)]
-    check = addresses.AddressCheck([0, -1, 2, 3], checked={0, 2})
-    assert check.compared == [0, 2]
-    assert not check.equal(inputs)  # nothing recorded
-    ptrs = check.record(inputs)
-    assert ptrs == [inputs[0].data_ptr(), 0, inputs[2].data_ptr(), inputs[3].data_ptr()]
-    assert check.equal(inputs) and check.equal(tuple(inputs))
-    assert check.equal([*inputs[:3], torch.randn(5)])  # position 3 is not compared
-    inputs[2].set_(torch.randn(4))  # the same object at a new address
-    assert not check.equal(inputs)
-    check.record(inputs)
-    assert check.equal(inputs)
-    other = "torch" if kind == "native" else "native"
-    monkeypatch.setattr(addresses, "_native", module if other == "native" else None)
-    if module is not None:  # recorded by the other kind: not trusted until recorded again
-        assert not check.equal(inputs)
-        check.record(inputs)
-        assert check.equal(inputs)
 
 
 def test_a_0dim_tensor_made_in_the_step_is_a_constant_of_the_kernel():
@@ -672,99 +385,3 @@ def test_kernel_arguments_have_the_types_whose_launchers_are_built_ahead(captura
     calls = [call for part in plan.parts for call in part.kernel_calls()]
     found = {launch_signature(kernel.fn, args) for kernel, _, args, _ in calls}
     assert found == set(LAUNCH_SIGNATURES[: 1 if plan.host else 2])
-
-
-class _GraphProtocol:
-    """Runs a plan as its CUDA graph does, without one (no CUDA here): the first call whole,
-    then ``prepare`` + ``launch`` (what a graph records and replays) + ``finish``."""
-
-    def __init__(self, plan):
-        self.plan, self.calls, self.stale = plan, 0, []
-
-    def __call__(self, inputs):
-        self.calls += 1
-        if self.calls == 1:
-            return self.plan(inputs)
-        self.plan.prepare(inputs)
-        self.stale.append(self.plan.stale(inputs))
-        self.plan.launch()
-        self.plan.finish(inputs)
-        return ()
-
-
-PRELUDES = {
-    "Muon": lambda ps: optim.Muon(ps, lr=1e-2),
-    "LAMB (foreach)": ForeachLamb,
-    "trust ratio (for-loop)": TrustRatioSGD,
-    "global-norm clip": ClippedAdam,
-    "global-norm clip, host step counts": CountedClippedMomentum,
-}
-
-
-# The host computes with the prelude's 0-dim results (under the interpreter, where they are
-# CPU tensors): ``prepare`` runs before the replay, so no graph.
-REFUSED = {"global-norm clip, host step counts": "the host computes with its 0-dim results"}
-# On CUDA the prelude's 0-dim result (the clip coefficient) is a device tensor beside the CPU
-# step counts the host reads: the kernels take their 0-dim values from one place, so the
-# whole step runs on the torch backend (no split, no graph), and says why.
-UNSPLIT_ON_CUDA = {"global-norm clip, host step counts": "its tensors live on several devices"}
-
-
-@pytest.mark.parametrize("name", sorted(PRELUDES))
-def test_a_prelude_runs_as_its_cuda_graph_would_and_matches_eager(name):
-    # A plan whose torch-backend ops (Muon's matmuls, LAMB's norms, a global-norm clip) come
-    # first is recorded with them: its prepare / launch / finish split, driven as the graph
-    # is (launch once per call, on the plan's copies of the new grads; the kernels' tables
-    # point at the prelude's results; its deferred writes after the kernels), matches eager
-    # over steps with new grad tensors each step and a hyperparameter the prelude reads
-    # changed midway (the graph would be re-recorded, saying why).
-    from optcompile.api import _compiled_of
-    from optcompile.driver import newest
-    from optkernels.prelude_capture import capture_reason
-
-    shapes = [(8, 6), (3, 8), (5, 5)] if name == "Muon" else SHAPES
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
-    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = optcompile.compile(PRELUDES[name](params), backend="triton")
-    eager = PRELUDES[name](reference)
-    params = opt.param_groups[0]["params"]
-    reference = eager.param_groups[0]["params"]
-    protocol = None
-    for step in range(5):
-        for p, q in zip(params, reference, strict=True):
-            p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
-            q.grad = p.grad.clone()
-        if step == 4 and name == "Muon":
-            for o in (opt, eager):
-                o.param_groups[0]["momentum"] = 0.8
-        opt.step()
-        eager.step()
-        if step == 1:  # (a step creating state in its first call traces again)
-            entry = newest(_compiled_of(opt))
-            plan = entry.plan.plan
-            if DEVICE == "cuda" and name in UNSPLIT_ON_CUDA:
-                assert plan.split is None and UNSPLIT_ON_CUDA[name] in plan.reason
-                assert "torch backend runs this graph" in optcompile.explain(opt).cudagraphs
-                continue
-            assert plan.split is not None
-            assert capture_reason(plan.split.prelude, plan.device) is None
-            if name in REFUSED:
-                assert REFUSED[name] in plan.prelude_capture_reason()
-                return
-            assert plan.prelude_capture_reason() is None
-            entry.plan = protocol = _GraphProtocol(plan)
-    _assert_close(params, opt, reference, eager, rtol=1e-5, atol=1e-6)
-    if protocol is None:  # (UNSPLIT_ON_CUDA)
-        return
-    assert protocol.calls == 3 and _compiled_of(opt).stats.traces <= 2
-    first, last = protocol.stale  # (the protocol's first call ran the plan whole)
-    assert first is None
-    if name == "Muon":
-        assert "the Python numbers its torch-backend ops take changed" in last
-        assert "0.95 -> 0.8" in last
-    else:
-        assert last is None
-    capture = protocol.plan.capture
-    assert capture.inputs == [] and capture.statics  # the grads' copies; no grad kept
-    assert protocol.plan.launches_beside_graph == 1 + (1 if protocol.plan.split.writes else 0)

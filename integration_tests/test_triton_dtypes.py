@@ -21,7 +21,7 @@ from optcompile.api import _OPTIMIZERS
 from optcompile.testing import assert_within_ulps
 from optkernels import TorchPlan, reference
 from optkernels.triton_backend import TritonPlan
-from test_triton_backend import DEVICE, FUSED, LOOP_FUSED
+from triton_setup import DEVICE, FUSED, LOOP_FUSED
 
 CASES = {**FUSED, **{f"{name} (for-loop)": make for name, make in LOOP_FUSED.items()}}
 # (A 0-dim parameter of a foreach step: the torch backend computes its lane of an

@@ -215,12 +215,12 @@ def test_triton_kernel_converts_state_where_it_loads_and_stores_it_as_the_refere
     """int8 lanes run one int8 block by one warp (the default); a wider launch shape (two
     blocks by one warp, four by four warps) reduces each block's row and gives the same
     bits."""
-    from optkernels import foreach_kernel
+    from optkernels import launch_config
     from optkernels.triton_backend import TritonPlan
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if config is not None:
-        monkeypatch.setattr(foreach_kernel, "_OVERRIDE", config)
+        monkeypatch.setattr(launch_config, "_OVERRIDE", config)
 
     sizes = [300, 1500, 7]  # the last stays float32 (a small tensor)
     compressed = {6: Compressed(fmt, torch.float32, 5), 7: Compressed(fmt, torch.float32, 5)}

@@ -296,7 +296,7 @@ def test_each_launch_configuration_gives_the_same_bits(dtype, config, monkeypatc
     untuned one (1024 by 4 warps, no register limit) on sizes that do not divide the block
     (the masked tail, one-element lanes, a lane spanning several blocks), and agree with the
     torch backend."""
-    from optkernels import foreach_kernel
+    from optkernels import launch_config
     from optkernels.triton_backend import TritonPlan
 
     sizes = [1, 511, 513, 1025, 3]
@@ -305,8 +305,8 @@ def test_each_launch_configuration_gives_the_same_bits(dtype, config, monkeypatc
     tensors = [torch.randn(n, generator=gen).to(dtype) for _ in range(3) for n in sizes]
 
     def run(override: tuple[str | None, str | None], maxnreg: str | None) -> tuple[list, int]:
-        monkeypatch.setattr(foreach_kernel, "_OVERRIDE", override)
-        monkeypatch.setattr(foreach_kernel, "_MAXNREG_OVERRIDE", maxnreg)
+        monkeypatch.setattr(launch_config, "_OVERRIDE", override)
+        monkeypatch.setattr(launch_config, "_MAXNREG_OVERRIDE", maxnreg)
         plan = TritonPlan(gm)
         inputs = [x.clone() for x in tensors] + [0.1, 0.9]
         plan(inputs)

@@ -18,42 +18,43 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optkernels import _triton_compat
+from optkernels._triton_compat import prefetch, records, specialize, stages, version
 from optkernels.triton_backend import kernels_recorded
 
 
 def test_prefetch_computes_the_key_once_in_a_background_thread(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(_triton_compat, "_key_thread", None)
+    monkeypatch.setattr(prefetch, "_key_thread", None)
     ran_in: list[str] = []
     monkeypatch.setattr(
-        _triton_compat,
+        prefetch,
         "_triton_key_function",
         lambda: lambda: ran_in.append(threading.current_thread().name),
     )
-    _triton_compat.prefetch_triton_key()
-    _triton_compat.prefetch_triton_key()  # (once per process)
-    _triton_compat._await_triton_key()
+    prefetch.prefetch_triton_key()
+    prefetch.prefetch_triton_key()  # (once per process)
+    prefetch._await_triton_key()
     assert ran_in == ["optkernels-triton-key"]
 
 
 def test_prefetch_does_nothing_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(_triton_compat, "_key_thread", None)
-    _triton_compat.prefetch_triton_key()
-    assert _triton_compat._key_thread is None
-    _triton_compat._await_triton_key()  # nothing to wait for
+    monkeypatch.setattr(prefetch, "_key_thread", None)
+    prefetch.prefetch_triton_key()
+    assert prefetch._key_thread is None
+    prefetch._await_triton_key()  # nothing to wait for
 
 
 def test_a_failing_key_leaves_the_error_to_the_first_compile(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(_triton_compat, "_key_thread", None)
+    monkeypatch.setattr(prefetch, "_key_thread", None)
 
     def broken() -> None:
         raise OSError("libtriton unreadable")
 
-    monkeypatch.setattr(_triton_compat, "_triton_key_function", lambda: broken)
-    _triton_compat.prefetch_triton_key()
-    _triton_compat._await_triton_key()  # no exception escapes the thread
+    monkeypatch.setattr(prefetch, "_triton_key_function", lambda: broken)
+    prefetch.prefetch_triton_key()
+    prefetch._await_triton_key()  # no exception escapes the thread
 
 
 def test_the_cache_counts_as_cold_until_a_kernel_record_is_there(tmp_path, monkeypatch):
@@ -69,37 +70,37 @@ def test_the_cache_counts_as_cold_until_a_kernel_record_is_there(tmp_path, monke
 @pytest.mark.parametrize("compiler", [True, False], ids=["cold cache", "warm cache"])
 def test_the_runtime_modules_are_built_in_background_threads_once(monkeypatch, compiler):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(_triton_compat, "_runtime_threads", [])
-    monkeypatch.setattr(_triton_compat, "_compiler_threads", [])
-    monkeypatch.setattr(_triton_compat, "_driver_pending", False)
-    monkeypatch.setattr(_triton_compat, "_prefetched", set())
+    monkeypatch.setattr(prefetch, "_runtime_threads", [])
+    monkeypatch.setattr(prefetch, "_compiler_threads", [])
+    monkeypatch.setattr(prefetch, "_driver_pending", False)
+    monkeypatch.setattr(prefetch, "_prefetched", set())
     built: list[tuple[str, object]] = []
 
     def record(what: object) -> None:
         built.append((threading.current_thread().name, what))
 
-    monkeypatch.setattr(_triton_compat, "_build_driver", lambda: record("driver"))
-    monkeypatch.setattr(_triton_compat, "_build_launcher", record)
-    monkeypatch.setattr(_triton_compat, "_import_compiler", lambda: record("compiler"))
+    monkeypatch.setattr(prefetch, "_build_driver", lambda: record("driver"))
+    monkeypatch.setattr(prefetch, "_build_launcher", record)
+    monkeypatch.setattr(prefetch, "_import_compiler", lambda: record("compiler"))
     signatures = [("*i64", "constexpr"), ("*fp64", "i32", "constexpr")]
-    _triton_compat.prefetch_runtime(signatures, compiler=compiler)
-    _triton_compat.prefetch_runtime(signatures)  # (once per process)
-    assert _triton_compat._driver_pending  # (until the first launch waited for it)
-    _triton_compat._await_driver()
-    assert not _triton_compat._driver_pending
-    _triton_compat._await_runtime()
+    prefetch.prefetch_runtime(signatures, compiler=compiler)
+    prefetch.prefetch_runtime(signatures)  # (once per process)
+    assert prefetch._driver_pending  # (until the first launch waited for it)
+    prefetch._await_driver()
+    assert not prefetch._driver_pending
+    prefetch._await_runtime()
     expected = ["driver", *signatures, *(["compiler"] if compiler else [])]
     assert sorted((what for _, what in built), key=str) == sorted(expected, key=str)
     assert all(name.startswith("optkernels-triton-runtime-") for name, _ in built)
-    assert _triton_compat._prefetched == set(signatures)
+    assert prefetch._prefetched == set(signatures)
 
 
 def test_no_runtime_is_built_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(_triton_compat, "_runtime_threads", [])
-    _triton_compat.prefetch_runtime([("*i64",)])
-    assert _triton_compat._runtime_threads == []
-    _triton_compat._await_runtime()  # nothing to wait for
+    monkeypatch.setattr(prefetch, "_runtime_threads", [])
+    prefetch.prefetch_runtime([("*i64",)])
+    assert prefetch._runtime_threads == []
+    prefetch._await_runtime()  # nothing to wait for
 
 
 def test_a_launch_signature_has_the_jits_argument_types():
@@ -108,14 +109,14 @@ def test_a_launch_signature_has_the_jits_argument_types():
     source = "def k(ptrs, n, values, BLOCK):\n    pass\n"
     fn = type("Fn", (), {"arg_names": ["ptrs", "n", "values", "BLOCK"], "src": source})
     args = (torch.zeros(2, dtype=torch.int64), 7, torch.zeros(1, dtype=torch.float64))
-    assert _triton_compat.launch_signature(fn, args) == ("*i64", "i32", "*fp64", "constexpr")
+    assert prefetch.launch_signature(fn, args) == ("*i64", "i32", "*fp64", "constexpr")
     one = (args[0], 1, args[2])  # (the JIT specializes an int argument equal to 1)
-    assert _triton_compat.launch_signature(fn, one) == ("*i64", "constexpr", "*fp64", "constexpr")
+    assert prefetch.launch_signature(fn, one) == ("*i64", "constexpr", "*fp64", "constexpr")
 
 
 def test_a_first_launch_whose_launcher_was_not_prefetched_is_logged(monkeypatch, caplog):
-    monkeypatch.setattr(_triton_compat, "_prefetched", {("*i64", "constexpr")})
-    monkeypatch.setattr(_triton_compat, "_runtime_threads", [threading.current_thread()])
+    monkeypatch.setattr(prefetch, "_prefetched", {("*i64", "constexpr")})
+    monkeypatch.setattr(prefetch, "_runtime_threads", [threading.current_thread()])
 
     def foreach_float32() -> None:  # (a kernel, as far as the message goes)
         pass
@@ -124,9 +125,9 @@ def test_a_first_launch_whose_launcher_was_not_prefetched_is_logged(monkeypatch,
         return [(t, None) for t in types]  # (a specialization)
 
     with caplog.at_level("INFO", logger="optcompile.kernels"):
-        _triton_compat._check_prefetched(foreach_float32, launch("*i64", "constexpr"))
+        prefetch._check_prefetched(foreach_float32, launch("*i64", "constexpr"))
         assert caplog.records == []
-        _triton_compat._check_prefetched(foreach_float32, launch("*fp32", "constexpr"))
+        prefetch._check_prefetched(foreach_float32, launch("*fp32", "constexpr"))
     assert "foreach_float32: no launcher prefetched" in caplog.text
 
 
@@ -158,14 +159,14 @@ def offline():
 
 
 def _bound(offline, args, kwargs):
-    """What _triton_compat._bind gives on a GPU: the launch as Triton's JIT binds it."""
+    """What specialize._bind gives on a GPU: the launch as Triton's JIT binds it."""
     from triton.runtime.jit import compute_cache_key
 
     _, target, _, binder = offline
-    kw = _triton_compat._jit_options(offline[0], kwargs)
+    kw = specialize._jit_options(offline[0], kwargs)
     bound, specialization, options = binder(*args, **kw)
     jit_key = compute_cache_key({}, specialization, options)
-    return _triton_compat._Launch(0, jit_key, target, kw, bound, specialization, options)
+    return specialize._Launch(0, jit_key, target, kw, bound, specialization, options)
 
 
 # Triton's interpreter patches triton.language for the rest of the process once an
@@ -207,34 +208,34 @@ def test_a_recorded_kernel_loads_as_the_kernel_triton_compiled(offline, tmp_path
     )
     source = ASTSource(fn, signature, constexprs, attrs)
     compiled = triton.compile(source, target=target, options=options.__dict__)
-    key = _triton_compat._fingerprint(fn, args, kwargs)
-    entry = _triton_compat._entry(fn, backend, launch, compiled, key)
+    key = specialize._fingerprint(fn, args, kwargs)
+    entry = records._entry(fn, backend, launch, compiled, key)
     assert entry is not None
     record = str(tmp_path / "k_0123.twice_first.json")
-    name = _triton_compat._entry_name(target, key)
-    _triton_compat._remember(record, name, entry, fn)
+    name = records._entry_name(target, key)
+    records._remember(record, name, entry, fn)
 
-    loaded = _triton_compat._load(fn, record, name)
+    loaded = records._load(fn, record, name)
     assert loaded.asm["cubin"] == compiled.asm["cubin"]
     assert loaded.metadata == compiled.metadata and loaded.hash == compiled.hash
     # (what the launcher is built from: every argument's type, the constexprs' values)
     assert loaded.src.signature == compiled.src.signature == signature
     assert loaded.src.constants == compiled.src.constants == {(3,): 128, (4,): 2.0}
-    assert _triton_compat._constexpr_args(fn, len(args), kwargs) == (128, 2.0)
+    assert specialize._constexpr_args(fn, len(args), kwargs) == (128, 2.0)
 
     # A later process launches it from what the record keeps of the function: the same
     # fingerprint, arguments and compiled kernel, without building the function.
-    header = _triton_compat._read(record)[_triton_compat._HEADER]
-    recorded = _triton_compat._Recorded.of(header, lambda: pytest.fail("function built"))
-    assert _triton_compat._fingerprint(recorded, args, kwargs) == key
-    assert _triton_compat._constexpr_args(recorded, len(args), kwargs) == (128, 2.0)
-    warm = _triton_compat._load(recorded, record, name)
+    header = records._read(record)[records._HEADER]
+    recorded = records._Recorded.of(header, lambda: pytest.fail("function built"))
+    assert specialize._fingerprint(recorded, args, kwargs) == key
+    assert specialize._constexpr_args(recorded, len(args), kwargs) == (128, 2.0)
+    warm = records._load(recorded, record, name)
     assert warm.asm["cubin"] == compiled.asm["cubin"] and warm.hash == compiled.hash
     assert warm.src.signature == signature and warm.src.constants == compiled.src.constants
 
-    assert _triton_compat._load(fn, record, name.replace("arch=90", "arch=80")) is None
+    assert records._load(fn, record, name.replace("arch=90", "arch=80")) is None
     os.remove(entry["group"]["twice_first.cubin"])  # (Triton's cache emptied since)
-    assert _triton_compat._load(fn, record, name) is None
+    assert records._load(fn, record, name) is None
 
 
 def _counting(fn):
@@ -251,14 +252,14 @@ def _counting(fn):
 def test_what_the_record_keeps_of_a_function_launches_as_the_function(offline):
     fn = offline[0]
     load, calls = _counting(fn)
-    recorded = _triton_compat._Recorded.of(_triton_compat._Recorded.header(fn), load)
+    recorded = records._Recorded.of(records._Recorded.header(fn), load)
     table, out = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.float16)
     for args in ((table, 5, out), (table[1:], 1, out[3:]), (table, 2**40, 2.5)):
         for kwargs in ({"BLOCK": 64}, {"BLOCK": 32, "SCALE": 3.0, "num_warps": 2}):
-            fingerprint = _triton_compat._fingerprint(recorded, args, kwargs)
-            assert fingerprint == _triton_compat._fingerprint(fn, args, kwargs)
-            constexprs = _triton_compat._constexpr_args(recorded, len(args), kwargs)
-            assert constexprs == _triton_compat._constexpr_args(fn, len(args), kwargs)
+            fingerprint = specialize._fingerprint(recorded, args, kwargs)
+            assert fingerprint == specialize._fingerprint(fn, args, kwargs)
+            constexprs = specialize._constexpr_args(recorded, len(args), kwargs)
+            assert constexprs == specialize._constexpr_args(fn, len(args), kwargs)
     assert recorded.__name__ == "twice_first" and recorded.arg_names == fn.arg_names
     # (what Triton's launcher reads of it where a launch-enter hook is set: a profiler's)
     assert recorded.launch_metadata is None is fn.launch_metadata
@@ -269,9 +270,9 @@ def test_what_the_record_keeps_of_a_function_launches_as_the_function(offline):
 def test_a_record_without_the_function_s_header_builds_the_function(offline, tmp_path):
     fn = offline[0]
     record = tmp_path / "k_0123.twice_first.json"
-    broken = {**_triton_compat._Recorded.header(fn), "params": 3}
+    broken = {**records._Recorded.header(fn), "params": 3}
     for header in (None, {"name": "twice_first"}, broken):
-        entries = {} if header is None else {_triton_compat._HEADER: header}
+        entries = {} if header is None else {records._HEADER: header}
         record.write_text(json.dumps(entries))
         load, calls = _counting(fn)
         kernel = _triton_compat.Kernel(str(record), load)
@@ -280,23 +281,23 @@ def test_a_record_without_the_function_s_header_builds_the_function(offline, tmp
 
 def test_a_function_json_cannot_keep_is_not_recorded(offline):
     fn = offline[0]
-    assert _triton_compat._Recorded.header(fn)["params"][-1] == ["SCALE", True, 2.0]
+    assert records._Recorded.header(fn)["params"][-1] == ["SCALE", True, 2.0]
 
     class Default:  # (a default value JSON cannot keep)
         pass
 
-    params = [_triton_compat._Param("x", True, Default())]
+    params = [records._Param("x", True, Default())]
     odd = types.SimpleNamespace(
         __name__="f", debug=None, arg_names=["x"], params=params, launch_metadata=None
     )
-    assert _triton_compat._Recorded.header(odd) is None
+    assert records._Recorded.header(odd) is None
     plain = types.SimpleNamespace(
         __name__="f", debug=None, arg_names=["x"], params=[], launch_metadata=None
     )
-    assert _triton_compat._Recorded.header(plain) is not None
+    assert records._Recorded.header(plain) is not None
     hooked = types.SimpleNamespace(**{**vars(plain), "launch_metadata": lambda *args: {}})
-    assert _triton_compat._Recorded.header(hooked) is None  # (its launches call it)
-    assert _triton_compat._Recorded.header(object()) is None
+    assert records._Recorded.header(hooked) is None  # (its launches call it)
+    assert records._Recorded.header(object()) is None
 
 
 def test_a_launch_from_the_record_imports_no_generated_module(tmp_path, monkeypatch):
@@ -322,7 +323,7 @@ def test_a_launch_from_the_record_imports_no_generated_module(tmp_path, monkeypa
 def test_the_record_names_the_triton_it_was_made_by():
     import triton
 
-    installation = _triton_compat._installation()
+    installation = version._installation()
     assert installation.startswith(f"{triton.__version__}|")
     assert "?" not in installation.split("|")[1]  # (libtriton's size and modification time)
 
@@ -346,13 +347,13 @@ def test_equal_fingerprints_are_launches_the_jit_specializes_alike(offline, offs
     launches = []
     for n in ints:
         args = (buffers[0], n, buffers[1])
-        key = _triton_compat._fingerprint(offline[0], args, {"BLOCK": 64})
+        key = specialize._fingerprint(offline[0], args, {"BLOCK": 64})
         if key is None:  # (out of every int type: Triton's JIT refuses it too)
             with pytest.raises(OverflowError):
                 _bound(offline, args, {"BLOCK": 64})
             continue
         launch = _bound(offline, args, {"BLOCK": 64})
-        assert _triton_compat._agrees(key, launch.specialization)
+        assert specialize._agrees(key, launch.specialization)
         launches.append((key, launch.jit_key))
     for key, jit_key in launches:
         assert all(k != key or j == jit_key for k, j in launches)
@@ -361,20 +362,20 @@ def test_equal_fingerprints_are_launches_the_jit_specializes_alike(offline, offs
 def test_a_jit_that_specializes_otherwise_is_not_recorded(offline):
     fn = offline[0]
     args = (torch.zeros(4, dtype=torch.int64), 32, torch.zeros(4))
-    key = _triton_compat._fingerprint(fn, args, {"BLOCK": 64})
+    key = specialize._fingerprint(fn, args, {"BLOCK": 64})
     spec = _bound(offline, args, {"BLOCK": 64}).specialization
-    assert _triton_compat._agrees(key, spec)
-    assert not _triton_compat._agrees(key, [(spec[0][0], "A16"), *spec[1:]])  # another rule
-    assert not _triton_compat._agrees(key, [spec[0], ("i64", "D"), *spec[2:]])
-    assert not _triton_compat._agrees(key, spec[:2])
+    assert specialize._agrees(key, spec)
+    assert not specialize._agrees(key, [(spec[0][0], "A16"), *spec[1:]])  # another rule
+    assert not specialize._agrees(key, [spec[0], ("i64", "D"), *spec[2:]])
+    assert not specialize._agrees(key, spec[:2])
 
 
 def test_arguments_a_fingerprint_does_not_cover_go_to_the_jit(offline):
     fn = offline[0]
     table = torch.zeros(4, dtype=torch.int64)
-    assert _triton_compat._fingerprint(fn, (table, "5", table), {}) is None
-    assert _triton_compat._fingerprint(fn, (table, 5, table), {"BLOCK": [64]}) is None
-    covered = _triton_compat._fingerprint(fn, (table, 5.0, True), {"BLOCK": 64})
+    assert specialize._fingerprint(fn, (table, "5", table), {}) is None
+    assert specialize._fingerprint(fn, (table, 5, table), {"BLOCK": [64]}) is None
+    covered = specialize._fingerprint(fn, (table, 5.0, True), {"BLOCK": 64})
     assert covered is not None and covered[0][1:] == ("float", "bool")
 
 
@@ -383,9 +384,9 @@ def test_the_specialization_made_from_a_fingerprint_is_the_binders(offline):
     table, out = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.float16)
     for args in ((table, 5, out), (table[1:], 1, out[3:]), (table, 2**40, out), (table, 32, out)):
         kwargs = {"BLOCK": 64, "num_warps": 2}
-        key = _triton_compat._fingerprint(fn, args, kwargs)
+        key = specialize._fingerprint(fn, args, kwargs)
         launch = _bound(offline, args, kwargs)
-        made = _triton_compat._specialization(fn, key, launch.bound)
+        made = specialize._specialization(fn, key, launch.bound)
         assert made == launch.specialization
 
 
@@ -394,7 +395,7 @@ def test_a_kernel_compiled_without_triton_s_cache_is_the_one_triton_compiles(
     offline, tmp_path, monkeypatch
 ):
     """What the first launch on a cold cache compiles without Triton's self-hash
-    (_triton_compat._compile): the binary and metadata triton.compile makes."""
+    (stages._compile): the binary and metadata triton.compile makes."""
     import triton
     from triton.compiler import ASTSource
 
@@ -409,7 +410,7 @@ def test_a_kernel_compiled_without_triton_s_cache_is_the_one_triton_compiles(
     )
     source = ASTSource(fn, signature, constexprs, attrs)
     theirs = triton.compile(source, target=target, options=options.__dict__)
-    ours = _triton_compat._run_stages(source, target, backend, options, str(tmp_path / "b"), "0a")
+    ours = stages._run_stages(source, target, backend, options, str(tmp_path / "b"), "0a")
     assert ours.asm["cubin"] == theirs.asm["cubin"]
     assert ours.metadata._replace(hash="") == theirs.metadata._replace(hash="")
     assert ours.asm["ptx"] == theirs.asm["ptx"]
@@ -421,9 +422,9 @@ def test_a_kernel_compiled_without_triton_s_cache_is_the_one_triton_compiles(
 def test_triton_s_dumps_and_overrides_leave_the_compile_to_triton(offline, tmp_path, setting):
     fn = offline[0]
     args = (torch.zeros(8, dtype=torch.int64), 5, torch.zeros(8))
-    key = _triton_compat._fingerprint(fn, args, {"BLOCK": 64})
+    key = specialize._fingerprint(fn, args, {"BLOCK": 64})
     record = str(tmp_path / "k_0123.twice_first.json")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(setting, "1")
-        assert _triton_compat._compile(fn, record, "name", key, args, {"BLOCK": 64}) is None
+        assert stages._compile(fn, record, "name", key, args, {"BLOCK": 64}) is None
     assert not os.path.exists(record)
