@@ -122,3 +122,23 @@ def test_a_plan_without_host_values_sends_nothing_ahead():
     plan(inputs)
     assert plan.ahead_inputs() is None
     assert Ahead().stage([(plan, [None] * 6 + [0.1])]) == 0
+
+
+def test_values_whose_copy_failed_are_not_taken(monkeypatch):
+    gm = _graph()
+    sent_plan, own_plan = TritonPlan(gm), TritonPlan(gm)
+    sent, own = _inputs(), _inputs()
+    sent_plan(sent)
+    own_plan(own)
+
+    def failing(*args: object) -> None:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", failing)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        Ahead().stage([(sent_plan, [None] * 6 + [0.1])])
+    monkeypatch.undo()
+    sent, own = _with(sent, 0.1, 1), _with(own, 0.1, 1)
+    sent_plan(sent)
+    own_plan(own)
+    assert sent_plan.ahead_counts == (1, 0) and _equal(sent, own)

@@ -38,16 +38,23 @@ class Ahead:
         ``stage_ahead`` are skipped; ``inputs`` needs only the positions the plan's
         ``ahead_inputs`` names); returns how many value buffers were sent."""
         by_device: dict[torch.device, list[tuple[torch.Tensor, np.ndarray]]] = {}
+        plans = []
         for plan, inputs in calls:
             found = getattr(plan, "stage_ahead", None)
-            for buffer, values in found(inputs) if found is not None else ():
-                by_device.setdefault(buffer.device, []).append((buffer, values))
+            if found is not None:
+                plans.append(plan)
+                for buffer, values in found(inputs):
+                    by_device.setdefault(buffer.device, []).append((buffer, values))
         if not by_device:
             return 0
         self.staging.begin()
         try:
             for device, pairs in by_device.items():
                 self._send(device, pairs)
+        except BaseException:
+            for plan in plans:  # (their next calls must not take values never sent)
+                plan.forget_ahead()
+            raise
         finally:
             self.staging.end()
         self.rounds += 1

@@ -924,6 +924,11 @@ class TritonPlan:
         staged = (part.stage_ahead(inputs) for part in self.parts if part.host)
         return [found for found in staged if found is not None]
 
+    def forget_ahead(self) -> None:
+        """The next call computes its own values (those ``stage_ahead`` made were not sent)."""
+        for part in self.parts:
+            part._ahead = None
+
     @property
     def ahead_counts(self) -> tuple[int, int]:
         """Calls whose values were sent ahead, and those that took them."""
