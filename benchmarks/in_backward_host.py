@@ -34,6 +34,12 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
   bucket update (with its parts timed in that call: compiled step, plan, its prepare; the
   plan less its prepare is the graph's launch), each phase of an iteration of both
   optimizers;
+- ``--parts`` (``--only-parts``: this alone, after the warm-up): the bucket updates inside
+  real backwards, each part timed where it runs, on the host (perf_counter) and on the
+  device (CUDA events recorded on the current stream at the same points: the device time
+  between them), with every bucket's host values sent ahead at the backward's first hook
+  (the default) and without (each update computes and copies its own), iterations
+  alternated; a table at the end (medians per update; the stage-ahead per backward);
 - ``--profile ROWS``: the in-backward iteration under torch.profiler (CPU and CUDA
   activities): every ``cuda*Synchronize`` call with its count per iteration and the rows with
   the most self CPU time; ``--cprofile ROWS``: cProfile of in-backward iterations.
@@ -41,6 +47,9 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
 GPU (from the repository root; under 3 minutes on an H100):
   PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
       python benchmarks/in_backward_host.py --sweep 1,4,40 --profile 25
+Only the parts inside backward (about a minute on an H100):
+  PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
+      python benchmarks/in_backward_host.py --only-parts --iters 30
 A CPU run (``--device cpu``: a narrow GPT-2 with the same 148 tensors, buckets of
 1/``--buckets`` of its gradient bytes, 4 by default) times the same host-side parts, CPU
 kernels in the plan.
@@ -471,6 +480,7 @@ PARTS = (
     ("before its step (groups, state synced)", "update", "find"),
     ("prologue (guards, inputs gathered)", "find", "found"),
     ("prepare (host values, staged copies)", "prepare", "prepared"),
+    ("  of which its part's (host values, their copy)", "part", "parted"),
     ("replay (the graph's launch)", "replay", "replayed"),
     ("after it (side effects, state, grads freed)", "planned", "updated"),
     ("whole update", "update", "updated"),
@@ -580,6 +590,8 @@ def marked_updates(state: backward.InBackward, mark: _Marks) -> Iterator[None]:
             inner = getattr(plan, "plan", None)
             if inner is not None:
                 wrap(inner, "prepare", _marked(inner.prepare, mark, "prepare", "prepared"))
+            for part in getattr(inner if inner is not None else plan, "parts", []):
+                wrap(part, "prepare", _marked(part.prepare, mark, "part", "parted"))
             if getattr(plan, "graphed", None) is not None:
                 wrap(plan, "graphed", _MarkedGraph(plan.graphed, mark))
     try:

@@ -30,6 +30,8 @@ class Ahead:
     def __init__(self) -> None:
         self.staging = Staging()
         self.buffers: dict[torch.device, torch.Tensor] = {}
+        # Each buffer's views, one per plan's values, as last split (the sizes, the views)
+        self._splits: dict[torch.device, tuple[torch.Tensor, list[int], list[torch.Tensor]]] = {}
         self.rounds = 0  # stage calls that sent something
         self.sent = 0  # plan parts' values sent ahead
 
@@ -70,7 +72,10 @@ class Ahead:
         self.buffers[device] = buffer
         np.concatenate([values for _, values in pairs], out=host)
         self.staging.send(buffer)
-        starts = np.cumsum([0, *sizes]).tolist()
-        sources = [buffer[a:b] for a, b in itertools.pairwise(starts)]
+        split = self._splits.get(device)
+        if split is None or split[0] is not buffer or split[1] != sizes:
+            starts = np.cumsum([0, *sizes]).tolist()
+            views = [buffer[a:b] for a, b in itertools.pairwise(starts)]
+            split = self._splits[device] = (buffer, sizes, views)
         with torch.no_grad():
-            torch._foreach_copy_([b for b, _ in pairs], sources)
+            torch._foreach_copy_([b for b, _ in pairs], split[2])

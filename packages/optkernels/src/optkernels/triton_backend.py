@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import os
+import struct
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -647,7 +648,7 @@ class _Ahead:
 
 def _bits(values: list[float]) -> bytes:
     """The scalars' bits (``==`` would take -0.0 for 0.0, and no NaN for itself)."""
-    return np.asarray(values, dtype=np.float64).tobytes()
+    return struct.pack(f"{len(values)}d", *values)
 
 
 def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
@@ -762,6 +763,8 @@ class TritonPlan:
         self._call_inputs: Sequence[Any] = ()
         self._parts_prepared = False  # this call's ``prepare`` reached the parts
         self._checked_devices = False
+        # (its parts, ahead_inputs' answer for them): found once
+        self._ahead_inputs: tuple[list[_Part], list[int] | None] | None = None
         self._changes = BufferChanges()  # shared by its parts and their groups
         # Values the prelude computes that the kernels need in a given layout: input index ->
         # (shape, stride) (see ``layouts.layouts``).
@@ -908,10 +911,11 @@ class TritonPlan:
         prelude, not called yet)."""
         if not self._checked_devices or self.capture is not None:
             return None
-        hosted = [part for part in self.parts if part.host]
-        if not hosted:
-            return None
-        return sorted({self.index[n] for part in hosted for n in part.program.scalar_inputs})
+        if self._ahead_inputs is None or self._ahead_inputs[0] is not self.parts:
+            hosted = [part for part in self.parts if part.host]
+            found = {self.index[n] for part in hosted for n in part.program.scalar_inputs}
+            self._ahead_inputs = (self.parts, sorted(found) if hosted else None)
+        return self._ahead_inputs[1]
 
     def stage_ahead(self, inputs: Sequence[Any]) -> list[tuple[torch.Tensor, np.ndarray]]:
         """The host-computed values of the next call (scalars from ``inputs``, at the
