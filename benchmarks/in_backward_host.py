@@ -481,6 +481,8 @@ PARTS = (
     ("prologue (guards, inputs gathered)", "find", "found"),
     ("prepare (host values, staged copies)", "prepare", "prepared"),
     ("  of which its part's (host values, their copy)", "part", "parted"),
+    ("  of which staging rounds begun (slot checks)", "begin", "begun"),
+    ("  of which host -> device copies queued", "send", "sent"),
     ("replay (the graph's launch)", "replay", "replayed"),
     ("after it (side effects, state, grads freed)", "planned", "updated"),
     ("whole update", "update", "updated"),
@@ -507,24 +509,36 @@ class _Marks:
             event.record()
         self.rows.append((name, self.bucket, time.perf_counter(), event))
 
-    def parts(self) -> tuple[list[dict[str, float]], list[tuple[float, float | None]]]:
-        """Each update's parts (name -> (host µs, device µs)) and each stage-ahead's times,
-        once the device is done (synchronized)."""
+    def parts(self) -> tuple[list[dict[str, Any]], list[tuple[float, float | None]]]:
+        """Each update's parts (name -> (host µs, device µs), summed where a part ran more
+        than once, absent where it did not run) and each stage-ahead's times, once the
+        device is done (synchronized)."""
         updates: list[dict[str, Any]] = []
         staged: list[tuple[float, float | None]] = []
-        at: dict[str, tuple[float, Any]] = {}
+        segment: list[tuple[str, float, Any]] = []
         for name, _, seconds, event in self.rows:
-            at[name] = (seconds, event)
+            segment.append((name, seconds, event))
             if name == "staged":
+                at = {n: (t, e) for n, t, e in segment}
                 staged.append(self._between(at["stage"], at["staged"]))
             if name == "updated":
-                found = {}
-                for part, start, end in PARTS:
-                    if start in at and end in at:
-                        found[part] = self._between(at[start], at[end])
-                updates.append(found)
-                at = {}
+                updates.append({part: self._sum(segment, a, b) for part, a, b in PARTS})
+                updates[-1] = {k: v for k, v in updates[-1].items() if v is not None}
+                segment = []
         return updates, staged
+
+    def _sum(
+        self, segment: list[tuple[str, float, Any]], start: str, end: str
+    ) -> tuple[float, float | None] | None:
+        """The times from each ``start`` mark to the next ``end`` mark, summed."""
+        host, device, opened, found = 0.0, 0.0, None, False
+        for name, seconds, event in segment:
+            if name == start and opened is None:
+                opened = (seconds, event)
+            elif name == end and opened is not None:
+                h, d = self._between(opened, (seconds, event))
+                host, device, opened, found = host + h, device + (d or 0.0), None, True
+        return (host, device if self.cuda else None) if found else None
 
     @staticmethod
     def _between(start: tuple[float, Any], end: tuple[float, Any]) -> tuple[float, float | None]:
@@ -592,6 +606,10 @@ def marked_updates(state: backward.InBackward, mark: _Marks) -> Iterator[None]:
                 wrap(inner, "prepare", _marked(inner.prepare, mark, "prepare", "prepared"))
             for part in getattr(inner if inner is not None else plan, "parts", []):
                 wrap(part, "prepare", _marked(part.prepare, mark, "part", "parted"))
+            staging = getattr(inner if inner is not None else plan, "staging", None)
+            if staging is not None:
+                wrap(staging, "begin", _marked(staging.begin, mark, "begin", "begun"))
+                wrap(staging, "send", _marked(staging.send, mark, "send", "sent"))
             if getattr(plan, "graphed", None) is not None:
                 wrap(plan, "graphed", _MarkedGraph(plan.graphed, mark))
     try:
@@ -636,8 +654,10 @@ def parts_inside_backward(
         parts: dict[str, Any] = {}
         for part, _, _ in PARTS:
             samples = [u[part] for u in rows["updates"] if part in u]
-            parts[part] = _medians(samples)
-        parts["stage ahead (first hook, every bucket)"] = _medians(rows["staged"])
+            parts[part] = _medians(samples, len(rows["updates"]))
+        parts["stage ahead (first hook, every bucket)"] = _medians(
+            rows["staged"], len(rows["backward"])
+        )
         out[name] = {
             "parts": parts,
             "updates_per_backward": len(rows["updates"]) / max(args.iters, 1),
@@ -647,40 +667,44 @@ def parts_inside_backward(
     return out
 
 
-def _medians(samples: list[tuple[float, float | None]]) -> tuple[float, float | None] | None:
+def _medians(
+    samples: list[tuple[float, float | None]], out_of: int
+) -> tuple[float, float | None, str] | None:
+    """Medians of host and device µs where the part ran, and in how many of ``out_of``."""
     if not samples:
         return None
     devices = [d for _, d in samples if d is not None]
     return (
         statistics.median(h for h, _ in samples),
         statistics.median(devices) if devices else None,
+        f"{len(samples)}/{out_of}",
     )
 
 
 def parts_report(found: dict[str, Any]) -> str:
     """The --parts table: medians per bucket update (the stage-ahead: per backward)."""
     names = list(found)
-    head = " | ".join(f"{n}: host | device" for n in names)
+    head = " | ".join(f"{n}: host | device | ran" for n in names)
     lines = [
         "",
         "Bucket updates inside backward, by part (medians per update; host perf_counter, "
         "device: CUDA events at the same points):",
         "",
         f"| part | {head} |",
-        "| --- |" + " ---: | ---: |" * len(names),
+        "| --- |" + " ---: | ---: | ---: |" * len(names),
     ]
 
-    def cell(value: tuple[float, float | None] | None) -> str:
+    def cell(value: tuple[float, float | None, str] | None) -> str:
         if value is None:
-            return "- | -"
+            return "- | - | 0"
         device = f"{value[1]:,.1f} µs" if value[1] is not None else "-"
-        return f"{value[0]:,.1f} µs | {device}"
+        return f"{value[0]:,.1f} µs | {device} | {value[2]}"
 
     for part in found[names[0]]["parts"]:
         cells = " | ".join(cell(found[n]["parts"][part]) for n in names)
         lines.append(f"| {part} | {cells} |")
     for key, label in (("backward_us", "backward (host)"), ("wall_us", "iteration (wall)")):
-        cells = " | ".join(f"{found[n][key]:,.0f} µs | " for n in names)
+        cells = " | ".join(f"{found[n][key]:,.0f} µs | | " for n in names)
         lines.append(f"| {label} | {cells}")
     counts = ", ".join(f"{n}: {found[n]['updates_per_backward']:.1f}" for n in names)
     lines.append(f"\nBucket updates per backward: {counts}")
