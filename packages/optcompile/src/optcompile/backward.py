@@ -26,6 +26,12 @@ bucket whose check fails (a parameter without gradient this time, another order,
 kept from before) is left to the end of the backward. Under torch's compiled autograd every
 parameter keeps its hook (its graph may run outside a graph task).
 
+The first param's hook, finding no gradient held, also sends every bucket's host values
+for its update in this backward ahead, in one copy (``stage_ahead``, ``optkernels.ahead``): lr
+and the other scalars as the groups hold them, the bias corrections of the step counts each
+update advances. An update then takes them (its plan checks that its scalars and step counts
+are what they were) instead of computing and copying its own inside the busy backward.
+
 The end of a backward (eager autograd: a callback queued on the engine) updates what a
 bucket left: a bucket with parameters that got no gradient this time, gradients kept by
 ``accumulate()``, parameters added since. Under torch's compiled autograd that callback
@@ -327,7 +333,7 @@ class InBackward:
                 for synced in bucket.groups:
                     synced.pull(live_groups[synced.index])
                 values = fetch(bucket.L)
-            except Exception:  # (its update finds what changed, and says so)
+            except Exception:  # (the update fetches its inputs itself, and fails or retraces)
                 continue
             inputs: list[Any] = [None] * (max(positions, default=-1) + 1)
             for position, value in zip(positions, values, strict=True):
