@@ -484,7 +484,7 @@ PARTS = (
     ("  of which staging rounds begun (slot checks)", "begin", "begun"),
     ("  of which host -> device copies queued", "send", "sent"),
     ("replay (the graph's launch)", "replay", "replayed"),
-    ("after it (side effects, state, grads freed)", "planned", "updated"),
+    ("after it (side effects, state synced, grads freed)", "planned", "updated"),
     ("whole update", "update", "updated"),
 )
 
@@ -563,13 +563,16 @@ class _MarkedGraph:
             self._mark("replayed")
 
 
-def _marked(fn: Callable[..., Any], mark: _Marks, before: str, after: str) -> Callable[..., Any]:
+def _marked(
+    fn: Callable[..., Any], mark: _Marks, before: str, after: str | None
+) -> Callable[..., Any]:
     def marked(*args: Any) -> Any:
         mark(before)
         try:
             return fn(*args)
         finally:
-            mark(after)
+            if after is not None:
+                mark(after)
 
     return marked
 
@@ -599,8 +602,8 @@ def marked_updates(state: backward.InBackward, mark: _Marks) -> Iterator[None]:
         compiled: Any = bucket.step
         wrap(compiled.cache, "find", _marked(compiled.cache.find, mark, "find", "found"))
         for entry in [e.value for e in compiled.cache.entries]:
-            plan = entry.plan
-            wrap(entry, "plan", _marked(plan, mark, "plan", "planned"))
+            plan = entry.plan  # (left as it is: sending ahead reads the entry's plan)
+            wrap(entry, "replay", _marked(entry.replay, mark, "planned", None))
             inner = getattr(plan, "plan", None)
             if inner is not None:
                 wrap(inner, "prepare", _marked(inner.prepare, mark, "prepare", "prepared"))
