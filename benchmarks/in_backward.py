@@ -8,7 +8,9 @@ Variants, each in a fresh process (so peak memory counts only its own tensors):
   optcompile              optcompile.compile(AdamW) stepped after backward
   optcompile-in-backward  optcompile.compile(AdamW, in_backward=True): the update runs inside
                           backward in buckets, each gradient freed after its update
-                          (``optcompile-in-backward@25``: buckets of 25 MiB, not the default)
+                          (``optcompile-in-backward@25``: buckets of 25 MiB, not the default;
+                          ``optcompile-in-backward-own``: each bucket update computes and
+                          copies its own host values, none sent ahead at the first hook)
 
 Reported per variant: median iteration time (forward + backward + step, CUDA-synchronized,
 after warm-up iterations), peak allocated memory over the timed iterations
@@ -139,6 +141,10 @@ def make_step(variant: str, model: torch.nn.Module, device: str) -> Any:
         _, _, mib = variant.partition("@")
         sizes = {"bucket_bytes": max(1, int(float(mib) * 2**20))} if mib else {}
         opt = optcompile.compile(opt, in_backward=True, **sizes)
+        if variant.startswith("optcompile-in-backward-own"):
+            from optcompile import backward
+
+            backward.send_ahead(opt, False)
     elif variant not in ("eager", "eager-fused"):
         raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
 

@@ -26,6 +26,12 @@ bucket whose check fails (a parameter without gradient this time, another order,
 kept from before) is left to the end of the backward. Under torch's compiled autograd every
 parameter keeps its hook (its graph may run outside a graph task).
 
+The first param's hook, finding no gradient held, also sends every bucket's host values
+for its update in this backward ahead, in one copy (``stage_ahead``, ``optkernels.ahead``): lr
+and the other scalars as the groups hold them, the bias corrections of the step counts each
+update advances. An update then takes them (its plan checks that its scalars and step counts
+are what they were) instead of computing and copying its own inside the busy backward.
+
 The end of a backward (eager autograd: a callback queued on the engine) updates what a
 bucket left: a bucket with parameters that got no gradient this time, gradients kept by
 ``accumulate()``, parameters added since. Under torch's compiled autograd that callback
@@ -47,7 +53,8 @@ from operator import is_
 from typing import Any
 
 import torch
-from optguard import native
+from optguard import compile_fetch, native
+from optkernels.ahead import Ahead
 from opttrace import closure_reason
 
 from optcompile import _torch_compat
@@ -91,6 +98,12 @@ class Bucket:
     # entries) after the last update, where optguard's native module reads them (see update)
     versions: tuple[Any, Any] | None = None
     arrived: int = 0  # gradients arrived in this backward
+    # For sending its next update's host values ahead (InBackward.stage_ahead): the entry
+    # it was found for, that entry's plan and the positions and fetch of the inputs it reads
+    # (None: its plan sends nothing ahead)
+    ahead: (
+        tuple[Any, tuple[Any, list[int], Callable[[dict[str, Any]], list[Any]]] | None] | None
+    ) = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -163,6 +176,9 @@ class InBackward:
         self.hooked_in: dict[int, int] = {}
         self.closed_in: dict[int, int] = {}
         self.first_arrived: torch.Tensor | None = None
+        # Every bucket's next host values sent in one copy at a clean backward's first hook
+        self.ahead = Ahead()
+        self.ahead_enabled = True
         self.refresh(opt)
 
     # -- params and hooks --
@@ -289,11 +305,62 @@ class InBackward:
         if p is self.first:
             clean = task >= 0 and _none_held(self.others)
             self.clean_task = task if clean else None
+            if clean and self.ahead_enabled:
+                self.stage_ahead()
         bucket = self.trigger_of.get(id(p))
         if bucket is None or self.clean_task != task:
             return
         if not any(map(is_, _grads(bucket.params), repeat(None))):  # all there
             self.update(bucket)
+
+    def stage_ahead(self) -> None:
+        """Compute every bucket's host values for its update in this backward now and send
+        them in one copy (``optkernels.ahead``): the updates, each in a hook while autograd
+        keeps the device busy, then only replay their graphs. An update whose inputs are
+        not what they were here (a bucket left to the end of the backward, its params in
+        another entry) computes its own, as without this."""
+        opt = self.ref()
+        if opt is None:
+            return
+        live_groups = opt.param_groups
+        calls = []
+        for bucket in self.buckets:
+            found = self.ahead_of(bucket)
+            if found is None:
+                continue
+            plan, positions, fetch = found
+            try:
+                for synced in bucket.groups:
+                    synced.pull(live_groups[synced.index])
+                values = fetch(bucket.L)
+            except Exception:  # (the update fetches its inputs itself, and fails or retraces)
+                continue
+            inputs: list[Any] = [None] * (max(positions, default=-1) + 1)
+            for position, value in zip(positions, values, strict=True):
+                inputs[position] = value
+            calls.append((plan, inputs))
+        self.ahead.stage(calls)
+
+    def ahead_of(
+        self, bucket: Bucket
+    ) -> tuple[Any, list[int], Callable[[dict[str, Any]], list[Any]]] | None:
+        """The plan of the entry that ran the bucket's latest update, the positions of the
+        inputs its ``stage_ahead`` reads and a fetch of them (None: it sends nothing
+        ahead); found once per entry."""
+        entry = getattr(bucket.step, "last", None)
+        if entry is None:
+            return None
+        if bucket.ahead is not None and bucket.ahead[0] is entry:
+            return bucket.ahead[1]
+        plan = getattr(entry.plan, "plan", entry.plan)
+        positions = plan.ahead_inputs() if hasattr(plan, "ahead_inputs") else None
+        found = None
+        if positions is not None:
+            sources = [entry.traced.input_sources[i] for i in positions]
+            fetch = compile_fetch(sources, "ahead")[0] if sources else _nothing_to_fetch
+            found = (plan, positions, fetch)
+        bucket.ahead = (entry, found)
+        return found
 
     def close(self, index: int) -> Bucket:
         """Make group ``index``'s params being learned a bucket."""
@@ -416,6 +483,10 @@ class InBackward:
 
 
 _MISSING = object()
+
+
+def _nothing_to_fetch(L: dict[str, Any]) -> list[Any]:
+    return []
 
 
 def _none_held(params: list[torch.Tensor]) -> bool:
@@ -541,6 +612,19 @@ def accumulate(opt: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         with state.lock:
             state.accumulating -= 1
+
+
+def send_ahead(opt: torch.optim.Optimizer, enabled: bool) -> None:
+    """Whether a backward's first hook sends every bucket's host values ahead (on by
+    default; off: each update computes and sends its own, as a reference in tests and
+    benchmarks)."""
+    state = _STATES.get(opt)
+    if state is None:
+        raise CompileError(
+            f"send_ahead takes an optimizer compiled with in_backward=True; "
+            f"{type(opt).__name__} is not"
+        )
+    state.ahead_enabled = enabled
 
 
 def buckets(opt: torch.optim.Optimizer) -> list[tuple[list[torch.Tensor], Any]]:

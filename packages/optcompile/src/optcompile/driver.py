@@ -125,6 +125,8 @@ class Compiled:
         # Its caller's usual call needs nothing around ``__call__`` (a compiled optimizer's
         # step without closure, hooks, in-backward update or rounding counter: optimizer.py)
         self.direct = False
+        # The entry of the latest call that ran compiled (what its next call likely hits)
+        self.last: CompiledEntry | None = None
         self._lock = threading.RLock()
         _ALL.add(self)
 
@@ -135,6 +137,7 @@ class Compiled:
             hit = self.cache.find(L)
             if hit is not None:
                 entry, inputs = hit
+                self.last = entry.value
                 return entry.value.run(L, inputs)
         # A miss traces: traces are serialized process-wide (opttrace.TRACE_LOCK), taken
         # before this object's lock so no thread waits for it while holding an object's.
@@ -142,6 +145,7 @@ class Compiled:
             hit = self.cache.find(L)  # another thread may have traced it meanwhile
             if hit is not None:
                 entry, inputs = hit
+                self.last = entry.value
                 return entry.value.run(L, inputs)
             return self._miss(L)
 
@@ -149,6 +153,7 @@ class Compiled:
         """Trace, lower and run a new entry, or run eagerly; interrupts wait until done."""
         with interrupts_held():
             entry, outputs = self._traced_run(L)
+            self.last = entry
             return self.eager(L) if entry is None else outputs
 
     def _traced_run(self, L: Locals) -> tuple[CompiledEntry | None, Any]:
@@ -232,12 +237,14 @@ class Compiled:
 
     def reset(self) -> None:
         self.cache.clear()
+        self.last = None
         self.stats = Stats()
 
     def release(self) -> None:
         """Drop every entry and what it owns (graphs, plans, generated code); the object it
         was compiled for is gone."""
         self.cache.clear()
+        self.last = None
         self.released = True
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 import os
+import struct
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from optkernels._torch_compat import capturing
+from optkernels._torch_compat import capturing, current_stream
 from optkernels._triton_compat import Kernel, prefetch_runtime, prefetch_triton_key
 from optkernels.addresses import AddressCheck
 from optkernels.compressed import BLOCK as INT8_BLOCK
@@ -284,6 +286,10 @@ class _Part:
         self._scalar_values: list[float] = []
         # (scalar count, values' size, each group's block: start and length), by _stage_values
         self._layout: tuple[int, int, list[tuple[_Group, int, int]]] | None = None
+        # The next call's values, sent ahead (stage_ahead) until that call takes them
+        self._ahead: _Ahead | None = None
+        self.ahead_staged = 0
+        self.ahead_taken = 0
 
     def check_devices(self, inputs: Sequence[Any]) -> str | None:
         """Decide where 0-dim values are computed; the reason if the kernels cannot run."""
@@ -343,7 +349,9 @@ class _Part:
         device = self.device
         staging = self.staging
         scalar_values = self._scalars(inputs)
-        if self.host or self.values is None or scalar_values != self._scalar_values:
+        if self._ahead is not None and self._take_ahead(inputs, scalar_values):
+            self._scalar_values = scalar_values
+        elif self.host or self.values is None or scalar_values != self._scalar_values:
             self._scalar_values = scalar_values
             self._stage_values(inputs, scalar_values)
         for g, group in enumerate(self.groups):
@@ -452,34 +460,116 @@ class _Part:
         # device tensors (tests): copies, written back with copy_.
         on_cpu = len(group.small_views) == len(buffers)
         views = group.small_views if on_cpu else {k: b.cpu().numpy() for k, b in buffers.items()}
+        writes = self._host_rows(group, views, scalar_values, block, on_cpu)
+        self._write_small(group, views, writes)
+
+    def _host_rows(
+        self,
+        group: _Group,
+        views: dict[int, np.ndarray],
+        scalar_values: list[float],
+        block: np.ndarray,
+        uniform_allowed: bool = True,
+    ) -> list[tuple[int, Any, bool]]:
+        """Put the values the group's kernel reads into ``block`` and return the 0-dim
+        results to write back (column, value, whether one number stands for every lane),
+        in program order, without writing them: computed from ``views`` (the lanes' 0-dim
+        values) and the scalars alone."""
+        program = self.program
         assert group.host_fns is not None, "host values of a group built without host mode"
         every, one = group.host_fns
-        values = self._uniform_host_values(one, views, scalar_values) if on_cpu else None
+        values = self._uniform_host_values(one, views, scalar_values) if uniform_allowed else None
+        small = [(var, k) for var, k in program.writes if program.input_small[k]]
         if values is not None:  # one number per var: every lane's row is the same
-            for var, k in program.writes:
-                if program.input_small[k]:
-                    views[k].fill(values[var])
             # a row stride of 0: one row for every lane (one write with the unused values)
             block[: HOST_ROWS + len(self.host_read)] = [
                 *_UNIFORM_HEAD,
                 *[values[var] for var in self.host_read],
             ]
-            return
+            return [(k, values[var], True) for var, k in small]
         with np.errstate(all="ignore"):
             values = every(views, scalar_values, len(group.lanes))
-        for var, k in program.writes:
-            if not program.input_small[k]:
-                continue
-            if on_cpu:
-                np.copyto(views[k], values[var], casting="unsafe")
-            else:
-                new = np.array(np.broadcast_to(values[var], views[k].shape), views[k].dtype)
-                buffers[k].copy_(torch.from_numpy(new))
         width = len(self.host_read)
         block[0] = width
         rows = block[HOST_ROWS:].reshape(len(group.lanes), width)
         for j, var in enumerate(self.host_read):
             rows[:, j] = values[var]
+        return [(k, values[var], False) for var, k in small]
+
+    @staticmethod
+    def _write_small(
+        group: _Group, views: dict[int, np.ndarray], writes: list[tuple[int, Any, bool]]
+    ) -> None:
+        """Write the 0-dim results (``_host_rows``) into the lanes' tensors."""
+        on_cpu = views is group.small_views
+        for k, value, uniform in writes:
+            if uniform:
+                views[k].fill(value)
+            elif on_cpu:
+                np.copyto(views[k], value, casting="unsafe")
+            else:
+                new = np.array(np.broadcast_to(value, views[k].shape), views[k].dtype)
+                group.small_buffers[k].copy_(torch.from_numpy(new))
+
+    def stage_ahead(self, inputs: Sequence[Any]) -> tuple[torch.Tensor, np.ndarray] | None:
+        """The values buffer's contents for the next call, computed now from ``inputs``'
+        scalars (``ahead_inputs``: other positions may be None) and the lanes' 0-dim values
+        as they are now (advanced as that call would: step counts + 1), with that buffer:
+        the caller copies them in (stream-ordered before that call). The next ``prepare``
+        takes them instead of computing and sending its own when its scalars, the lanes'
+        0-dim values and their aliasing are what they were here (then it writes the 0-dim
+        results back, as it would have); else it computes as usual. None where there is
+        nothing to send ahead (no host values, not called yet, 0-dim values off the CPU)."""
+        self._ahead = None
+        layout, values = self._layout, self.values
+        if not self.host or values is None or layout is None:
+            return None
+        if not all(
+            g.small_buffers and len(g.small_views) == len(g.small_buffers) for g in self.groups
+        ):
+            return None
+        try:
+            scalar_values = self._scalars(inputs)
+            count, size, starts = layout
+            if count != len(scalar_values):
+                return None
+            host = np.zeros(size, dtype=np.float64)
+            host[:count] = scalar_values
+            seen, writes = [], []
+            for group, start, length in starts:
+                views = group.small_views
+                seen.append([views[k].tobytes() for k in sorted(views)])
+                block = host[start : start + length]
+                writes.append(self._host_rows(group, views, scalar_values, block))
+        except Exception:  # (Python's arithmetic errors: the call raises them itself)
+            return None
+        stream = current_stream(self.device) if self.device.type == "cuda" else None
+        self._ahead = _Ahead(values, _bits(scalar_values), stream, seen, writes)
+        self.ahead_staged += 1
+        return values, host
+
+    def _take_ahead(self, inputs: Sequence[Any], scalar_values: list[float]) -> bool:
+        """Whether this call's values were sent ahead (``stage_ahead``) and still hold: then
+        the 0-dim results are written back and nothing is computed or sent."""
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None
+        if ahead.values is not self.values or ahead.scalars != _bits(scalar_values):
+            return False
+        if ahead.stream is not None and current_stream(self.device) is not ahead.stream:
+            return False  # (the copy was queued on another stream: not ordered before us)
+        layout = self._layout
+        assert layout is not None
+        groups = [group for group, _, _ in layout[2]]
+        for group, seen in zip(groups, ahead.seen, strict=True):
+            views = group.small_views
+            if not group.small_buffers or not group.small.equal(inputs):
+                return False
+            if [views[k].tobytes() for k in sorted(views)] != seen:
+                return False
+        for group, writes in zip(groups, ahead.writes, strict=True):
+            self._write_small(group, group.small_views, writes)
+        self.ahead_taken += 1
+        return True
 
     @staticmethod
     def _uniform_host_values(
@@ -541,6 +631,24 @@ class _Part:
 
 
 _UNIFORM_HEAD = [0.0] * HOST_ROWS  # host_vals' head when every lane has the same row
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ahead:
+    """A part's next call's values, sent ahead (``_Part.stage_ahead``): into which buffer,
+    from which scalars (their bits), on which stream, the lanes' 0-dim values they were
+    computed from (bytes per column, per group) and the results to write back."""
+
+    values: torch.Tensor
+    scalars: bytes
+    stream: Any
+    seen: list[list[bytes]]
+    writes: list[list[tuple[int, Any, bool]]]
+
+
+def _bits(values: list[float]) -> bytes:
+    """The scalars' bits (``==`` would take -0.0 for 0.0, and no NaN for itself)."""
+    return struct.pack(f"{len(values)}d", *values)
 
 
 def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
@@ -655,6 +763,8 @@ class TritonPlan:
         self._call_inputs: Sequence[Any] = ()
         self._parts_prepared = False  # this call's ``prepare`` reached the parts
         self._checked_devices = False
+        # (its parts, ahead_inputs' answer for them): found once
+        self._ahead_inputs: tuple[list[_Part], list[int] | None] | None = None
         self._changes = BufferChanges()  # shared by its parts and their groups
         # Values the prelude computes that the kernels need in a given layout: input index ->
         # (shape, stride) (see ``layouts.layouts``).
@@ -794,6 +904,42 @@ class TritonPlan:
         with self.staged():
             for part in self.parts:
                 part.prepare(inputs)
+
+    def ahead_inputs(self) -> list[int] | None:
+        """The input positions ``stage_ahead`` reads (the scalars of the parts whose values
+        the host computes), or None where nothing can be sent ahead (no such part, a
+        prelude, not called yet)."""
+        if not self._checked_devices or self.capture is not None:
+            return None
+        if self._ahead_inputs is None or self._ahead_inputs[0] is not self.parts:
+            hosted = [part for part in self.parts if part.host]
+            found = {self.index[n] for part in hosted for n in part.program.scalar_inputs}
+            self._ahead_inputs = (self.parts, sorted(found) if hosted else None)
+        return self._ahead_inputs[1]
+
+    def stage_ahead(self, inputs: Sequence[Any]) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """The host-computed values of the next call (scalars from ``inputs``, at the
+        positions ``ahead_inputs`` names; the others may be None), each with the device
+        buffer to copy it into before that call (``optkernels.ahead``): that call's
+        ``prepare`` then neither computes nor sends them, as long as what they came from
+        holds (see ``_Part.stage_ahead``)."""
+        if self.ahead_inputs() is None:
+            return []
+        staged = (part.stage_ahead(inputs) for part in self.parts if part.host)
+        return [found for found in staged if found is not None]
+
+    def forget_ahead(self) -> None:
+        """The next call computes its own values (those ``stage_ahead`` made were not sent)."""
+        for part in self.parts:
+            part._ahead = None
+
+    @property
+    def ahead_counts(self) -> tuple[int, int]:
+        """Calls whose values were sent ahead, and those that took them."""
+        return (
+            sum(part.ahead_staged for part in self.parts),
+            sum(part.ahead_taken for part in self.parts),
+        )
 
     @contextlib.contextmanager
     def staged(self) -> Iterator[None]:
