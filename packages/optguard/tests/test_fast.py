@@ -125,12 +125,14 @@ def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it(checks):
         "lr is int",
     ],
 )
-def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change, checks):
-    opt = _optimizer()
+# (past compat.CHUNK params, the tree reaches the params and state entries through slices)
+@pytest.mark.parametrize("n, changed", [(3, 1), (2 * compat.CHUNK + 10, compat.CHUNK + 5)])
+def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change, n, changed, checks):
+    opt = _optimizer(n)
     check = _check(opt)
     L = {"opt": opt}
     assert check(L) and check.fast is not None
-    p = opt.param_groups[0]["params"][1]
+    p = opt.param_groups[0]["params"][changed]
     if change == "grad becomes None":
         p.grad = None
     elif change == "grad strides":
@@ -146,7 +148,7 @@ def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change, checks)
     elif change == "param reshaped":
         p.data = p.data.reshape(2, 4)
     elif change == "param replaced":
-        opt.param_groups[0]["params"][1] = torch.nn.Parameter(p.detach().clone())
+        opt.param_groups[0]["params"][changed] = torch.nn.Parameter(p.detach().clone())
     elif change == "param list shorter":
         opt.param_groups[0]["params"].pop()
     elif change == "state cleared":
