@@ -320,3 +320,24 @@ def test_an_equality_guard_runs_in_the_tree_and_passes_an_equal_new_object():
     opt.layout = ("replicate",)  # type: ignore[attr-defined]
     assert not check.fast(L) and not check(L)
     assert "L['opt'].layout" in check.first_failure(L)
+
+
+@needs_fast
+def test_arming_tests_guards_one_by_one_and_generates_the_check_only_when_the_tier_misses(checks):
+    opt = _optimizer()
+    prologue = _check(opt).prologue
+    L = {"opt": opt}
+    assert prologue.arm(L)
+    assert prologue._check is None and prologue._gather is None  # (nothing generated yet)
+    assert prologue(L) is not None and prologue._check is None  # a fast-tier hit
+    opt.param_groups[0]["lr"] = 1
+    assert prologue(L) is None and prologue._check is not None  # the miss ran the check
+
+
+@needs_fast
+def test_arming_is_refused_where_a_guard_fails(checks):
+    opt = _optimizer()
+    prologue = _check(opt).prologue
+    opt.param_groups[0]["lr"] = 1
+    assert not prologue.arm({"opt": opt})
+    assert prologue.fast is None

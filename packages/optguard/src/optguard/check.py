@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from optguard import rows
 from optguard.codegen import SourceCode, build_function
 from optguard.guards import MISSING, Guard, describe_failure, guard_sources
-from optguard.sources import Locals
+from optguard.sources import Locals, Source
 from optguard.summary import count_kinds
 
 log = logging.getLogger("optcompile.guards")
@@ -97,14 +97,26 @@ def _emit_guard(guard: Guard, code: SourceCode) -> None:
 
 
 def first_failure(guards: Sequence[Guard], L: Locals) -> str | None:
+    """The reason the first guard in ``guards`` that fails on ``L`` gives, or None if all
+    hold (what the generated check answers, tested one guard at a time)."""
+    fetched: dict[Source, object] = {}  # (a source's value, fetched once for its guards)
+    one = Guard.fetch
     for guard in guards:
-        try:
-            value = guard.fetch(L)
-        except Exception:
-            value = MISSING
+        single = type(guard).fetch is one
+        value = fetched.get(guard.source, _UNFETCHED) if single else _UNFETCHED
+        if value is _UNFETCHED:
+            try:
+                value = guard.fetch(L)
+            except Exception:
+                value = MISSING
+            if single:
+                fetched[guard.source] = value
         if value is MISSING or not _holds(guard, value):
             return describe_failure(guard, value)
     return None
+
+
+_UNFETCHED = object()
 
 
 def _holds(guard: Guard, value: object) -> bool:
