@@ -341,3 +341,19 @@ def test_arming_is_refused_where_a_guard_fails(checks):
     opt.param_groups[0]["lr"] = 1
     assert not prologue.arm({"opt": opt})
     assert prologue.fast is None
+
+
+@needs_fast
+def test_arming_tests_guards_over_several_sources_as_the_generated_check_does(checks):
+    opt = _optimizer()
+    params = opt.param_groups[0]["params"]
+    state = AttrSource(OPT, "state")
+    bufs = [
+        ItemSource(KeyedSource(state, ItemSource(PARAMS, i)), "momentum_buffer") for i in range(3)
+    ]
+    prologue = _check(opt, (DisjointGuard(bufs[0], (bufs[1], bufs[2])),)).prologue
+    assert prologue.arm({"opt": opt})
+    opt.state[params[1]]["momentum_buffer"] = opt.state[params[0]]["momentum_buffer"]
+    shared = _check(opt, (DisjointGuard(bufs[0], (bufs[1], bufs[2])),)).prologue
+    assert not shared.arm({"opt": opt})
+    assert not shared.check({"opt": opt})  # (the generated check agrees)

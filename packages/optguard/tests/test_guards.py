@@ -245,13 +245,13 @@ def test_guards_of_one_kind_share_a_compiled_test_and_each_tests_its_own_constan
 
 
 def test_guards_differing_only_in_their_source_share_one_test():
-    from optguard.guard import _single_test
+    from optguard.guard import single_test
 
     meta = TensorMeta.of(torch.zeros(2, 3))
     first = TensorMatchGuard(LocalSource("a"), meta)
     second = TensorMatchGuard(ItemSource(LocalSource("b"), 0), meta)
     other = TensorMatchGuard(LocalSource("a"), TensorMeta.of(torch.zeros(3, 2)))
-    assert _single_test(first) is _single_test(second)
-    assert _single_test(other) is not _single_test(first)
+    assert single_test(first) is single_test(second)
+    assert single_test(other) is not single_test(first)
     assert first.holds(torch.ones(2, 3)) and not first.holds(torch.ones(3, 2))
     assert other.holds(torch.ones(3, 2)) and not other.holds(torch.ones(2, 3))

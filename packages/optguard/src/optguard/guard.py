@@ -46,7 +46,7 @@ class Guard:
 
     def holds(self, value: Any) -> bool:
         """Evaluate this guard alone (slow path: reasons, tests); same code as the fast check."""
-        return bool(_single_test(self)(value))
+        return bool(single_test(self)(value))
 
     def fetch(self, L: Any) -> Any:
         """The value(s) this guard tests, from live inputs (slow path)."""
@@ -75,7 +75,7 @@ _COMPILED: dict[str, types.CodeType] = {}
 _TESTS_OF_KIND: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
 
 
-def _single_test(guard: Guard) -> Callable[[Any], Any]:
+def single_test(guard: Guard) -> Callable[[Any], Any]:
     kind = _kind_of(guard)  # (hashing it is cheaper than hashing the guard: no source)
     if kind is not None:
         fn = _TESTS_OF_KIND.get(kind)

@@ -33,9 +33,10 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from optguard.check import CompiledCheck, GuardSet, compile_check, first_failure
+from optguard.check import CompiledCheck, GuardSet, compile_check, fetch, first_failure
 from optguard.codegen import compile_fetch
 from optguard.fast import FastCheck, build_fast_check
+from optguard.guard import MISSING
 from optguard.sources import Locals, Source
 from optguard.summary import count_kinds
 
@@ -110,19 +111,25 @@ class Prologue:
     def _gather_all(self, L: Locals) -> list[Any]:
         return self.gather(L)  # (generated only if a hit needs it)
 
-    def fetch(self, L: Locals) -> list[Any]:
+    def fetch(self, L: Locals, fetched: dict[Source, Any] | None = None) -> list[Any]:
         """The inputs from ``L`` (the full gather's answer): through the generated gather
-        once it exists, else each input fetched along its path (an entry's first call)."""
+        once it exists, else each input fetched along its path (an entry's first call;
+        ``fetched``: values already fetched, see ``check.fetch``)."""
         if self._gather is not None:
             return self._gather[0](L)
-        return [source.fetch(L) for source in self.input_sources]
+        fetched = {} if fetched is None else fetched
+        inputs = [fetch(source, L, fetched) for source in self.input_sources]
+        for source, value in zip(self.input_sources, inputs, strict=True):
+            if value is MISSING:  # (as the generated gather: it raises)
+                raise LookupError(f"{source.name()} cannot be fetched")
+        return inputs
 
-    def applies(self, L: Locals) -> bool:
+    def applies(self, L: Locals, fetched: dict[Source, Any] | None = None) -> bool:
         """Whether every guard holds on ``L`` (the generated check's answer; guard by guard
-        until it exists)."""
+        until it exists, adding what it fetches to ``fetched``)."""
         if self._check is not None:
             return self._check(L)
-        return first_failure(self.guards.guards, L) is None
+        return first_failure(self.guards.guards, L, fetched) is None
 
     def __call__(self, L: Locals) -> list[Any] | None:
         fast = self.fast
@@ -149,7 +156,8 @@ class Prologue:
         armed. Nothing fetched is kept but what the tier pins."""
         if self.fast is None and self.fast_note is None:
             try:  # (the call it follows is done: nothing here may fail it)
-                inputs = self.fetch(L) if self.applies(L) else None
+                fetched: dict[Source, Any] = {}
+                inputs = self.fetch(L, fetched) if self.applies(L, fetched) else None
             except Exception:
                 inputs = None
             if inputs is not None:
