@@ -765,9 +765,7 @@ def main() -> None:
     if args.profile is not None:
         os.makedirs(args.profile, exist_ok=True)
         for case in args.cases:
-            run_fresh(
-                case, args.device, warm=args.warm, profile=args.profile, native=args.native
-            )
+            run_fresh(case, args.device, warm=args.warm, profile=args.profile, native=args.native)
     table = _table(results, args, load)
     if args.triton_offline is not None:
         offline = [
