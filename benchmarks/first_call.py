@@ -3,7 +3,7 @@
 Usage (from the repo root, PYTHONPATH naming packages/*/src):
     python benchmarks/first_call.py [--cases gpt2-adamw tiny-200-adamw ...] [--device cpu]
         [--machine "CPU dev machine"] [--out benchmarks/results/first_call_cpu.md]
-        [--warm] [--repeat N] [--profile DIR] [--settle]
+        [--warm] [--repeat N] [--profile DIR] [--settle] [--native]
     python benchmarks/first_call.py --device cuda --cases gpt2-adamw --warm --repeat 3 \
         --machine "H100" --profile prof --out benchmarks/results/first_call_h100.md   # GPU
 
@@ -11,7 +11,9 @@ Each case runs in a fresh Python process whose caches are empty temporary direct
 (``OPTCOMPILE_CACHE_DIR``, ``OPTKERNELS_CACHE_DIR``, ``OPTGUARD_CACHE_DIR``,
 ``TRITON_CACHE_DIR``), so nothing a
 previous run compiled is reused: the optguard C++ module (an install-time build, ``python -m
-optguard build``) is not found either, and the Python checks run. The child builds the
+optguard build``) is not found either, and the Python checks run; ``--native`` copies the
+module this environment has built into the empty cache first (what a user who ran the
+install-time build gets). The child builds the
 optimizer, then times its first ``step()`` and, inside it, these phases (each exclusive of
 the phases nested in it, so they add up to at most the total; "other" is the rest).
 ``--warm`` runs each case a second time in another fresh process on the first one's caches
@@ -340,7 +342,14 @@ def run_case(
         "graph_ops": report.graph_ops,
         "check_code_lines": check_code.count("\n") + 1,
         "fallback": report.fallback_reason,
+        "native": _native_status(),
     }
+
+
+def _native_status() -> str:
+    from optguard import native
+
+    return native.status()
 
 
 def _write_profile(profiler: cProfile.Profile, path: str | None, title: str) -> None:
@@ -533,10 +542,12 @@ def run_fresh(
     warm: bool = False,
     profile: str | None = None,
     settle: bool = False,
+    native: bool = False,
 ) -> list[dict[str, Any]]:
     """``case`` in a fresh process with empty caches (its result, labelled "cold"); with
     ``warm``, then in a second one on the caches the first left ("warm"). ``profile``: a
-    folder for their cProfile statistics; ``settle``: see ``run_case``."""
+    folder for their cProfile statistics; ``settle``: see ``run_case``; ``native``: the
+    optguard C++ module built here is copied into the empty cache."""
     results = []
     with tempfile.TemporaryDirectory(prefix="first_call_") as tmp:
         env = dict(os.environ)
@@ -547,6 +558,8 @@ def run_fresh(
             ("TRITON_CACHE_DIR", "triton"),
         ):
             env[var] = os.path.join(tmp, sub)
+        if native:
+            _copy_native(os.path.join(tmp, "optcompile"))
         env.pop("OPTCOMPILE_NATIVE", None)  # never build the C++ checks inside the timing
         # Bytecode of the modules a first call imports (ours, Triton's): a pip install
         # writes it, the GPU machine's environment turns writing it off, and without it a
@@ -570,6 +583,21 @@ def run_fresh(
             result["caches"] = caches
             results.append(result)
     return results
+
+
+def _copy_native(cache: str) -> None:
+    """Copy the optguard C++ module built for this environment into ``cache`` (an
+    ``OPTCOMPILE_CACHE_DIR``), where the child finds it."""
+    import shutil
+
+    from optguard import native
+
+    built = native.library_path()
+    if not built.exists():
+        raise SystemExit(f"--native: {built} is not built (run: {native.BUILD_COMMAND})")
+    folder = Path(cache) / built.parent.name
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(built, folder / built.name)
 
 
 def _phases_shown(results: list[dict[str, Any]], key: str) -> list[str]:
@@ -645,7 +673,12 @@ def _table(results: list[dict[str, Any]], args: argparse.Namespace, load: float)
             '("cold"; "warm": another fresh process on the caches the cold one left, the '
             "bytecode of the modules the cold one imported included, as a pip install "
             "writes it) "
-            "(the optguard C++ module not built); phases are exclusive (see the script's "
+            + (
+                "(the optguard C++ module built and loaded: --native); "
+                if args.native
+                else "(the optguard C++ module not built); "
+            )
+            + "phases are exclusive (see the script's "
             'docstring). Tiny params are 4x4 float32. "first call s" is wall time; "its CPU '
             's", the ms per param and the phases are CPU seconds (all threads, and the C '
             "compiler's; on a shared, loaded machine the steadier numbers; wall phases are "
@@ -704,6 +737,11 @@ def main() -> None:
         action="store_true",
         help="time each first step after optkernels' background threads are done",
     )
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="the children load the optguard C++ module built here (python -m optguard build)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--triton-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -719,13 +757,16 @@ def main() -> None:
     results = []
     for case in args.cases:
         for _ in range(args.repeat):
-            for result in run_fresh(case, args.device, warm=args.warm, settle=args.settle):
+            runs = run_fresh(
+                case, args.device, warm=args.warm, settle=args.settle, native=args.native
+            )
+            for result in runs:
                 results.append(result)
                 print(json.dumps(result), flush=True)
     if args.profile is not None:
         os.makedirs(args.profile, exist_ok=True)
         for case in args.cases:
-            run_fresh(case, args.device, warm=args.warm, profile=args.profile)
+            run_fresh(case, args.device, warm=args.warm, profile=args.profile, native=args.native)
     table = _table(results, args, load)
     if args.triton_offline is not None:
         offline = [

@@ -288,7 +288,8 @@ def test_fast_hits_gather_through_the_fast_gather_and_still_match_eager(monkeypa
     def no_full_gather(L):
         raise AssertionError("the full gather ran on a fast-tier hit")
 
-    monkeypatch.setattr(prologue, "gather", no_full_gather)
+    monkeypatch.setattr(type(prologue), "gather", property(lambda _: no_full_gather))
+    monkeypatch.setattr(prologue, "fetch", no_full_gather)
     for o in (opt, eager):
         o.param_groups[0]["lr"] = 3e-3
     hits = prologue.fast_hits

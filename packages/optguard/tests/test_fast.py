@@ -125,12 +125,14 @@ def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it(checks):
         "lr is int",
     ],
 )
-def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change, checks):
-    opt = _optimizer()
+# (past compat.CHUNK params, the tree reaches the params and state entries through slices)
+@pytest.mark.parametrize("n, changed", [(3, 1), (2 * compat.CHUNK + 10, compat.CHUNK + 5)])
+def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change, n, changed, checks):
+    opt = _optimizer(n)
     check = _check(opt)
     L = {"opt": opt}
     assert check(L) and check.fast is not None
-    p = opt.param_groups[0]["params"][1]
+    p = opt.param_groups[0]["params"][changed]
     if change == "grad becomes None":
         p.grad = None
     elif change == "grad strides":
@@ -146,7 +148,7 @@ def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change, checks)
     elif change == "param reshaped":
         p.data = p.data.reshape(2, 4)
     elif change == "param replaced":
-        opt.param_groups[0]["params"][1] = torch.nn.Parameter(p.detach().clone())
+        opt.param_groups[0]["params"][changed] = torch.nn.Parameter(p.detach().clone())
     elif change == "param list shorter":
         opt.param_groups[0]["params"].pop()
     elif change == "state cleared":
@@ -318,3 +320,40 @@ def test_an_equality_guard_runs_in_the_tree_and_passes_an_equal_new_object():
     opt.layout = ("replicate",)  # type: ignore[attr-defined]
     assert not check.fast(L) and not check(L)
     assert "L['opt'].layout" in check.first_failure(L)
+
+
+@needs_fast
+def test_arming_tests_guards_one_by_one_and_generates_the_check_only_when_the_tier_misses(checks):
+    opt = _optimizer()
+    prologue = _check(opt).prologue
+    L = {"opt": opt}
+    assert prologue.arm(L)
+    assert prologue._check is None and prologue._gather is None  # (nothing generated yet)
+    assert prologue(L) is not None and prologue._check is None  # a fast-tier hit
+    opt.param_groups[0]["lr"] = 1
+    assert prologue(L) is None and prologue._check is not None  # the miss ran the check
+
+
+@needs_fast
+def test_arming_is_refused_where_a_guard_fails(checks):
+    opt = _optimizer()
+    prologue = _check(opt).prologue
+    opt.param_groups[0]["lr"] = 1
+    assert not prologue.arm({"opt": opt})
+    assert prologue.fast is None
+
+
+@needs_fast
+def test_arming_tests_guards_over_several_sources_as_the_generated_check_does(checks):
+    opt = _optimizer()
+    params = opt.param_groups[0]["params"]
+    state = AttrSource(OPT, "state")
+    bufs = [
+        ItemSource(KeyedSource(state, ItemSource(PARAMS, i)), "momentum_buffer") for i in range(3)
+    ]
+    prologue = _check(opt, (DisjointGuard(bufs[0], (bufs[1], bufs[2])),)).prologue
+    assert prologue.arm({"opt": opt})
+    opt.state[params[1]]["momentum_buffer"] = opt.state[params[0]]["momentum_buffer"]
+    shared = _check(opt, (DisjointGuard(bufs[0], (bufs[1], bufs[2])),)).prologue
+    assert not shared.arm({"opt": opt})
+    assert not shared.check({"opt": opt})  # (the generated check agrees)

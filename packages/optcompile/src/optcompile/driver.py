@@ -171,7 +171,7 @@ class Compiled:
             if entry is None:
                 return None, None
             # The first run gathers in full (the trace has just read these very inputs).
-            outputs = entry.run(L, entry.gather(L))
+            outputs = entry.run(L, entry.prologue.fetch(L))
             entry.read_by_address()
             entry.prologue.arm(L)
             return entry, outputs

@@ -9,6 +9,7 @@ we use; without it every call runs the generated Python check (correct, slower).
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 from typing import Any
@@ -17,7 +18,6 @@ import torch
 
 _Root: Any = None
 _PLAIN: Any = None
-_DICT: Any = None
 try:
     from torch._C._dynamo import guards as _guards
 
@@ -26,17 +26,18 @@ try:
 
     _Root = _guards.RootGuardManager
     _PLAIN = _ManagerKind.GUARD_MANAGER
-    _DICT = _ManagerKind.DICT_GUARD_MANAGER
 except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
-    _Root = _DICT = None
+    _Root = _PLAIN = None
+
+# A manager finds an existing child by scanning its children (matching each one's key), so
+# adding n children to one manager costs n**2 / 2 matches (10,000 params: ~0.4 s). Longer
+# lists and tuples are reached through slices of this many items: n * CHUNK / 2 matches.
+CHUNK = 128
+_VALUES = operator.methodcaller("values")
 
 
 def available() -> bool:
-    return _Root is not None and _DICT is not None
-
-
-def _kind(versioned: bool) -> Any:
-    return _DICT if versioned else _PLAIN
+    return _Root is not None and _PLAIN is not None
 
 
 class GuardTree:
@@ -52,37 +53,52 @@ class GuardTree:
 
     # -- accessors: each returns the child manager for a value of ``parent`` --------------
 
-    # ``versioned``: the child is a dict whose entries ``versions`` will check by position.
+    @staticmethod
+    def local(parent: Any, name: str, example: Any, label: str) -> Any:
+        return parent.dict_getitem_manager(name, label, example, _PLAIN)
 
     @staticmethod
-    def local(parent: Any, name: str, example: Any, label: str, versioned: bool = False) -> Any:
-        return parent.dict_getitem_manager(name, label, example, _kind(versioned))
-
-    @staticmethod
-    def attr(parent: Any, name: str, example: Any, label: str, versioned: bool = False) -> Any:
+    def attr(parent: Any, name: str, example: Any, label: str) -> Any:
         if name == "grad":
-            return parent.grad_manager(label, example, _kind(versioned))
-        return parent.getattr_manager(name, label, example, _kind(versioned))
+            return parent.grad_manager(label, example, _PLAIN)
+        return parent.getattr_manager(name, label, example, _PLAIN)
 
     @staticmethod
-    def item(
-        parent: Any, container: Any, key: Any, example: Any, label: str, versioned: bool = False
-    ) -> Any:
-        kind = _kind(versioned)
+    def item(parent: Any, container: Any, key: Any, example: Any, label: str) -> Any:
         if type(container) is list:
-            return parent.list_getitem_manager(key, label, example, kind)
+            return parent.list_getitem_manager(key, label, example, _PLAIN)
         if type(container) is tuple:
-            return parent.tuple_getitem_manager(key, label, example, kind)
-        return parent.dict_getitem_manager(key, label, example, kind)
+            return parent.tuple_getitem_manager(key, label, example, _PLAIN)
+        return parent.dict_getitem_manager(key, label, example, _PLAIN)
+
+    @staticmethod
+    def chunk(parent: Any, container: Any, start: int, label: str) -> tuple[Any, Any]:
+        """The manager of ``container[start:start + CHUNK]`` (a list or tuple reached
+        through ``parent``; its items are then that manager's items) and that slice."""
+        part = operator.itemgetter(slice(start, start + CHUNK))
+        example = part(container)
+        name = f"{label}[{start}:{start + CHUNK}]"
+        return parent.lambda_manager(part, name, example, _PLAIN), example
 
     @staticmethod
     def versions(node: Any, d: dict[Any, Any], label: str) -> None:
-        """``d`` (reached through a ``versioned`` node) and each of its values (dicts) keep
-        their version tags: no entry of ``d`` or of its values was set, added or removed."""
+        """``d`` (reached through ``node``) and each of its values (dicts) keep their
+        version tags: no entry of ``d`` or of its values was set, added or removed. The
+        values are reached by position, through ``list(d.values())`` (a dict manager's
+        children by position are kept sorted on each insertion: quadratic)."""
         node.add_dict_version_guard(d, [f"{label} is unchanged (dict version)"], None)
-        for i, value in enumerate(d.values()):
-            entry = node.get_value_manager(i, f"{label} entry {i}", value, _PLAIN)
-            entry.add_dict_version_guard(value, [f"{label} entry {i} is unchanged"], None)
+        values = list(d.values())
+        view = node.lambda_manager(_VALUES, f"{label}.values()", d.values(), _PLAIN)
+        listed = view.lambda_manager(list, f"list({label}.values())", values, _PLAIN)
+        for start in range(0, len(values), CHUNK):
+            parent, offset = listed, 0
+            if len(values) > CHUNK:
+                parent, _ = GuardTree.chunk(listed, values, start, f"{label}.values()")
+                offset = start
+            for i, value in enumerate(values[start : start + CHUNK], start):
+                text = f"{label} entry {i}"
+                entry = parent.list_getitem_manager(i - offset, text, value, _PLAIN)
+                entry.add_dict_version_guard(value, [f"{text} is unchanged"], None)
 
     # -- leaf guards --------------------------------------------------------------------
 

@@ -13,11 +13,13 @@ import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from optguard import rows
 from optguard.codegen import SourceCode, build_function
+from optguard.guard import single_test
 from optguard.guards import MISSING, Guard, describe_failure, guard_sources
-from optguard.sources import Locals
+from optguard.sources import AttrSource, ItemSource, KeyedSource, Locals, Source
 from optguard.summary import count_kinds
 
 log = logging.getLogger("optcompile.guards")
@@ -96,20 +98,56 @@ def _emit_guard(guard: Guard, code: SourceCode) -> None:
     code.lines.append(f"{indent}if not {test}:\n{indent}    return False")
 
 
-def first_failure(guards: Sequence[Guard], L: Locals) -> str | None:
+def first_failure(
+    guards: Sequence[Guard], L: Locals, fetched: dict[Source, Any] | None = None
+) -> str | None:
+    """The reason the first guard in ``guards`` that fails on ``L`` gives, or None if all
+    hold (what the generated check answers, tested one guard at a time). ``fetched``: the
+    values of sources fetched so far (each is fetched once; the caller may reuse them)."""
+    fetched = {} if fetched is None else fetched
     for guard in guards:
+        kind = type(guard)
+        if kind.fetch is _FETCH:
+            value = fetch(guard.source, L, fetched)
+        else:
+            try:
+                value = guard.fetch(L)
+            except Exception:
+                value = MISSING
+        if value is MISSING:
+            return describe_failure(guard, value)
         try:
-            value = guard.fetch(L)
-        except Exception:
-            value = MISSING
-        if value is MISSING or not _holds(guard, value):
+            holds = single_test(guard)(value) if kind.holds is _HOLDS else guard.holds(value)
+        except Exception:  # (as the generated check: an error is a failure)
+            holds = False
+        if not holds:
             return describe_failure(guard, value)
     return None
 
 
-def _holds(guard: Guard, value: object) -> bool:
-    # The fast check treats any error as a miss; the explanation must do the same.
+def fetch(source: Source, L: Locals, fetched: dict[Source, Any]) -> Any:
+    """The value at ``source`` (MISSING where it cannot be fetched), through the values of
+    its bases in ``fetched``, which it joins: ``Source.fetch``, each path walked once."""
+    value = fetched.get(source, _UNFETCHED)
+    if value is not _UNFETCHED:
+        return value
     try:
-        return guard.holds(value)
+        if type(source) is AttrSource:
+            base = fetch(source.base, L, fetched)
+            value = MISSING if base is MISSING else getattr(base, source.attr)
+        elif type(source) is ItemSource:
+            base = fetch(source.base, L, fetched)
+            value = MISSING if base is MISSING else base[source.key]
+        elif type(source) is KeyedSource:  # (dict.get: a missing entry reads as None)
+            base, key = fetch(source.base, L, fetched), fetch(source.key, L, fetched)
+            value = MISSING if base is MISSING or key is MISSING else base.get(key)
+        else:
+            value = source.fetch(L)
     except Exception:
-        return False
+        value = MISSING
+    fetched[source] = value
+    return value
+
+
+_UNFETCHED = object()
+_FETCH, _HOLDS = Guard.fetch, Guard.holds

@@ -207,7 +207,7 @@ def build_fast_check(
     if module is not None:  # (DTensor may have been imported since it was loaded)
         module.plain(compat.plain_grad_types())
     versions = getattr(module, "versions", None)  # absent where CPython has no tags (3.14)
-    builder = TreeBuilder(L, set() if versions is not None else set(states))
+    builder = TreeBuilder(L)
     residual: list[Guard] = []
     addresses: list[DataPtrGuard] = []
     matched = {g.source for g in guards if isinstance(g, TensorMatchGuard)}

@@ -46,7 +46,7 @@ class Guard:
 
     def holds(self, value: Any) -> bool:
         """Evaluate this guard alone (slow path: reasons, tests); same code as the fast check."""
-        return bool(_single_test(self)(value))
+        return bool(single_test(self)(value))
 
     def fetch(self, L: Any) -> Any:
         """The value(s) this guard tests, from live inputs (slow path)."""
@@ -75,17 +75,16 @@ _COMPILED: dict[str, types.CodeType] = {}
 _TESTS_OF_KIND: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
 
 
-def _single_test(guard: Guard) -> Callable[[Any], Any]:
-    fn = _TESTS.get(guard)
-    if fn is not None:
+def single_test(guard: Guard) -> Callable[[Any], Any]:
+    kind = _kind_of(guard)  # (hashing it is cheaper than hashing the guard: no source)
+    if kind is not None:
+        fn = _TESTS_OF_KIND.get(kind)
+        if fn is None:
+            fn = _bounded(_TESTS_OF_KIND)[kind] = _compiled_test(guard)
         return fn
-    kind = _kind_of(guard)
-    fn = _TESTS_OF_KIND.get(kind) if kind is not None else None
+    fn = _TESTS.get(guard)
     if fn is None:
-        fn = _compiled_test(guard)
-        if kind is not None:
-            _bounded(_TESTS_OF_KIND)[kind] = fn
-    _bounded(_TESTS)[guard] = fn
+        fn = _bounded(_TESTS)[guard] = _compiled_test(guard)
     return fn
 
 
@@ -97,14 +96,19 @@ def _bounded(cache: dict[Any, Any]) -> dict[Any, Any]:
     return cache
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # a guard type's fields but ``source``
+
+
 def _kind_of(guard: Guard) -> tuple[Any, ...] | None:
     """The guard's type and its fields but ``source``, or None where another field holds a
     Source (its test names that source) or a field is not hashable."""
+    names = _FIELD_NAMES.get(type(guard))
+    if names is None:
+        found = [f.name for f in dataclasses.fields(guard) if f.name != "source"]
+        names = _FIELD_NAMES[type(guard)] = tuple(found)
     values = []
-    for f in dataclasses.fields(guard):
-        if f.name == "source":
-            continue
-        value = getattr(guard, f.name)
+    for name in names:
+        value = getattr(guard, name)
         if isinstance(value, Source) or (
             isinstance(value, tuple) and any(isinstance(v, Source) for v in value)
         ):

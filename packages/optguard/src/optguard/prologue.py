@@ -5,7 +5,9 @@ the inputs its plan runs on, in one call.
 None. Inside, two ways to the same answer:
 
 - the generated check (check.py: every guard, in Python) and the full gather
-  (``compile_fetch``: every input's access path);
+  (``compile_fetch``: every input's access path), generated when first needed: an entry's
+  first call tests and fetches its inputs one by one (``applies``, ``fetch``), and its
+  later calls hit the fast tier until one misses;
 - the fast tier (fast.py), armed from the live values the first time the generated check
   passes (``arm(L)``: a miss asks right after its first run): a C++ guard tree, native
   loops over lists of tensors, dict versions of the optimizer state, and its own gather
@@ -31,10 +33,12 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from optguard.check import GuardSet, compile_check
+from optguard.check import CompiledCheck, GuardSet, compile_check, fetch, first_failure
 from optguard.codegen import compile_fetch
 from optguard.fast import FastCheck, build_fast_check
+from optguard.guard import MISSING
 from optguard.sources import Locals, Source
+from optguard.summary import count_kinds
 
 log = logging.getLogger("optcompile.guards")
 
@@ -60,9 +64,20 @@ class Prologue:
         fast: bool = True,
     ) -> None:
         self.guards = guards
-        self.check = compile_check(guards)
         self.input_sources = tuple(input_sources)
-        self.gather, self.gather_code = compile_fetch(self.input_sources)
+        # The generated check and gather, made when first asked for (``check``,
+        # ``gather``): a first call fetches and tests its inputs one by one (``arm``) and
+        # later calls hit the fast tier, so they may never be needed.
+        self._check: CompiledCheck | None = None
+        self._gather: tuple[Callable[[Locals], list[Any]], str] | None = None
+        if log.isEnabledFor(logging.INFO):
+            kinds = ", ".join(f"{count} {kind}" for kind, count in count_kinds(guards.guards))
+            log.info(
+                "prologue: %d guards (%s), %d inputs",
+                len(guards),
+                kinds or "none",
+                len(self.input_sources),
+            )
         self.pin = pin
         self.fast: FastCheck | None = None
         self.fast_note: str | None = None if fast else "off"
@@ -72,10 +87,54 @@ class Prologue:
         self.hits = 0  # fast-tier hits since it was last built
         self.fast_hits = 0  # fast-tier hits in all (explain, tests)
 
+    @property
+    def check(self) -> CompiledCheck:
+        """The generated check of every guard (check.py)."""
+        if self._check is None:
+            self._check = compile_check(self.guards)
+        return self._check
+
+    @property
+    def gather(self) -> Callable[[Locals], list[Any]]:
+        """The generated full gather: every input fetched along its path, no guard tested."""
+        return self._generated_gather()[0]
+
+    @property
+    def gather_code(self) -> str:
+        return self._generated_gather()[1]
+
+    def _generated_gather(self) -> tuple[Callable[[Locals], list[Any]], str]:
+        if self._gather is None:
+            self._gather = compile_fetch(self.input_sources)
+        return self._gather
+
+    def _gather_all(self, L: Locals) -> list[Any]:
+        return self.gather(L)  # (generated only if a hit needs it)
+
+    def fetch(self, L: Locals, fetched: dict[Source, Any] | None = None) -> list[Any]:
+        """The inputs from ``L`` (the full gather's answer): through the generated gather
+        once it exists, else each input fetched along its path (an entry's first call;
+        ``fetched``: values already fetched, see ``check.fetch``)."""
+        if self._gather is not None:
+            return self._gather[0](L)
+        fetched = {} if fetched is None else fetched
+        inputs = [fetch(source, L, fetched) for source in self.input_sources]
+        for source, value in zip(self.input_sources, inputs, strict=True):
+            if value is MISSING:  # (as the generated gather: it raises)
+                raise LookupError(f"{source.name()} cannot be fetched")
+        return inputs
+
+    def applies(self, L: Locals, fetched: dict[Source, Any] | None = None) -> bool:
+        """Whether every guard holds on ``L`` (the generated check's answer; guard by guard
+        until it exists, adding what it fetches to ``fetched``)."""
+        if self._check is not None:
+            return self._check(L)
+        return first_failure(self.guards.guards, L, fetched) is None
+
     def __call__(self, L: Locals) -> list[Any] | None:
         fast = self.fast
         if fast is not None:
-            inputs = fast.inputs(L, self.gather)
+            inputs = fast.inputs(L, self._gather_all)
             if inputs is not None:
                 self.hits += 1
                 self.fast_hits += 1
@@ -97,7 +156,8 @@ class Prologue:
         armed. Nothing fetched is kept but what the tier pins."""
         if self.fast is None and self.fast_note is None:
             try:  # (the call it follows is done: nothing here may fail it)
-                inputs = self.gather(L) if self.check(L) else None
+                fetched: dict[Source, Any] = {}
+                inputs = self.fetch(L, fetched) if self.applies(L, fetched) else None
             except Exception:
                 inputs = None
             if inputs is not None:
@@ -141,7 +201,7 @@ class Prologue:
 
     def first_failure(self, L: Locals) -> str | None:
         """Readable reason for the first guard that fails on ``L``, or None if all hold."""
-        return self.check.first_failure(L)
+        return first_failure(self.guards.guards, L)
 
     def describe(self) -> str:
         """The generated check, and the fast tier when it is armed."""

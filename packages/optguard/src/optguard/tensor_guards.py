@@ -118,6 +118,10 @@ class DataPtrGuard(Guard):
         # on disk by text) is then the same in every process.
         return f"{var}.data_ptr() == {code.constant(self.ptr, 'ptr')}"
 
+    def holds(self, value: Any) -> bool:
+        # (its test, without compiling one per address: an entry has one per pinned tensor)
+        return bool(value.data_ptr() == self.ptr)
+
     def expected(self) -> str:
         return f"has data pointer {self.ptr:#x}"
 

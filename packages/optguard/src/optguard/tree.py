@@ -2,9 +2,11 @@
 
 Each source reached through attributes, list/tuple items and str-keyed dict items from a
 local gets one accessor node of dynamo's guard managers (``_torch_compat.GuardTree``),
-created once per source; a guard on it becomes a check of that node where the tree has one
-for its kind (type, float, constant, length, None-ness, tensor metadata, identity,
-equality). The other guards run as generated Python (fast.py).
+created once per source (the items of a list or tuple longer than ``compat.CHUNK`` through
+one node per slice of that many: a node finds its children by a linear scan); a guard on it
+becomes a check of that node where the tree has one for its kind (type, float, constant,
+length, None-ness, tensor metadata, identity, equality). The other guards run as generated
+Python (fast.py).
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ from optguard.sources import AttrSource, ItemSource, Locals, LocalSource, Source
 
 
 class TreeBuilder:
-    """Adds guards to a GuardTree, creating the accessor chain of each source once;
-    ``versioned`` sources get nodes that can check their entries' versions."""
+    """Adds guards to a GuardTree, creating the accessor chain of each source once."""
 
-    def __init__(self, L: Locals, versioned: set[Source]) -> None:
+    def __init__(self, L: Locals) -> None:
         self.L = L
-        self.versioned = versioned
         self.tree = compat.GuardTree()
         self.nodes: dict[Source, Any] = {}
+        # (a long list's source, a slice's start) -> the slice's node and items
+        self.chunks: dict[tuple[Source, int], tuple[Any, Any]] = {}
         self.lines: list[str] = []
 
     def node(self, source: Source) -> Any:
@@ -44,15 +46,14 @@ class TreeBuilder:
             return self.nodes[source]
         node: Any = None
         label = source.name()
-        versioned = source in self.versioned
         if isinstance(source, LocalSource):
             value = source.fetch(self.L)
-            node = self.tree.local(self.tree.root, source.local, value, label, versioned)
+            node = self.tree.local(self.tree.root, source.local, value, label)
         elif isinstance(source, AttrSource):
             parent = self.node(source.base)
             if parent is not None:
                 value = source.fetch(self.L)
-                node = self.tree.attr(parent, source.attr, value, label, versioned)
+                node = self.tree.attr(parent, source.attr, value, label)
         elif isinstance(source, ItemSource):
             parent = self.node(source.base)
             container = source.base.fetch(self.L)
@@ -61,7 +62,16 @@ class TreeBuilder:
             )
             if parent is not None and plain:
                 value = source.fetch(self.L)
-                node = self.tree.item(parent, container, source.key, value, label, versioned)
+                key = source.key
+                if type(key) is int and key >= 0 and len(container) > compat.CHUNK:
+                    start = key - key % compat.CHUNK
+                    chunk = self.chunks.get((source.base, start))
+                    if chunk is None:
+                        chunk = self.chunks[(source.base, start)] = compat.GuardTree.chunk(
+                            parent, container, start, source.base.name()
+                        )
+                    (parent, container), key = chunk, key - start
+                node = self.tree.item(parent, container, key, value, label)
         self.nodes[source] = node
         return node
 
