@@ -113,9 +113,23 @@ class FastCheck:
         self.states_unchanged = list(states_unchanged)
         # Its gather over the pinned values (None: its caller gathers in full).
         self.gather: FastGather | None = None
+        # The hit path's callables, bound once (a hit calls no Python wrapper around them):
+        # the tree's own check, the residual's generated function, and what ``forget`` does.
+        self._checks: tuple[Callable[[Locals], Any], ...] = (
+            tree.root.check,
+            getattr(residual, "fn", residual),
+        )
+        module = native.module()
+        self._forgets: list[Callable[[], Any]] = (
+            [functools.partial(module.take, spec) for spec, _ in self.grad_lists.values()]
+            + [functools.partial(module.take_locals, s) for s, _ in self.local_lists.values()]
+            if module is not None
+            else []
+        )
 
     def __call__(self, L: Locals) -> bool:
-        if self.tree.check(L) and self.residual(L):
+        tree_check, residual = self._checks
+        if tree_check(L) and residual(L):
             return True
         self.forget()  # a grad check may have passed before another failed
         return False
@@ -123,7 +137,9 @@ class FastCheck:
     def inputs(self, L: Locals, full: Callable[[Locals], list[Any]]) -> list[Any] | None:
         """The inputs when this tier's checks pass on ``L`` (through its gather; else
         ``full(L)``), or None. The list its gather returns is reused: ``release()`` it."""
-        if not self(L):
+        tree_check, residual = self._checks
+        if not (tree_check(L) and residual(L)):
+            self.forget()  # a grad check may have passed before another failed
             return None
         if self.gather is None:
             self.forget()  # the full gather reads the grads itself
@@ -143,12 +159,8 @@ class FastCheck:
     def forget(self) -> None:
         """Drop the grads the last hit's native checks read, where no gather took them (the
         check must not keep a step's gradients alive)."""
-        module = native.module()
-        if module is not None:
-            for spec, _ in self.grad_lists.values():
-                module.take(spec)
-            for spec, _ in self.local_lists.values():
-                module.take_locals(spec)
+        for take in self._forgets:
+            take()
 
     def stale(self, L: Locals) -> bool:
         """Whether an optimizer state this tier pinned has changed since (entries replaced:
