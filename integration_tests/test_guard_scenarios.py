@@ -357,6 +357,35 @@ def test_a_state_tensor_restrided_in_place_at_its_address_retraces(backend, how)
     assert report.retrace_reasons[0].endswith("['exp_avg']: stride changed ((4, 1) -> (1, 4))")
 
 
+_STEP_CHANGES = {
+    "dtype": (lambda t: setattr(t, "data", t.data.double()), "dtype changed"),
+    "shape": (lambda t: setattr(t, "data", t.data.reshape(1)), "shape changed"),
+    "requires_grad": (lambda t: t.requires_grad_(), "requires_grad changed"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("how", list(_STEP_CHANGES))
+def test_a_step_count_changed_in_place_retraces(backend, how):
+    """A 0-dim CPU step count has no address guard (a backend may move it), but its
+    metadata is guarded like any state tensor's: changed in place (same object, same dict
+    version) it must miss the fast tier as it misses the full check (the Triton backend
+    stacked it with the other lanes' step counts and set their values to 0)."""
+    model = torch.nn.Linear(4, 4, bias=False)
+    model, opt, reference, eager = run_pair(
+        lambda ps: optim.Adam(ps, lr=0.1), steps=2, model=model, backend=backend
+    )
+    change, reason = _STEP_CHANGES[how]
+    for o, p in ((opt, _first(opt)), (eager, _first(eager))):
+        change(o.state[p]["step"])
+    step_both(model, opt, reference, eager, range(2, 5))
+    assert_same(model, opt, reference, eager, rtol=1e-4, atol=1e-5)  # (kernel vs eager)
+    assert opt.state[_first(opt)]["step"].item() == eager.state[_first(eager)]["step"].item()
+    report = optcompile.explain(opt)
+    assert report.traces == 2
+    assert f"['step']: {reason}" in report.retrace_reasons[0]
+
+
 class _TwoConfigsSGD(torch.optim.Optimizer):
     def __init__(self, params: Any, first: Any, second: Any) -> None:
         super().__init__(params, {"lr": 0.1})

@@ -122,6 +122,8 @@ def test_first_passing_check_arms_the_fast_tier_and_later_hits_use_it(checks):
         "param re-pointed",
         "state tensor re-pointed",
         "state storage freed",
+        "state tensor requires grad",
+        "state tensor becomes a Parameter",
         "lr is int",
     ],
 )
@@ -162,6 +164,10 @@ def test_the_fast_tier_never_accepts_what_the_full_check_rejects(change, n, chan
         buf.set_(buf.clone())  # the same object in the same entry: no version changes
     elif change == "state storage freed":
         opt.state[p]["momentum_buffer"].untyped_storage().resize_(0)
+    elif change == "state tensor requires grad":
+        opt.state[p]["momentum_buffer"].requires_grad_()  # in place: no version changes
+    elif change == "state tensor becomes a Parameter":
+        opt.state[p]["momentum_buffer"].__class__ = torch.nn.Parameter
     elif change == "lr is int":
         opt.param_groups[0]["lr"] = 1
     assert not check.fast(L)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from optguard import DataPtrGuard, LocalSource, native
+from optguard import native
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +149,7 @@ def test_held_pointers_see_every_way_a_tensor_moves(module, kind, monkeypatch):
     tensors = [torch.randn(4), torch.randn(2, 2), torch.zeros(())]
 
     def check():
-        ptrs = [t.data_ptr() for t in tensors]
-        guards = [DataPtrGuard(LocalSource(f"t{i}"), p) for i, p in enumerate(ptrs)]
-        return native.held_ptrs(tensors, guards)
+        return native.held_ptrs(tensors, [t.data_ptr() for t in tensors])
 
     held = check()
     assert held(None)
@@ -177,6 +175,30 @@ def test_held_pointers_see_every_way_a_tensor_moves(module, kind, monkeypatch):
     address = tensors[0].data_ptr()
     tensors[0].resize_(2)  # a smaller shape fits in place: same object, storage, address
     assert tensors[0].data_ptr() == address and not held(None)
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_held_without_a_pointer_allows_a_move_and_sees_every_metadata_change(
+    module, kind, monkeypatch
+):
+    """A held tensor with no expected pointer (a 0-dim step count a backend moves) may move;
+    its metadata, as TensorMatchGuard compares it, may not change."""
+    if kind == "python":
+        monkeypatch.setattr(native, "_module", None)
+    step = torch.zeros(())
+    changes = [
+        lambda: setattr(step, "data", step.data.double()),
+        lambda: setattr(step, "data", step.data.reshape(1)),
+        lambda: step.requires_grad_(),
+        lambda: setattr(step, "__class__", torch.nn.Parameter),
+    ]
+    for change in changes:
+        step = torch.zeros(())
+        held = native.held_ptrs([step], [None])
+        step.set_(torch.ones(()))  # moved, same metadata
+        assert held(None)
+        change()
+        assert not held(None)
 
 
 def test_held_refuses_what_is_not_a_tensor_with_a_pointer(module):

@@ -35,11 +35,11 @@
 //                                           (0 for -1) and return them as a list
 //   addresses_equal(addresses, tensors)     the checked positions keep what was recorded
 //   held(tensors, ptrs) -> capsule          hold tensors (strong references), their
-//                                           expected data pointers and their dtype,
-//                                           shape and stride now
-//   held_match(held, _) -> bool             each held tensor still has its data pointer,
-//                                           dtype, shape and stride (t_(), as_strided_()
-//                                           and .data = change those in place)
+//                                           expected data pointers (None: not checked)
+//                                           and their metadata now (as TensorMatchGuard)
+//   held_match(held, _) -> bool             each held tensor still has its data pointer
+//                                           and metadata (t_(), as_strided_(), .data =
+//                                           and requires_grad_() change those in place)
 //   versions(d) -> capsule                  d's dict version tag and each of its values'
 //                                           (dicts); only where CPython has the tags (<3.14)
 //   versions_match(spec, d) -> bool         d and each of its values keep their tags
@@ -784,22 +784,34 @@ PyObject* addresses_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
-// -- held tensors: their data pointers, with no fetching and no Python ints per call -----
+// -- held tensors: their data pointers and metadata, with no fetching, no Python ints ----
 
-// The held tensors' expected values, flat: one contiguous array each (a call walks them in
-// order; no pointer to chase per tensor but the tensor itself).
+// The held tensors' expected values: one record each, walked in order (no pointer to chase
+// per tensor but the tensor itself), their sizes and strides flat in one array.
+struct HeldTensor {
+  PyObject* tensor;  // owned
+  PyObject* type;    // owned: its Python type
+  // Its TensorImpl when held: not owned (an owned one would make torch.utils.swap_tensors
+  // refuse the tensor), so never dereferenced, only compared and handed to the prefetcher
+  // (which never faults).
+  const c10::TensorImpl* impl;
+  const void* ptr;
+  size_t offset;  // where its entry in ``dims`` starts: its dim count, sizes, strides
+  c10::DispatchKeySet keys;  // its layout and device type among them
+  c10::Device device;
+  c10::ScalarType dtype;
+  bool requires_grad;
+  bool check_ptr;  // false: the address may change (no DataPtrGuard on it)
+};
+
 struct Held {
-  std::vector<PyObject*> tensors;  // owned
-  // Each tensor's TensorImpl when held: not owned (an owned one would make
-  // torch.utils.swap_tensors refuse the tensor), so never dereferenced, only compared and
-  // handed to the prefetcher (which never faults).
-  std::vector<const c10::TensorImpl*> impls;
-  std::vector<const void*> ptrs;
-  std::vector<c10::ScalarType> dtypes;
-  std::vector<int64_t> dims;     // per tensor: its dim count, then sizes, then strides
-  std::vector<size_t> offsets;   // where each tensor's entry in ``dims`` starts
+  std::vector<HeldTensor> tensors;
+  std::vector<int64_t> dims;
   ~Held() {
-    for (PyObject* t : tensors) Py_DECREF(t);
+    for (HeldTensor& h : tensors) {
+      Py_DECREF(h.tensor);
+      Py_DECREF(h.type);
+    }
   }
 };
 
@@ -816,20 +828,22 @@ PyObject* held(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto* out = new Held();
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[0]); ++i) {
     PyObject* t = PyList_GET_ITEM(args[0], i);
-    void* ptr = PyLong_AsVoidPtr(PyList_GET_ITEM(args[1], i));
+    PyObject* expected = PyList_GET_ITEM(args[1], i);
+    const bool check_ptr = expected != Py_None;
+    void* ptr = check_ptr ? PyLong_AsVoidPtr(expected) : nullptr;
     if (!THPVariable_Check(t) || (ptr == nullptr && PyErr_Occurred())) {
       delete out;
       PyErr_Clear();
       PyErr_Format(PyExc_TypeError, "held: item %zd is not a tensor with an int pointer", i);
       return nullptr;
     }
-    Py_INCREF(t);
-    out->tensors.push_back(t);
-    out->ptrs.push_back(ptr);
     const at::Tensor& tensor = THPVariable_Unpack(t);
-    out->impls.push_back(tensor.unsafeGetTensorImpl());
-    out->dtypes.push_back(tensor.scalar_type());
-    out->offsets.push_back(out->dims.size());
+    auto* type = reinterpret_cast<PyObject*>(Py_TYPE(t));
+    Py_INCREF(t);
+    Py_INCREF(type);
+    out->tensors.push_back(HeldTensor{t, type, tensor.unsafeGetTensorImpl(), ptr,
+                                      out->dims.size(), tensor.key_set(), tensor.device(),
+                                      tensor.scalar_type(), tensor.requires_grad(), check_ptr});
     out->dims.push_back(tensor.dim());
     out->dims.insert(out->dims.end(), tensor.sizes().begin(), tensor.sizes().end());
     out->dims.insert(out->dims.end(), tensor.strides().begin(), tensor.strides().end());
@@ -849,27 +863,38 @@ PyObject* held_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     // times (the Python object, its impl, its storage). Those of later tensors are
     // requested ahead, the storage once the impl it hangs from has arrived.
     constexpr size_t kAhead = 8;
+    const HeldTensor* all = h->tensors.data();
     const size_t n = h->tensors.size();
     for (size_t i = 0; i < n; ++i) {
       if (i + kAhead < n) {
-        __builtin_prefetch(h->tensors[i + kAhead]);
-        __builtin_prefetch(h->impls[i + kAhead]);
+        __builtin_prefetch(all[i + kAhead].tensor);
+        __builtin_prefetch(all[i + kAhead].impl);
       }
-      if (i + kAhead / 2 < n) {  // through the live object: its impl is the one to read
+      if (i + kAhead / 2 < n && all[i + kAhead / 2].check_ptr) {
+        // (through the live object: its impl is the one to read)
         const c10::TensorImpl* ahead =
-            THPVariable_Unpack(h->tensors[i + kAhead / 2]).unsafeGetTensorImpl();
+            THPVariable_Unpack(all[i + kAhead / 2].tensor).unsafeGetTensorImpl();
         __builtin_prefetch(ahead->unsafe_storage().unsafeGetStorageImpl());
       }
-      const at::Tensor& t = THPVariable_Unpack(h->tensors[i]);
-      if (t.unsafeGetTensorImpl() != h->impls[i]) Py_RETURN_FALSE;  // swap_tensors
-      const int64_t* expected = h->dims.data() + h->offsets[i];
+      const HeldTensor& e = all[i];
+      const at::Tensor& t = THPVariable_Unpack(e.tensor);
+      const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      if (impl != e.impl || reinterpret_cast<PyObject*>(Py_TYPE(e.tensor)) != e.type)
+        Py_RETURN_FALSE;  // swap_tensors, __class__ assigned
+      const int64_t* expected = h->dims.data() + e.offset;
       const int64_t dim = expected[0];
-      if (t.scalar_type() != h->dtypes[i] || t.dim() != dim) Py_RETURN_FALSE;
-      c10::IntArrayRef sizes = t.sizes();
-      c10::IntArrayRef strides = t.strides();
+      // (requires_grad: no autograd meta, none asked for; the layout, with the device's
+      // type, is in the dispatch keys)
+      if (impl->dtype().toScalarType() != e.dtype || impl->dim() != dim ||
+          impl->key_set() != e.keys || impl->device() != e.device ||
+          (impl->autograd_meta() == nullptr ? e.requires_grad
+                                            : impl->requires_grad() != e.requires_grad))
+        Py_RETURN_FALSE;
+      c10::IntArrayRef sizes = impl->sizes();
+      c10::IntArrayRef strides = impl->strides();
       for (int64_t d = 0; d < dim; ++d)
         if (sizes[d] != expected[1 + d] || strides[d] != expected[1 + dim + d]) Py_RETURN_FALSE;
-      if (t.const_data_ptr() != h->ptrs[i]) Py_RETURN_FALSE;
+      if (e.check_ptr && t.const_data_ptr() != e.ptr) Py_RETURN_FALSE;
     }
   } catch (const std::exception&) {  // a tensor without storage: not the expected address
     Py_RETURN_FALSE;
@@ -1033,9 +1058,9 @@ PyMethodDef kMethods[] = {
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(addresses_record)),
      METH_FASTCALL, "Record (and return) the inputs' data pointers, 0 for a -1 position."},
     {"held", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(held)), METH_FASTCALL,
-     "Hold tensors and the data pointers they must keep."},
+     "Hold tensors, the data pointers and the metadata they must keep."},
     {"held_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(held_match)),
-     METH_FASTCALL, "Whether every held tensor keeps its data pointer."},
+     METH_FASTCALL, "Whether every held tensor keeps its data pointer and metadata."},
 #ifdef OPT_DICT_VERSIONS
     {"versions", versions, METH_O, "The version tags of a dict and of its values (dicts)."},
     {"versions_match",

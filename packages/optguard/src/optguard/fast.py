@@ -39,10 +39,12 @@ lists them; the tier's own ``FastGather`` (gather.py, armed from the full gather
 that built the tier) reuses them instead of fetching them again: ``inputs(L)`` is the check
 and the gather in one call.
 
-The pinned tensors' check also compares their dtype, shape and stride with what they had
-when the tier was armed: metadata changed in place on the same state tensor object
-(``t_()``, ``as_strided_()``, ``t.data = ...``) keeps its entry's version and may keep its
-address. A replaced state tensor changes its entry's version: the full check then runs, and
+The pinned tensors' check also compares their metadata (what TensorMatchGuard compares)
+with what it was when the tier was armed: metadata changed in place on the same state
+tensor object (``t_()``, ``as_strided_()``, ``requires_grad_()``, ``t.data = ...``) keeps
+its entry's version and may keep its address. Pinned tensors with no data-pointer guard (a
+0-dim CPU step count, which a backend may move) are in that check too, for their metadata
+alone. A replaced state tensor changes its entry's version: the full check then runs, and
 the tier is built anew (check.py limits how often).
 
 The tier is built here (``build_fast_check``) from two pieces: tree.py puts guards into the
@@ -55,6 +57,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
+
+import torch
 
 from optguard import _torch_compat as compat
 from optguard import native
@@ -109,9 +113,23 @@ class FastCheck:
         self.states_unchanged = list(states_unchanged)
         # Its gather over the pinned values (None: its caller gathers in full).
         self.gather: FastGather | None = None
+        # The hit path's callables, bound once (a hit calls no Python wrapper around them):
+        # the tree's own check, the residual's generated function, and what ``forget`` does.
+        self._checks: tuple[Callable[[Locals], Any], ...] = (
+            tree.root.check,
+            getattr(residual, "fn", residual),
+        )
+        module = native.module()
+        self._forgets: list[Callable[[], Any]] = (
+            [functools.partial(module.take, spec) for spec, _ in self.grad_lists.values()]
+            + [functools.partial(module.take_locals, s) for s, _ in self.local_lists.values()]
+            if module is not None
+            else []
+        )
 
     def __call__(self, L: Locals) -> bool:
-        if self.tree.check(L) and self.residual(L):
+        tree_check, residual = self._checks
+        if tree_check(L) and residual(L):
             return True
         self.forget()  # a grad check may have passed before another failed
         return False
@@ -119,7 +137,9 @@ class FastCheck:
     def inputs(self, L: Locals, full: Callable[[Locals], list[Any]]) -> list[Any] | None:
         """The inputs when this tier's checks pass on ``L`` (through its gather; else
         ``full(L)``), or None. The list its gather returns is reused: ``release()`` it."""
-        if not self(L):
+        tree_check, residual = self._checks
+        if not (tree_check(L) and residual(L)):
+            self.forget()  # a grad check may have passed before another failed
             return None
         if self.gather is None:
             self.forget()  # the full gather reads the grads itself
@@ -139,12 +159,8 @@ class FastCheck:
     def forget(self) -> None:
         """Drop the grads the last hit's native checks read, where no gather took them (the
         check must not keep a step's gradients alive)."""
-        module = native.module()
-        if module is not None:
-            for spec, _ in self.grad_lists.values():
-                module.take(spec)
-            for spec, _ in self.local_lists.values():
-                module.take_locals(spec)
+        for take in self._forgets:
+            take()
 
     def stale(self, L: Locals) -> bool:
         """Whether an optimizer state this tier pinned has changed since (entries replaced:
@@ -265,6 +281,7 @@ def build_fast_check(
         states_unchanged.append(_fetching(state, unchanged))
         builder.lines.append(text)
     pinned = _pinned_sources(sources_of, identical, set(states))
+    more: set[Source] = set()
     if module is not None:
         more = held_dtensors(module, on_source, L, builder, pinned, listed, ptr_of)
         if more:
@@ -272,12 +289,30 @@ def build_fast_check(
             addresses = [g for g in addresses if g.source not in more]
     held = [g for g in addresses if g.source in pinned]
     residual.extend(g for g in addresses if g.source not in pinned)
-    if held:
-        text = f"{len(held)} pinned tensors keep their data pointers, dtypes, shapes, strides"
+    # Pinned tensors with no address guard (step counts: 0-dim CPU tensors a backend may
+    # move) keep their metadata too: the state's dict versions do not see ``.data =``.
+    unaddressed = _unaddressed_pinned(guards, pinned, listed | more, {g.source for g in held})
+    dtensors = {s.base for s in more if isinstance(s, AttrSource)}  # (checked there)
+    metadata_only: list[Source] = []
+    for guard in unaddressed:
+        if guard.source in dtensors:
+            continue
+        if guard.meta.cls in _HELD_TYPES and guard.meta.layout is torch.strided:
+            metadata_only.append(guard.source)
+        else:
+            residual.append(guard)
+    if held or metadata_only:
+        n = len(held) + len(metadata_only)
+        text = f"{n} pinned tensors keep their metadata" + (
+            f", {len(held)} of them their data pointers" if held else ""
+        )
         # (most are inputs the full gather has just fetched from ``L``)
         fetched = dict(zip(*gathered, strict=True)) if gathered is not None else {}
-        tensors = [fetched[g.source] if g.source in fetched else g.source.fetch(L) for g in held]
-        compat.GuardTree.predicate(builder.tree.root, native.held_ptrs(tensors, held), text)
+        held_sources = [g.source for g in held] + metadata_only
+        tensors = [fetched[s] if s in fetched else s.fetch(L) for s in held_sources]
+        ptrs: list[int | None] = [g.ptr for g in held]
+        ptrs += [None] * len(metadata_only)
+        compat.GuardTree.predicate(builder.tree.root, native.held_ptrs(tensors, ptrs), text)
         builder.lines.append(text + (", one native check" if module is not None else ""))
     check = compile_check(GuardSet(tuple(residual)))
     fast = FastCheck(
@@ -288,6 +323,22 @@ def build_fast_check(
         fast.gather = FastGather(input_sources, pinned, grad_lists, local_lists, by_address)
         fast.gather.arm(L, inputs)
     return fast
+
+
+def _unaddressed_pinned(
+    guards: Sequence[Guard],
+    pinned: frozenset[Source],
+    checked: set[Source],
+    addressed: set[Source],
+) -> list[TensorMatchGuard]:
+    """The metadata guards on pinned tensors that neither a list's native check (``checked``)
+    nor the held check of their data pointers (``addressed``) tests."""
+    skip = checked | addressed
+    found: dict[Source, TensorMatchGuard] = {}
+    for g in guards:
+        if isinstance(g, TensorMatchGuard) and g.source in pinned and g.source not in skip:
+            found.setdefault(g.source, g)
+    return list(found.values())
 
 
 def _fetching(source: Source, test: Callable[[Any], bool]) -> Callable[[Locals], bool]:
@@ -375,3 +426,5 @@ class _KeyedAncestors:
 
 
 _UNKNOWN: Any = object()
+# Types whose metadata the held check reads in C++ (a subclass may compute it in Python).
+_HELD_TYPES = (torch.Tensor, torch.nn.Parameter)

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from optguard import _torch_compat as compat
-from optguard.guards import DataPtrGuard
 
 SOURCE = Path(__file__).with_name("_native.cpp")
 # Name of the built module: one per torch and Python version (ABI) and source text.
@@ -187,23 +186,28 @@ def _load(path: Path) -> Any:
     return loaded
 
 
-def held_ptrs(tensors: list[Any], guards: Sequence[DataPtrGuard]) -> Callable[[Any], bool]:
+def held_ptrs(tensors: list[Any], ptrs: Sequence[int | None]) -> Callable[[Any], bool]:
     """A check (of any one argument, ignored) that ``tensors[i]`` still has the data pointer
-    ``guards[i]`` expects, and the dtype, shape and stride it has now (an in-place ``t_()``,
-    ``as_strided_()`` or ``.data =`` keeps the object and may keep the address): one C++
-    loop over the tensors themselves (held by the check) once the module is loaded, else a
-    Python one."""
-    ptrs = [g.ptr for g in guards]
+    ``ptrs[i]`` (None: any) and the metadata it has now, as TensorMatchGuard compares it
+    (type, dtype, device, layout, shape, stride, requires_grad: an in-place ``t_()``,
+    ``as_strided_()``, ``requires_grad_()`` or ``.data =`` keeps the object and may keep
+    the address): one C++ loop over the tensors themselves (held by the check) once the
+    module is loaded, else a Python one."""
     if _module is not None:
-        return functools.partial(_module.held_match, _module.held(tensors, ptrs))
-    expected = [
-        (t, (ptr, t.dtype, t.shape, t.stride())) for t, ptr in zip(tensors, ptrs, strict=True)
-    ]
+        return functools.partial(_module.held_match, _module.held(tensors, list(ptrs)))
+    expected = [(t, ptr, _held_meta(t)) for t, ptr in zip(tensors, ptrs, strict=True)]
 
     def held_match(_: Any) -> bool:
-        return all((t.data_ptr(), t.dtype, t.shape, t.stride()) == e for t, e in expected)
+        return all(
+            (ptr is None or t.data_ptr() == ptr) and _held_meta(t) == meta
+            for t, ptr, meta in expected
+        )
 
     return held_match
+
+
+def _held_meta(t: Any) -> tuple[Any, ...]:
+    return (type(t), t.dtype, t.device, t.layout, t.shape, t.stride(), t.requires_grad)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
