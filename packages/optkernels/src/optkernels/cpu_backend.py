@@ -49,7 +49,7 @@ from optkernels.host import (
 )
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, relaid, with_prelude, write_back
-from optkernels.reference import TorchBackend, TorchPlan, node_by_node
+from optkernels.reference import PAGE_VALUES, TorchBackend, TorchPlan, node_by_node, values_per_op
 from optkernels.split import Split, split_unfused
 
 log = logging.getLogger("optcompile.kernels")
@@ -59,10 +59,6 @@ log = logging.getLogger("optcompile.kernels")
 # elements at most (as ATen's grain size does): waking a thread costs microseconds on an
 # idle machine and a scheduler time slice (milliseconds) on a loaded one.
 BLOCK = 1 << 15
-# Values per op node above which a graph the lanes do not cover runs node by node rather
-# than batched (``_torch_plan``): a batched op's fresh result costs about a page fault per
-# 4 KiB, a node-by-node call some microseconds of Python.
-PAGE_VALUES = 4096
 
 
 def cpu_usable() -> str | None:
@@ -249,20 +245,11 @@ def _torch_plan(gm: fx.GraphModule, compiler: Compiler) -> Plan:
     the step makes are written in place as eager writes them (``reinplace``), where the
     batched plan allocates each (fresh pages cost more than the op on them), and column
     norms run in C (``c_norms``); elsewhere batched, where the calls are the cost."""
-    values = sum(
-        v.numel()
-        for n in gm.graph.nodes
-        if n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor)
-    )
-    calls = sum(  # tensor ops (Python scalar math costs less)
-        1
-        for n in gm.graph.nodes
-        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor | list)
-    )
-    if values < PAGE_VALUES * max(calls, 1):
+    per_op = values_per_op(gm)
+    if per_op < PAGE_VALUES:
         return TorchBackend().compile(gm)
     reason = (
-        f"its tensors hold {values // max(calls, 1)} values per op: ops run in place, "
+        f"its tensors hold {per_op} values per op: ops run in place, "
         "column norms in C (optkernels.c_norms), elementwise chains in C (optkernels.c_chains)"
     )
 

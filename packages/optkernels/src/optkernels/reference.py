@@ -286,11 +286,34 @@ def node_by_node(
     return TorchPlan(None, reason=reason, graph=graph, owner=gm)
 
 
+# Values per op node from which a graph's ops run node by node, each in place where eager
+# wrote in place, rather than batched: a batched op's fresh result costs about a page fault
+# per 4 KiB, a node-by-node call some microseconds of Python.
+PAGE_VALUES = 4096
+
+
+def values_per_op(gm: fx.GraphModule) -> int:
+    """The graph's input values over its tensor ops (Python scalar math costs less)."""
+    values = sum(
+        v.numel()
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and isinstance(v := n.meta.get("val"), torch.Tensor)
+    )
+    calls = sum(
+        1
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor | list)
+    )
+    return values // max(calls, 1)
+
+
 class TorchBackend:
     """Backend that executes graphs with torch ops (no fusion, any device).
 
     A graph whose ops repeat over lanes (parameters) runs batched, one call per op over all
-    lanes (``batched.BatchedPlan``); any other graph node by node (``TorchPlan``)."""
+    lanes (``batched.BatchedPlan``); any other graph node by node (``TorchPlan``), and so
+    does one whose batched calls would each cover at most two large tensors (Adafactor over
+    an MLP's matrices: allocating their results cost more than the calls saved)."""
 
     name = "torch"
     wants_capturable = False
@@ -310,5 +333,13 @@ class TorchBackend:
             )
             return plan
         batched = BatchedPlan(gm, program)
+        per_op = values_per_op(gm)
+        if batched.widest <= 2 and per_op >= PAGE_VALUES:
+            reason = (
+                f"its batched calls would cover at most {batched.widest} tensors of "
+                f"{per_op} values per op: ops run in place, one node at a time"
+            )
+            log.info("torch backend: node by node (%s)", reason)
+            return node_by_node(gm, reason=reason)
         log.info("torch backend: batched over lanes, %d calls per step", len(program.ops))
         return batched
