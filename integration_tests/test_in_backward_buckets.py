@@ -221,12 +221,12 @@ def test_state_dict_round_trip_continues_like_eager():
 @pytest.mark.parametrize("tags", [True, False], ids=["dict-versions", "lookups"])
 def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tags, monkeypatch):
     # A bucket's view syncs with the optimizer only where something changed since its last
-    # update (compared by identity; the state's lookups skipped while CPython's dict version
-    # tags say neither state dict changed): each kind of change must still arrive.
+    # update (compared by identity; the state's lookups skipped while CPython's version tags
+    # say neither state dict changed): each kind of change must still arrive.
     from optcompile import backward
 
     if not tags:
-        monkeypatch.setattr(backward, "_tags", lambda: None)
+        monkeypatch.setattr(backward, "_dict_version", backward._no_version)
     model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
 
     def change(step: int, o: torch.optim.Optimizer, m: torch.nn.Module) -> None:
@@ -239,8 +239,15 @@ def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tag
         elif step == 4:  # group options written directly
             o.param_groups[0]["weight_decay"] = 0.5
             o.param_groups[1]["lr"] = 1e-2
+        elif step == 5:  # an entry's own values replaced (its dict the same, the state too)
+            entry = o.state[m.norm.bias]
+            entry["exp_avg_sq"] = torch.full_like(entry["exp_avg_sq"], 0.5)
+        elif step == 6:  # a group's key removed and another added
+            del o.param_groups[1]["maximize"]
+            o.param_groups[1]["maximize"] = False
+            o.param_groups[0]["note"] = "added"
 
-    for step in range(6):
+    for step in range(8):
         change(step, opt, model)
         change(step, eager, reference)
         model(batch(step)).backward()
@@ -248,8 +255,9 @@ def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tag
         opt.zero_grad()
         eager_iteration(reference, eager, step)
         assert_same(model, opt, reference, eager)
-    versioned = [b.versions is not None for b in backward._STATES[opt].buckets]
-    assert versioned == [tags and backward._tags() is not None] * len(versioned)
+    versioned = [isinstance(b.tags[0], int) for b in backward._STATES[opt].buckets]
+    native = backward._dict_version is not backward._no_version
+    assert versioned == [tags and native] * len(versioned)
 
 
 def test_explain_lists_the_buckets_and_counts_their_traces():

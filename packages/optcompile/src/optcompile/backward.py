@@ -94,9 +94,9 @@ class Bucket:
     L: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"opt": view}
     groups: list[Synced] = dataclasses.field(default_factory=list)
     entries: list[Any] = dataclasses.field(default_factory=list)  # the view's state, by param
-    # CPython's dict version tags of the optimizer's and the view's state (and of their
-    # entries) after the last update, where optguard's native module reads them (see update)
-    versions: tuple[Any, Any] | None = None
+    # CPython's version tags of the optimizer's and the view's state dicts after the last
+    # update, where optguard's native module reads them (see update); _UNKNOWN: not known
+    tags: tuple[Any, Any] = (None, None)
     arrived: int = 0  # gradients arrived in this backward
     # For sending its next update's host values ahead (InBackward.stage_ahead): the entry
     # it was found for, that entry's plan and the positions and fetch of the inputs it reads
@@ -110,30 +110,32 @@ class Bucket:
 class Synced:
     """A view's param group (``own``: the bucket's params, the other entries those of the
     optimizer's group ``index``) and the values of both as last synced: an update compares
-    them by identity, in one C-level pass each, and copies entries only when one changed
-    (an LR scheduler's new lr, a step that wrote into its group)."""
+    them by identity, in one C-level pass each, and copies only when one changed (an LR
+    scheduler's new lr, a step that wrote into its group)."""
 
     index: int
     own: dict[str, Any]
     live_seen: tuple[Any, ...] = ()
     own_seen: tuple[Any, ...] = ()
 
+    def changed(self, live: dict[str, Any]) -> bool:
+        """Whether the optimizer's group holds other values than when last synced (the
+        update tests this inline: no call when nothing changed)."""
+        return not _same(live.values(), self.live_seen)
+
     def pull(self, live: dict[str, Any]) -> None:
-        """Copy what changed in the optimizer's group into the view's."""
-        if _same(live.values(), self.live_seen):
-            return
+        """Copy the optimizer's group into the view's (all of it but the params: what did
+        not change is the same objects)."""
         own = self.own
-        for key, value in live.items():
-            if key != "params" and own.get(key, _MISSING) is not value:
-                own[key] = value
+        params = own["params"]
+        own.update(live)
+        own["params"] = params
         self.live_seen = tuple(live.values())
         self.own_seen = tuple(own.values())
 
     def push(self, live: dict[str, Any]) -> None:
         """Copy what the step wrote into the view's group back into the optimizer's."""
         own = self.own
-        if _same(own.values(), self.own_seen):
-            return
         for key, value in own.items():
             if key != "params" and live.get(key, _MISSING) is not value:
                 live[key] = value
@@ -331,7 +333,9 @@ class InBackward:
             plan, positions, fetch = found
             try:
                 for synced in bucket.groups:
-                    synced.pull(live_groups[synced.index])
+                    live = live_groups[synced.index]
+                    if synced.changed(live):
+                        synced.pull(live)
                 values = fetch(bucket.L)
             except Exception:  # (the update fetches its inputs itself, and fails or retraces)
                 continue
@@ -414,6 +418,13 @@ class InBackward:
     # -- a bucket's update --
 
     def update(self, bucket: Bucket) -> None:
+        """Run the bucket's step on its view: the groups and the state synced with the
+        optimizer's where they changed, the gradients set to None after it.
+
+        This runs inside backward, in a busy thread several times slower per Python
+        operation than the main one: what nothing changed since the last update (the usual
+        case) costs is one identity pass per group before and after the step, a version tag
+        read per state dict and one native call for the gradients."""
         opt = self.ref()
         if opt is None:
             return
@@ -421,17 +432,20 @@ class InBackward:
         view = bucket.view if bucket.view is not None else self.make_view(opt, bucket)
         assert bucket.step is not None
         live_groups = opt.param_groups
-        for synced in bucket.groups:
-            synced.pull(live_groups[synced.index])
+        for synced in bucket.groups:  # (Synced.changed, inline)
+            live, seen = live_groups[synced.index], synced.live_seen
+            if len(live) != len(seen) or not all(map(is_, live.values(), seen)):
+                synced.pull(live)
         # The view's state holds the optimizer's own per-param entries: synced entry by
         # entry only where one differs from what the view held after its last update. While
-        # a state dict keeps its version tag since then (no entry added, replaced or removed,
-        # nor any entry dict changed), its side of the sync is skipped: a lookup by tensor
-        # costs a Python-level Tensor.__hash__ per param.
+        # neither state dict's version tag changed since then (no entry added, replaced or
+        # removed: the entries are the very dicts both hold), the sync is skipped: a lookup
+        # by tensor costs a Python-level Tensor.__hash__ per param.
         state, own_state, params = opt.state, view.state, bucket.params
-        tags = _tags()
-        seen = bucket.versions if tags is not None else None
-        if seen is None or not tags.versions_match(seen[0], state):
+        tags, bucket.tags = bucket.tags, _UNKNOWN  # (known again once the step returned)
+        version = _dict_version
+        same = version(state) == tags[0]
+        if not same:
             entries = list(map(state.get, params))
             if not _same(entries, bucket.entries):
                 for p, entry in zip(params, entries, strict=True):
@@ -439,21 +453,23 @@ class InBackward:
                         own_state.pop(p, None)  # cleared (load_state_dict without it)
                     elif own_state.get(p) is not entry:
                         own_state[p] = entry
-            bucket.entries, seen = entries, None
+            bucket.entries = entries
         bucket.step(bucket.L)
-        if seen is None or not tags.versions_match(seen[1], own_state):
+        if same and version(own_state) == tags[1]:
+            bucket.tags = tags
+        else:
             held = list(map(own_state.get, params))
             if not _same(held, bucket.entries):
                 for p, entry in zip(params, held, strict=True):
                     if entry is not None and state.get(p) is not entry:
                         state[p] = entry  # (state the step created)
-            bucket.entries, seen = held, None
-        if seen is None and tags is not None:
-            bucket.versions = _versions_of(tags, state, own_state)
-        for p in params:
-            p.grad = None
+            bucket.entries = held
+            bucket.tags = (version(state), version(own_state))
+        _clear_grads(params)
         for synced in bucket.groups:  # what the step wrote into its group
-            synced.push(live_groups[synced.index])
+            own, seen = synced.own, synced.own_seen
+            if len(own) != len(seen) or not all(map(is_, own.values(), seen)):
+                synced.push(live_groups[synced.index])
 
     def make_view(self, opt: torch.optim.Optimizer, bucket: Bucket) -> torch.optim.Optimizer:
         """An optimizer of ``opt``'s class over the bucket's params, compiled on its own."""
@@ -503,20 +519,31 @@ def _grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return module.grads(params) if module is not None else [p.grad for p in params]
 
 
-def _tags() -> Any:
-    """optguard's native module where it reads CPython's dict version tags (before 3.14),
-    else None."""
-    module = native.module()
-    return module if module is not None and hasattr(module, "versions") else None
+def _set_grads_to_none(params: list[torch.Tensor]) -> None:
+    for p in params:
+        p.grad = None
 
 
-def _versions_of(tags: Any, *dicts: dict[Any, Any]) -> tuple[Any, ...] | None:
-    """Each dict's version tags (its own and its values'), or None where a value is not a
-    dict (state a custom step keeps otherwise: synced by lookups every time)."""
-    try:
-        return tuple(tags.versions(d) for d in dicts)
-    except TypeError:
-        return None
+def _no_version(d: dict[Any, Any]) -> object:
+    """Where no version tag can be read: a value that equals no other (always synced)."""
+    return object()
+
+
+_UNKNOWN = (None, None)  # a Bucket's tags before its first update (equal to no tag)
+# optguard's native functions that a bucket update calls, set once that module is loaded:
+# the gradients set to None in one C++ loop, a dict's version tag (_no_version until then,
+# and where CPython has no tags, 3.14 on: the state is then synced by lookups).
+_clear_grads: Callable[[list[torch.Tensor]], None] = _set_grads_to_none
+_dict_version: Callable[[dict[Any, Any]], object] = _no_version
+
+
+def _use_native(module: Any) -> None:
+    global _clear_grads, _dict_version
+    _clear_grads = module.clear_grads
+    _dict_version = getattr(module, "dict_version", _no_version)
+
+
+native.when_loaded(_use_native)
 
 
 def _same(values: Collection[Any], seen: Collection[Any]) -> bool:
