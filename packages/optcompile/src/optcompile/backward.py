@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import weakref
 from collections import OrderedDict, defaultdict
@@ -194,7 +195,7 @@ class InBackward:
         self.detach()
         self.key = key
         ref = weakref.ref(self)
-        hook = self.hook = _torch_compat.autograd_hook(lambda p: _arrived(ref, p))
+        hook = self.hook = _torch_compat.autograd_hook(functools.partial(_arrived, ref))
         for index, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 if id(p) in self.group_of:
@@ -305,14 +306,14 @@ class InBackward:
         this backward and all of its gradients are there (else the end of backward does)."""
         task = _torch_compat.graph_task_id()
         if p is self.first:
-            clean = task >= 0 and _none_held(self.others)
+            clean = task >= 0 and all(map(is_, _hook_grads(self.others), repeat(None)))
             self.clean_task = task if clean else None
             if clean and self.ahead_enabled:
                 self.stage_ahead()
         bucket = self.trigger_of.get(id(p))
         if bucket is None or self.clean_task != task:
             return
-        if not any(map(is_, _grads(bucket.params), repeat(None))):  # all there
+        if not any(map(is_, _hook_grads(bucket.params), repeat(None))):  # all there
             self.update(bucket)
 
     def stage_ahead(self) -> None:
@@ -519,6 +520,10 @@ def _grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return module.grads(params) if module is not None else [p.grad for p in params]
 
 
+def _read_grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [p.grad for p in params]
+
+
 def _set_grads_to_none(params: list[torch.Tensor]) -> None:
     for p in params:
         p.grad = None
@@ -530,16 +535,18 @@ def _no_version(d: dict[Any, Any]) -> object:
 
 
 _UNKNOWN = (None, None)  # a Bucket's tags before its first update (equal to no tag)
-# optguard's native functions that a bucket update calls, set once that module is loaded:
-# the gradients set to None in one C++ loop, a dict's version tag (_no_version until then,
-# and where CPython has no tags, 3.14 on: the state is then synced by lookups).
+# optguard's native functions that a hook and a bucket update call, set once that module is
+# loaded: each param's .grad read (by a thin hook, which dynamo never traces: see _grads)
+# and set to None in one C++ loop, a dict's version tag (_no_version until then, and where
+# CPython has no tags, 3.14 on: the state is then synced by lookups).
+_hook_grads: Callable[[list[torch.Tensor]], list[torch.Tensor | None]] = _read_grads
 _clear_grads: Callable[[list[torch.Tensor]], None] = _set_grads_to_none
 _dict_version: Callable[[dict[Any, Any]], object] = _no_version
 
 
 def _use_native(module: Any) -> None:
-    global _clear_grads, _dict_version
-    _clear_grads = module.clear_grads
+    global _hook_grads, _clear_grads, _dict_version
+    _hook_grads, _clear_grads = module.grads, module.clear_grads
     _dict_version = getattr(module, "dict_version", _no_version)
 
 
