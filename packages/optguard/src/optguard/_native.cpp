@@ -46,7 +46,8 @@
 //                                           (dicts); only where CPython has the tags (<3.14)
 //   versions_match(spec, d) -> bool         d and each of its values keep their tags
 //   dict_version(d) -> int                  d's own version tag (the same int: no entry of
-//                                           d set, added or removed since)
+//                                           d set, added or removed since); not a dict: a
+//                                           new object, equal to no other
 //   h2d(dst, src, nbytes, stream, device)   queue a host-to-device copy through the CUDA
 //       -> bool                             driver (False: not queued; see below)
 //
@@ -994,11 +995,10 @@ PyObject* versions_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// Not a dict (a mapping of another type): a new object, equal to no other (never unchanged).
 PyObject* dict_version(PyObject*, PyObject* d) {
-  if (!PyDict_Check(d)) {
-    PyErr_SetString(PyExc_TypeError, "dict_version(d: dict)");
-    return nullptr;
-  }
+  if (!PyDict_Check(d))
+    return PyObject_CallNoArgs(reinterpret_cast<PyObject*>(&PyBaseObject_Type));
   return PyLong_FromUnsignedLongLong(tag(d));
 }
 #endif
