@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from typing import Any
 
 import optcompile
 import pytest
@@ -258,6 +259,43 @@ def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tag
     versioned = [isinstance(b.tags[0], int) for b in backward._STATES[opt].buckets]
     native = backward._dict_version is not backward._no_version
     assert versioned == [tags and native] * len(versioned)
+
+
+class _LrSumSGD(torch.optim.Optimizer):
+    """Plain SGD whose step writes into its param groups: the sum of the lrs it stepped with."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["lr_sum"] = group.get("lr_sum", 0.0) + group["lr"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("tags", [True, False], ids=["dict-versions", "lookups"])
+def test_what_a_step_writes_into_its_group_reaches_the_next_buckets_update(tags, monkeypatch):
+    # Each bucket's view steps with its own copy of the group: what one bucket's step wrote
+    # is pushed into the optimizer's group, and the next bucket of that group (in the same
+    # backward) pulls it, though nothing else changed in between.
+    from optcompile import backward
+
+    if not tags:
+        monkeypatch.setattr(backward, "_dict_version", backward._no_version)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    opt = optcompile.compile(
+        _LrSumSGD(model.parameters(), lr=0.5), in_backward=True, bucket_bytes=600
+    )
+    for step in range(4):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        count = len(buckets(opt))
+        assert count == 2
+        assert opt.param_groups[0]["lr_sum"] == (step + 1) * count * 0.5
 
 
 def test_explain_lists_the_buckets_and_counts_their_traces():

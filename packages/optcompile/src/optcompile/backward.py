@@ -110,38 +110,39 @@ class Bucket:
 @dataclasses.dataclass(eq=False)
 class Synced:
     """A view's param group (``own``: the bucket's params, the other entries those of the
-    optimizer's group ``index``) and the values of both as last synced: an update compares
-    them by identity, in one C-level pass each, and copies only when one changed (an LR
-    scheduler's new lr, a step that wrote into its group)."""
+    optimizer's group ``index``) and both groups as last synced: their values (compared by
+    identity, in one C-level pass each) and CPython's version tags of both dicts, which an
+    update compares first (the same tag: no entry set to another object, added or removed).
+    Entries are copied only when one changed (an LR scheduler's new lr, a step that wrote
+    into its group)."""
 
     index: int
     own: dict[str, Any]
     live_seen: tuple[Any, ...] = ()
     own_seen: tuple[Any, ...] = ()
-
-    def changed(self, live: dict[str, Any]) -> bool:
-        """Whether the optimizer's group holds other values than when last synced (the
-        update tests this inline: no call when nothing changed)."""
-        return not _same(live.values(), self.live_seen)
+    live_tag: object = None
+    own_tag: object = None
 
     def pull(self, live: dict[str, Any]) -> None:
-        """Copy the optimizer's group into the view's (all of it but the params: what did
-        not change is the same objects)."""
+        """Copy what changed in the optimizer's group into the view's (all of it but the
+        params: what did not change is the same objects)."""
         own = self.own
-        params = own["params"]
-        own.update(live)
-        own["params"] = params
-        self.live_seen = tuple(live.values())
-        self.own_seen = tuple(own.values())
+        if not _same(live.values(), self.live_seen):
+            params = own["params"]
+            own.update(live)
+            own["params"] = params
+            self.live_seen, self.own_seen = tuple(live.values()), tuple(own.values())
+        self.live_tag, self.own_tag = _dict_version(live), _dict_version(own)
 
     def push(self, live: dict[str, Any]) -> None:
         """Copy what the step wrote into the view's group back into the optimizer's."""
         own = self.own
-        for key, value in own.items():
-            if key != "params" and live.get(key, _MISSING) is not value:
-                live[key] = value
-        self.live_seen = tuple(live.values())
-        self.own_seen = tuple(own.values())
+        if not _same(own.values(), self.own_seen):
+            for key, value in own.items():
+                if key != "params" and live.get(key, _MISSING) is not value:
+                    live[key] = value
+            self.live_seen, self.own_seen = tuple(live.values()), tuple(own.values())
+        self.live_tag, self.own_tag = _dict_version(live), _dict_version(own)
 
 
 class InBackward:
@@ -335,7 +336,7 @@ class InBackward:
             try:
                 for synced in bucket.groups:
                     live = live_groups[synced.index]
-                    if synced.changed(live):
+                    if _dict_version(live) != synced.live_tag:
                         synced.pull(live)
                 values = fetch(bucket.L)
             except Exception:  # (the update fetches its inputs itself, and fails or retraces)
@@ -423,19 +424,19 @@ class InBackward:
         optimizer's where they changed, the gradients set to None after it.
 
         This runs inside backward, in a busy thread several times slower per Python
-        operation than the main one: what nothing changed since the last update (the usual
-        case) costs is one identity pass per group before and after the step, a version tag
-        read per state dict and one native call for the gradients."""
+        operation than the main one: where nothing changed since the last update (the usual
+        case) it reads one version tag per group and per state dict, before and after the
+        step, and sets the gradients to None in one native call."""
         opt = self.ref()
         if opt is None:
             return
         bucket.arrived = 0
         view = bucket.view if bucket.view is not None else self.make_view(opt, bucket)
         assert bucket.step is not None
-        live_groups = opt.param_groups
-        for synced in bucket.groups:  # (Synced.changed, inline)
-            live, seen = live_groups[synced.index], synced.live_seen
-            if len(live) != len(seen) or not all(map(is_, live.values(), seen)):
+        live_groups, version = opt.param_groups, _dict_version
+        for synced in bucket.groups:
+            live = live_groups[synced.index]
+            if version(live) != synced.live_tag:
                 synced.pull(live)
         # The view's state holds the optimizer's own per-param entries: synced entry by
         # entry only where one differs from what the view held after its last update. While
@@ -444,7 +445,6 @@ class InBackward:
         # by tensor costs a Python-level Tensor.__hash__ per param.
         state, own_state, params = opt.state, view.state, bucket.params
         tags, bucket.tags = bucket.tags, _UNKNOWN  # (known again once the step returned)
-        version = _dict_version
         same = version(state) == tags[0]
         if not same:
             entries = list(map(state.get, params))
@@ -468,8 +468,7 @@ class InBackward:
             bucket.tags = (version(state), version(own_state))
         _clear_grads(params)
         for synced in bucket.groups:  # what the step wrote into its group
-            own, seen = synced.own, synced.own_seen
-            if len(own) != len(seen) or not all(map(is_, own.values(), seen)):
+            if version(synced.own) != synced.own_tag:
                 synced.push(live_groups[synced.index])
 
     def make_view(self, opt: torch.optim.Optimizer, bucket: Bucket) -> torch.optim.Optimizer:
@@ -538,7 +537,8 @@ _UNKNOWN = (None, None)  # a Bucket's tags before its first update (equal to no 
 # optguard's native functions that a hook and a bucket update call, set once that module is
 # loaded: each param's .grad read (by a thin hook, which dynamo never traces: see _grads)
 # and set to None in one C++ loop, a dict's version tag (_no_version until then, and where
-# CPython has no tags, 3.14 on: the state is then synced by lookups).
+# CPython has no tags, 3.14 on: groups are then compared value by value on each update,
+# the state synced by lookups).
 _hook_grads: Callable[[list[torch.Tensor]], list[torch.Tensor | None]] = _read_grads
 _clear_grads: Callable[[list[torch.Tensor]], None] = _set_grads_to_none
 _dict_version: Callable[[dict[Any, Any]], object] = _no_version
