@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 from typing import Any
 
 import optcompile
@@ -296,6 +297,66 @@ def test_what_a_step_writes_into_its_group_reaches_the_next_buckets_update(tags,
         count = len(buckets(opt))
         assert count == 2
         assert opt.param_groups[0]["lr_sum"] == (step + 1) * count * 0.5
+
+
+def _calls_outside_steps(opt: torch.optim.Optimizer, iteration: Any) -> tuple[int, int]:
+    """(bucket updates, Python function calls those updates made outside their compiled
+    steps) during ``iteration()``."""
+    from optcompile import backward
+    from optcompile.driver import Compiled
+
+    update, step = backward.InBackward.update.__code__, Compiled.__call__.__code__
+    counts = {"updates": 0, "calls": 0}
+    inside: dict[str, Any] = {"update": None, "step": None}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            if frame.f_code is update and inside["update"] is None:
+                inside["update"] = frame
+                counts["updates"] += 1
+            elif frame.f_code is step and inside["step"] is None:
+                inside["step"] = frame
+            if inside["update"] is not None and inside["step"] is None:
+                counts["calls"] += 1
+        elif event == "return":
+            for key in ("update", "step"):
+                if frame is inside[key]:
+                    inside[key] = None
+
+    sys.setprofile(profile)
+    try:
+        iteration()
+    finally:
+        sys.setprofile(None)
+    return counts["updates"], counts["calls"]
+
+
+@pytest.mark.parametrize("scheduled", [False, True], ids=["same-lr", "lr-schedule"])
+def test_a_bucket_update_makes_one_python_call_outside_its_step_when_nothing_changed(
+    scheduled,
+):
+    # Inside backward every Python operation costs several times what it does on the main
+    # thread: with nothing changed since the last backward, the update itself is the one
+    # call (its groups and state tested by version tags, its grads freed natively); the
+    # lr an LR scheduler set adds the group's pull (and its identity pass).
+    from optcompile import backward
+
+    model, opt, _, _ = make_pair("AdamW", bucket_bytes=4096)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1))
+
+    def iteration(step: int) -> None:
+        model(batch(step)).backward()
+        opt.step()
+        if scheduled:
+            sched.step()
+
+    for step in range(3):
+        iteration(step)
+    if backward._dict_version is backward._no_version:
+        pytest.skip("no native dict version tags (OPTCOMPILE_NATIVE=0, or CPython 3.14+)")
+    updates, calls = _calls_outside_steps(opt, lambda: iteration(3))
+    assert updates == len(buckets(opt)) >= 3
+    assert calls == updates * (3 if scheduled else 1)
 
 
 def test_explain_lists_the_buckets_and_counts_their_traces():

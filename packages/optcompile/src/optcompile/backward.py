@@ -11,9 +11,10 @@ optimizer's own step over a *view*: an optimizer of the same class whose param g
 only the bucket's params (the group's other entries copied from the live group before each
 update, so LR schedules apply) and whose state holds the very per-param state dicts of the
 optimizer (both compared by identity with what the view held after its last update, and
-copied only where they differ). The view is a compiled optimizer of its own: traced once,
-guarded, one fused launch (one CUDA graph where graphs are on). Each gradient is set to
-None after its update.
+copied only where they differ; skipped while CPython's version tags of the dicts say none
+changed). The view is a compiled optimizer of its own: traced once, guarded, one fused
+launch (one CUDA graph where graphs are on). Each gradient is set to None after its update
+(all of the bucket's in one native call).
 
 Hooks cost a plain Python call where dynamo is not running (``_torch_compat.autograd_hook``),
 and autograd's engine a switch into Python per call: once the buckets are learned (at the
