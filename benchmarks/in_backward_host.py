@@ -605,10 +605,11 @@ def marked_updates(state: backward.InBackward, mark: _Marks) -> Iterator[None]:
             plan = entry.plan  # (left as it is: sending ahead reads the entry's plan)
             wrap(entry, "replay", _marked(entry.replay, mark, "planned", None))
             inner = getattr(plan, "plan", None)
-            if inner is not None:
+            if getattr(inner, "prepare", None) is not None:  # (CPU plans have none)
                 wrap(inner, "prepare", _marked(inner.prepare, mark, "prepare", "prepared"))
             for part in getattr(inner if inner is not None else plan, "parts", []):
-                wrap(part, "prepare", _marked(part.prepare, mark, "part", "parted"))
+                if getattr(part, "prepare", None) is not None:
+                    wrap(part, "prepare", _marked(part.prepare, mark, "part", "parted"))
             staging = getattr(inner if inner is not None else plan, "staging", None)
             if staging is not None:
                 wrap(staging, "begin", _marked(staging.begin, mark, "begin", "begun"))

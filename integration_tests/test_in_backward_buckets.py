@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
+from typing import Any
 
 import optcompile
 import pytest
@@ -221,12 +223,12 @@ def test_state_dict_round_trip_continues_like_eager():
 @pytest.mark.parametrize("tags", [True, False], ids=["dict-versions", "lookups"])
 def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tags, monkeypatch):
     # A bucket's view syncs with the optimizer only where something changed since its last
-    # update (compared by identity; the state's lookups skipped while CPython's dict version
-    # tags say neither state dict changed): each kind of change must still arrive.
+    # update (compared by identity; the state's lookups skipped while CPython's version tags
+    # say neither state dict changed): each kind of change must still arrive.
     from optcompile import backward
 
     if not tags:
-        monkeypatch.setattr(backward, "_tags", lambda: None)
+        monkeypatch.setattr(backward, "_dict_version", backward._no_version)
     model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
 
     def change(step: int, o: torch.optim.Optimizer, m: torch.nn.Module) -> None:
@@ -239,8 +241,15 @@ def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tag
         elif step == 4:  # group options written directly
             o.param_groups[0]["weight_decay"] = 0.5
             o.param_groups[1]["lr"] = 1e-2
+        elif step == 5:  # an entry's own values replaced (its dict the same, the state too)
+            entry = o.state[m.norm.bias]
+            entry["exp_avg_sq"] = torch.full_like(entry["exp_avg_sq"], 0.5)
+        elif step == 6:  # a group's key removed and another added
+            del o.param_groups[1]["maximize"]
+            o.param_groups[1]["maximize"] = False
+            o.param_groups[0]["note"] = "added"
 
-    for step in range(6):
+    for step in range(8):
         change(step, opt, model)
         change(step, eager, reference)
         model(batch(step)).backward()
@@ -248,8 +257,106 @@ def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tag
         opt.zero_grad()
         eager_iteration(reference, eager, step)
         assert_same(model, opt, reference, eager)
-    versioned = [b.versions is not None for b in backward._STATES[opt].buckets]
-    assert versioned == [tags and backward._tags() is not None] * len(versioned)
+    versioned = [isinstance(b.tags[0], int) for b in backward._STATES[opt].buckets]
+    native = backward._dict_version is not backward._no_version
+    assert versioned == [tags and native] * len(versioned)
+
+
+class _LrSumSGD(torch.optim.Optimizer):
+    """Plain SGD whose step writes into its param groups: the sum of the lrs it stepped with."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["lr_sum"] = group.get("lr_sum", 0.0) + group["lr"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("tags", [True, False], ids=["dict-versions", "lookups"])
+def test_what_a_step_writes_into_its_group_reaches_the_next_buckets_update(tags, monkeypatch):
+    # Each bucket's view steps with its own copy of the group: what one bucket's step wrote
+    # is pushed into the optimizer's group, and the next bucket of that group (in the same
+    # backward) pulls it, though nothing else changed in between.
+    from optcompile import backward
+
+    if not tags:
+        monkeypatch.setattr(backward, "_dict_version", backward._no_version)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    opt = optcompile.compile(
+        _LrSumSGD(model.parameters(), lr=0.5), in_backward=True, bucket_bytes=600
+    )
+    for step in range(4):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        count = len(buckets(opt))
+        assert count == 2
+        assert opt.param_groups[0]["lr_sum"] == (step + 1) * count * 0.5
+
+
+def _calls_outside_steps(opt: torch.optim.Optimizer, iteration: Any) -> tuple[int, int]:
+    """(bucket updates, Python function calls those updates made outside their compiled
+    steps) during ``iteration()``."""
+    from optcompile import backward
+    from optcompile.driver import Compiled
+
+    update, step = backward.InBackward.update.__code__, Compiled.__call__.__code__
+    counts = {"updates": 0, "calls": 0}
+    inside: dict[str, Any] = {"update": None, "step": None}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            if frame.f_code is update and inside["update"] is None:
+                inside["update"] = frame
+                counts["updates"] += 1
+            elif frame.f_code is step and inside["step"] is None:
+                inside["step"] = frame
+            if inside["update"] is not None and inside["step"] is None:
+                counts["calls"] += 1
+        elif event == "return":
+            for key in ("update", "step"):
+                if frame is inside[key]:
+                    inside[key] = None
+
+    sys.setprofile(profile)
+    try:
+        iteration()
+    finally:
+        sys.setprofile(None)
+    return counts["updates"], counts["calls"]
+
+
+@pytest.mark.parametrize("scheduled", [False, True], ids=["same-lr", "lr-schedule"])
+def test_a_bucket_update_makes_one_python_call_outside_its_step_when_nothing_changed(
+    scheduled,
+):
+    # Inside backward every Python operation costs several times what it does on the main
+    # thread: with nothing changed since the last backward, the update itself is the one
+    # call (its groups and state tested by version tags, its grads freed natively); the
+    # lr an LR scheduler set adds the group's pull (and its identity pass).
+    from optcompile import backward
+
+    model, opt, _, _ = make_pair("AdamW", bucket_bytes=4096)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1))
+
+    def iteration(step: int) -> None:
+        model(batch(step)).backward()
+        opt.step()
+        if scheduled:
+            sched.step()
+
+    for step in range(3):
+        iteration(step)
+    if backward._dict_version is backward._no_version:
+        pytest.skip("no native dict version tags (OPTCOMPILE_NATIVE=0, or CPython 3.14+)")
+    updates, calls = _calls_outside_steps(opt, lambda: iteration(3))
+    assert updates == len(buckets(opt)) >= 3
+    assert calls == updates * (3 if scheduled else 1)
 
 
 def test_explain_lists_the_buckets_and_counts_their_traces():

@@ -92,6 +92,73 @@ def test_grads_agree_with_python(module):
     assert all(g is p.grad for g, p in zip(module.grads(params), params, strict=True))
 
 
+def test_clear_grads_sets_every_grad_to_none_as_the_setter_does(module):
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
+    plain = torch.randn(2, requires_grad=True)
+    for t in (*params[:2], plain):
+        t.grad = torch.ones_like(t)
+    grad = params[0].grad
+    assert module.clear_grads([*params, plain]) is None
+    assert all(t.grad is None for t in (*params, plain))
+    assert grad.sum().item() == 3  # (the grad object itself is left as it was)
+    with pytest.raises(TypeError):
+        module.clear_grads((params[0],))  # not a list
+
+
+def test_clear_grads_goes_through_a_subclass_setter_and_a_torch_function_mode(module):
+    set_to: list[object] = []
+
+    class Watched(torch.Tensor):
+        @property
+        def grad(self) -> torch.Tensor | None:
+            return torch.Tensor.grad.__get__(self)
+
+        @grad.setter
+        def grad(self, value: torch.Tensor | None) -> None:
+            set_to.append(value)
+            torch.Tensor.grad.__set__(self, value)
+
+    watched = torch.randn(2).as_subclass(Watched).requires_grad_()
+    watched.grad = torch.randn(2).as_subclass(Watched)
+    module.clear_grads([watched])
+    assert set_to[-1] is None and watched.grad is None
+
+    seen: list[str] = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    p = torch.nn.Parameter(torch.randn(2))
+    p.grad = torch.randn(2)
+    with Mode():
+        module.clear_grads([p])
+    assert p.grad is None and seen  # the mode saw the assignment, as with p.grad = None
+
+
+def test_dict_version_changes_when_an_entry_is_set_added_or_removed(module):
+    if not hasattr(module, "dict_version"):
+        pytest.skip("this CPython has no dict version tags")
+    key = torch.randn(2)
+    entry = {"step": 1}
+    state = {key: entry}
+    tag = module.dict_version(state)
+    entry["step"] = 2  # a value changed inside an entry: not the dict's own
+    assert module.dict_version(state) == tag
+    assert module.dict_version(dict(state)) != tag  # an equal copy is another dict
+    state[key] = {"step": 2}
+    assert module.dict_version(state) != tag
+    tag = module.dict_version(state)
+    state[torch.randn(2)] = {}
+    assert module.dict_version(state) != tag
+    tag = module.dict_version(state)
+    state.popitem()
+    assert module.dict_version(state) != tag
+    entries = [entry]  # not a dict: never the same version
+    assert module.dict_version(entries) != module.dict_version(entries)
+
+
 def test_addresses_record_positions_and_compare_the_checked_ones(module):
     tensors = [torch.randn(2), 1.0, torch.randn(2), torch.randn(3)]
     spec = module.addresses([0, -1, 2, 3], [True, True, True, False])

@@ -85,10 +85,10 @@ def autograd_hook(fn: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor]
     return skipped
 
 
-def graph_task_id() -> int:
-    """The id of the running backward (autograd's graph task; -1 outside one): the hooks
-    of one ``backward()`` call see the same id, the next call another."""
-    return int(torch._C._current_graph_task_id())
+# The id of the running backward (autograd's graph task; -1 outside one): the hooks of one
+# ``backward()`` call see the same id, the next call another. torch's function itself, not a
+# wrapper (a bucket's last hook calls it inside every backward).
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 
 def in_compiled_autograd() -> bool:

@@ -11,9 +11,10 @@ optimizer's own step over a *view*: an optimizer of the same class whose param g
 only the bucket's params (the group's other entries copied from the live group before each
 update, so LR schedules apply) and whose state holds the very per-param state dicts of the
 optimizer (both compared by identity with what the view held after its last update, and
-copied only where they differ). The view is a compiled optimizer of its own: traced once,
-guarded, one fused launch (one CUDA graph where graphs are on). Each gradient is set to
-None after its update.
+copied only where they differ; skipped while CPython's version tags of the dicts say none
+changed). The view is a compiled optimizer of its own: traced once, guarded, one fused
+launch (one CUDA graph where graphs are on). Each gradient is set to None after its update
+(all of the bucket's in one native call).
 
 Hooks cost a plain Python call where dynamo is not running (``_torch_compat.autograd_hook``),
 and autograd's engine a switch into Python per call: once the buckets are learned (at the
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import weakref
 from collections import OrderedDict, defaultdict
@@ -94,9 +96,9 @@ class Bucket:
     L: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"opt": view}
     groups: list[Synced] = dataclasses.field(default_factory=list)
     entries: list[Any] = dataclasses.field(default_factory=list)  # the view's state, by param
-    # CPython's dict version tags of the optimizer's and the view's state (and of their
-    # entries) after the last update, where optguard's native module reads them (see update)
-    versions: tuple[Any, Any] | None = None
+    # CPython's version tags of the optimizer's and the view's state dicts after the last
+    # update, where optguard's native module reads them (see update); _UNKNOWN: not known
+    tags: tuple[Any, Any] = (None, None)
     arrived: int = 0  # gradients arrived in this backward
     # For sending its next update's host values ahead (InBackward.stage_ahead): the entry
     # it was found for, that entry's plan and the positions and fetch of the inputs it reads
@@ -109,36 +111,39 @@ class Bucket:
 @dataclasses.dataclass(eq=False)
 class Synced:
     """A view's param group (``own``: the bucket's params, the other entries those of the
-    optimizer's group ``index``) and the values of both as last synced: an update compares
-    them by identity, in one C-level pass each, and copies entries only when one changed
-    (an LR scheduler's new lr, a step that wrote into its group)."""
+    optimizer's group ``index``) and both groups as last synced: their values (compared by
+    identity, in one C-level pass each) and CPython's version tags of both dicts, which an
+    update compares first (the same tag: no entry set to another object, added or removed).
+    Entries are copied only when one changed (an LR scheduler's new lr, a step that wrote
+    into its group)."""
 
     index: int
     own: dict[str, Any]
     live_seen: tuple[Any, ...] = ()
     own_seen: tuple[Any, ...] = ()
+    live_tag: object = None
+    own_tag: object = None
 
     def pull(self, live: dict[str, Any]) -> None:
-        """Copy what changed in the optimizer's group into the view's."""
-        if _same(live.values(), self.live_seen):
-            return
+        """Copy what changed in the optimizer's group into the view's (all of it but the
+        params: what did not change is the same objects)."""
         own = self.own
-        for key, value in live.items():
-            if key != "params" and own.get(key, _MISSING) is not value:
-                own[key] = value
-        self.live_seen = tuple(live.values())
-        self.own_seen = tuple(own.values())
+        if not _same(live.values(), self.live_seen):
+            params = own["params"]
+            own.update(live)
+            own["params"] = params
+            self.live_seen, self.own_seen = tuple(live.values()), tuple(own.values())
+        self.live_tag, self.own_tag = _dict_version(live), _dict_version(own)
 
     def push(self, live: dict[str, Any]) -> None:
         """Copy what the step wrote into the view's group back into the optimizer's."""
         own = self.own
-        if _same(own.values(), self.own_seen):
-            return
-        for key, value in own.items():
-            if key != "params" and live.get(key, _MISSING) is not value:
-                live[key] = value
-        self.live_seen = tuple(live.values())
-        self.own_seen = tuple(own.values())
+        if not _same(own.values(), self.own_seen):
+            for key, value in own.items():
+                if key != "params" and live.get(key, _MISSING) is not value:
+                    live[key] = value
+            self.live_seen, self.own_seen = tuple(live.values()), tuple(own.values())
+        self.live_tag, self.own_tag = _dict_version(live), _dict_version(own)
 
 
 class InBackward:
@@ -192,7 +197,7 @@ class InBackward:
         self.detach()
         self.key = key
         ref = weakref.ref(self)
-        hook = self.hook = _torch_compat.autograd_hook(lambda p: _arrived(ref, p))
+        hook = self.hook = _torch_compat.autograd_hook(functools.partial(_arrived, ref))
         for index, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 if id(p) in self.group_of:
@@ -303,14 +308,14 @@ class InBackward:
         this backward and all of its gradients are there (else the end of backward does)."""
         task = _torch_compat.graph_task_id()
         if p is self.first:
-            clean = task >= 0 and _none_held(self.others)
+            clean = task >= 0 and all(map(is_, _hook_grads(self.others), repeat(None)))
             self.clean_task = task if clean else None
             if clean and self.ahead_enabled:
                 self.stage_ahead()
         bucket = self.trigger_of.get(id(p))
         if bucket is None or self.clean_task != task:
             return
-        if not any(map(is_, _grads(bucket.params), repeat(None))):  # all there
+        if not any(map(is_, _hook_grads(bucket.params), repeat(None))):  # all there
             self.update(bucket)
 
     def stage_ahead(self) -> None:
@@ -331,7 +336,9 @@ class InBackward:
             plan, positions, fetch = found
             try:
                 for synced in bucket.groups:
-                    synced.pull(live_groups[synced.index])
+                    live = live_groups[synced.index]
+                    if _dict_version(live) != synced.live_tag:
+                        synced.pull(live)
                 values = fetch(bucket.L)
             except Exception:  # (the update fetches its inputs itself, and fails or retraces)
                 continue
@@ -414,24 +421,33 @@ class InBackward:
     # -- a bucket's update --
 
     def update(self, bucket: Bucket) -> None:
+        """Run the bucket's step on its view: the groups and the state synced with the
+        optimizer's where they changed, the gradients set to None after it.
+
+        This runs inside backward, in a busy thread several times slower per Python
+        operation than the main one: where nothing changed since the last update (the usual
+        case) it reads one version tag per group and per state dict, before and after the
+        step, and sets the gradients to None in one native call."""
         opt = self.ref()
         if opt is None:
             return
         bucket.arrived = 0
         view = bucket.view if bucket.view is not None else self.make_view(opt, bucket)
         assert bucket.step is not None
-        live_groups = opt.param_groups
+        live_groups, version = opt.param_groups, _dict_version
         for synced in bucket.groups:
-            synced.pull(live_groups[synced.index])
+            live = live_groups[synced.index]
+            if version(live) != synced.live_tag:
+                synced.pull(live)
         # The view's state holds the optimizer's own per-param entries: synced entry by
         # entry only where one differs from what the view held after its last update. While
-        # a state dict keeps its version tag since then (no entry added, replaced or removed,
-        # nor any entry dict changed), its side of the sync is skipped: a lookup by tensor
-        # costs a Python-level Tensor.__hash__ per param.
+        # neither state dict's version tag changed since then (no entry added, replaced or
+        # removed: the entries are the very dicts both hold), the sync is skipped: a lookup
+        # by tensor costs a Python-level Tensor.__hash__ per param.
         state, own_state, params = opt.state, view.state, bucket.params
-        tags = _tags()
-        seen = bucket.versions if tags is not None else None
-        if seen is None or not tags.versions_match(seen[0], state):
+        tags, bucket.tags = bucket.tags, _UNKNOWN  # (known again once the step returned)
+        same = version(state) == tags[0]
+        if not same:
             entries = list(map(state.get, params))
             if not _same(entries, bucket.entries):
                 for p, entry in zip(params, entries, strict=True):
@@ -439,21 +455,22 @@ class InBackward:
                         own_state.pop(p, None)  # cleared (load_state_dict without it)
                     elif own_state.get(p) is not entry:
                         own_state[p] = entry
-            bucket.entries, seen = entries, None
+            bucket.entries = entries
         bucket.step(bucket.L)
-        if seen is None or not tags.versions_match(seen[1], own_state):
+        if same and version(own_state) == tags[1]:
+            bucket.tags = tags
+        else:
             held = list(map(own_state.get, params))
             if not _same(held, bucket.entries):
                 for p, entry in zip(params, held, strict=True):
                     if entry is not None and state.get(p) is not entry:
                         state[p] = entry  # (state the step created)
-            bucket.entries, seen = held, None
-        if seen is None and tags is not None:
-            bucket.versions = _versions_of(tags, state, own_state)
-        for p in params:
-            p.grad = None
+            bucket.entries = held
+            bucket.tags = (version(state), version(own_state))
+        _clear_grads(params)
         for synced in bucket.groups:  # what the step wrote into its group
-            synced.push(live_groups[synced.index])
+            if version(synced.own) != synced.own_tag:
+                synced.push(live_groups[synced.index])
 
     def make_view(self, opt: torch.optim.Optimizer, bucket: Bucket) -> torch.optim.Optimizer:
         """An optimizer of ``opt``'s class over the bucket's params, compiled on its own."""
@@ -503,20 +520,38 @@ def _grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return module.grads(params) if module is not None else [p.grad for p in params]
 
 
-def _tags() -> Any:
-    """optguard's native module where it reads CPython's dict version tags (before 3.14),
-    else None."""
-    module = native.module()
-    return module if module is not None and hasattr(module, "versions") else None
+def _read_grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [p.grad for p in params]
 
 
-def _versions_of(tags: Any, *dicts: dict[Any, Any]) -> tuple[Any, ...] | None:
-    """Each dict's version tags (its own and its values'), or None where a value is not a
-    dict (state a custom step keeps otherwise: synced by lookups every time)."""
-    try:
-        return tuple(tags.versions(d) for d in dicts)
-    except TypeError:
-        return None
+def _set_grads_to_none(params: list[torch.Tensor]) -> None:
+    for p in params:
+        p.grad = None
+
+
+def _no_version(d: dict[Any, Any]) -> object:
+    """Where no version tag can be read: a value that equals no other (always synced)."""
+    return object()
+
+
+_UNKNOWN = (None, None)  # a Bucket's tags before its first update (equal to no tag)
+# optguard's native functions that a hook and a bucket update call, set once that module is
+# loaded: each param's .grad read (by a thin hook, which dynamo never traces: see _grads)
+# and set to None in one C++ loop, a dict's version tag (_no_version until then, and where
+# CPython has no tags, 3.14 on: groups are then compared value by value on each update,
+# the state synced by lookups).
+_hook_grads: Callable[[list[torch.Tensor]], list[torch.Tensor | None]] = _read_grads
+_clear_grads: Callable[[list[torch.Tensor]], None] = _set_grads_to_none
+_dict_version: Callable[[dict[Any, Any]], object] = _no_version
+
+
+def _use_native(module: Any) -> None:
+    global _hook_grads, _clear_grads, _dict_version
+    _hook_grads, _clear_grads = module.grads, module.clear_grads
+    _dict_version = getattr(module, "dict_version", _no_version)
+
+
+native.when_loaded(_use_native)
 
 
 def _same(values: Collection[Any], seen: Collection[Any]) -> bool:

@@ -17,6 +17,8 @@
 //   match_both(grads, items, container)     match(grads, True, ...) and match(items, False,
 //                                           ...) in one visit of each item
 //   grads(objects) -> list                  [o.grad for o in objects]
+//   clear_grads(objects)                    o.grad = None for o in objects (what the setter
+//                                           does, without a Python setattr per object)
 //   take(spec) -> list | None               the grads the last passing match(spec, True,
 //                                           ...) read, once (None if taken or it failed)
 //   take_locals(spec) -> list | None        the ._local_tensor of each DTensor the last
@@ -43,6 +45,9 @@
 //   versions(d) -> capsule                  d's dict version tag and each of its values'
 //                                           (dicts); only where CPython has the tags (<3.14)
 //   versions_match(spec, d) -> bool         d and each of its values keep their tags
+//   dict_version(d) -> int                  d's own version tag (the same int: no entry of
+//                                           d set, added or removed since); not a dict: a
+//                                           new object, equal to no other
 //   h2d(dst, src, nbytes, stream, device)   queue a host-to-device copy through the CUDA
 //       -> bool                             driver (False: not queued; see below)
 //
@@ -52,6 +57,7 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <dlfcn.h>
@@ -627,6 +633,36 @@ PyObject* grads(PyObject*, PyObject* objects) {
   return out;
 }
 
+// Each object's .grad set to None. A plain tensor's setter (THPVariable_set_grad) resets
+// the grad in C++ unless a torch function mode is on (the mode then sees the assignment, as
+// any other type's setter does here through setattr). Freeing a grad may run Python (its
+// object's finalizers): the list is read by index, its length each time.
+PyObject* clear_grads(PyObject*, PyObject* objects) {
+  if (!PyList_Check(objects)) {
+    PyErr_SetString(PyExc_TypeError, "clear_grads(objects: list)");
+    return nullptr;
+  }
+  bool direct = !at::impl::torch_function_mode_enabled();
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objects); ++i) {
+    PyObject* obj = PyList_GET_ITEM(objects, i);
+    Py_INCREF(obj);
+    int failed = 0;
+    if (direct && is_plain(obj)) {
+      try {
+        THPVariable_Unpack(obj).mutable_grad().reset();
+      } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        failed = -1;
+      }
+    } else {
+      failed = PyObject_SetAttrString(obj, "grad", Py_None);
+    }
+    Py_DECREF(obj);
+    if (failed < 0) return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 // -- addresses of inputs at fixed positions: recorded once, compared each call ----------
 
 bool is_tensor(PyObject* obj) { return is_plain(obj) || THPVariable_Check(obj); }
@@ -958,6 +994,13 @@ PyObject* versions_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (i != v->entries.size()) Py_RETURN_FALSE;
   Py_RETURN_TRUE;
 }
+
+// Not a dict (a mapping of another type): a new object, equal to no other (never unchanged).
+PyObject* dict_version(PyObject*, PyObject* d) {
+  if (!PyDict_Check(d))
+    return PyObject_CallNoArgs(reinterpret_cast<PyObject*>(&PyBaseObject_Type));
+  return PyLong_FromUnsignedLongLong(tag(d));
+}
 #endif
 
 // -- host-to-device copies through the CUDA driver ---------------------------------------
@@ -1044,6 +1087,7 @@ PyMethodDef kMethods[] = {
     {"match_both", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(match_both)),
      METH_FASTCALL, "match(grads, True, c) and match(items, False, c) in one visit."},
     {"grads", grads, METH_O, "[o.grad for o in objects]."},
+    {"clear_grads", clear_grads, METH_O, "o.grad = None for o in objects."},
     {"take", take, METH_O, "The grads the last passing match of a spec read (once), or None."},
     {"take_locals", take_locals, METH_O,
      "The DTensors' local tensors the last passing match of a spec read (once), or None."},
@@ -1066,6 +1110,7 @@ PyMethodDef kMethods[] = {
     {"versions_match",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(versions_match)), METH_FASTCALL,
      "Whether a dict and each of its values keep their version tags."},
+    {"dict_version", dict_version, METH_O, "A dict's own version tag."},
 #endif
     {"h2d", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(h2d)), METH_FASTCALL,
      "Queue a host-to-device copy through the CUDA driver (False: not queued)."},

@@ -180,7 +180,17 @@ def _load(path: Path) -> Any:
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
     loaded.plain(compat.plain_grad_types())
-    names = ("spec", "match", "match_both", "take", "take_locals", "grads", "held", "held_match")
+    names = (
+        "spec",
+        "match",
+        "match_both",
+        "take",
+        "take_locals",
+        "grads",
+        "clear_grads",
+        "held",
+        "held_match",
+    )
     for name in (*names, "addresses", "addresses_equal", "addresses_record", "h2d"):
         getattr(loaded, name)
     return loaded
