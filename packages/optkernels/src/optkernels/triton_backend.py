@@ -538,7 +538,7 @@ class _Part:
             seen, writes = [], []
             for group, start, length in starts:
                 views = group.small_views
-                seen.append([views[k].tobytes() for k in sorted(views)])
+                seen.append(_column_bytes(views))
                 block = host[start : start + length]
                 writes.append(self._host_rows(group, views, scalar_values, block))
         except Exception:  # (Python's arithmetic errors: the call raises them itself)
@@ -564,7 +564,7 @@ class _Part:
             views = group.small_views
             if not group.small_buffers or not group.small.equal(inputs):
                 return False
-            if [views[k].tobytes() for k in sorted(views)] != seen:
+            if _column_bytes(views) != seen:
                 return False
         for group, writes in zip(groups, ahead.writes, strict=True):
             self._write_small(group, group.small_views, writes)
@@ -644,6 +644,12 @@ class _Ahead:
     stream: Any
     seen: list[list[bytes]]
     writes: list[list[tuple[int, Any, bool]]]
+
+
+def _column_bytes(views: dict[int, np.ndarray]) -> list[bytes]:
+    """The lanes' 0-dim values of a group, column by column, as bytes (what values sent
+    ahead were computed from)."""
+    return [views[k].tobytes() for k in sorted(views)]
 
 
 def _bits(values: list[float]) -> bytes:
