@@ -23,7 +23,8 @@ the interleaving (a copy queued behind a replay, cold caches). With
 ``--slope``, the whole step's host time at 200, 2,000 and 20,000 tensors of 4x4 and the
 slope per 1,000 tensors (what each guarded tensor costs per call). Also printed: how many
 host-to-device copies of the plans' staged values went through the CUDA driver, and how the
-staging rounds checked the device (events queried, slots replaced; a round never waits).
+staging rounds checked the device (events queried, times a pool of pinned slots doubled; a
+round never waits).
 
 ``--device cpu`` (``TRITON_INTERPRET=1``, no GPU): the same parts but the step and the graph
 replay (the interpreted kernels take milliseconds, and there is no graph): every part the
@@ -165,12 +166,12 @@ def _driver_copies(step: Callable[[], Any]) -> str:
 
 def _staging_waits(step: Callable[[], Any]) -> str:
     """The plan's staging rounds so far: events queried (a round never waits; one query per
-    event when the device keeps up) and slots replaced (the device that far behind), against
-    the rounds and the events recorded."""
+    event when the device keeps up) and the times its slot pool doubled (the device that far
+    behind), against the rounds and the events recorded."""
     stagings = _stagings(step)
     rounds, queries = sum(s.round for s in stagings), sum(s.queries for s in stagings)
     events, grown = sum(s.events_recorded for s in stagings), sum(s.grown for s in stagings)
-    return f"{queries} events queried, {grown} slots replaced in {rounds} rounds ({events} events)"
+    return f"{queries} events queried, {grown} pool doublings in {rounds} rounds ({events} events)"
 
 
 def _cpu_parts(set_name: str, optimizer: str, calls: int) -> None:

@@ -401,7 +401,7 @@ def per_bucket(state: backward.InBackward, reps: int, device: str) -> list[dict[
         row["fast_hits"] = sum(e.prologue.fast_hits for e in entries)
         plan = getattr(entries[0].plan, "plan", entries[0].plan)
         staging = getattr(plan, "staging", None)
-        if staging is not None:  # (rounds, events queried, slots replaced: never a wait)
+        if staging is not None:  # (rounds, events queried, pool doublings: never a wait)
             row["staging"] = [staging.round, staging.queries, staging.grown]
         rows.append(row)
     return rows
@@ -897,7 +897,7 @@ def report(result: dict[str, Any]) -> str:
         rounds, queries, grown = (sum(column) for column in zip(*stagings, strict=True))
         lines.append(
             f"Staging (all buckets): {rounds:,} rounds, {queries:,} events queried, "
-            f"{grown} slots replaced (the device that far behind; no round waits)"
+            f"{grown} pool doublings (the device that far behind; no round waits)"
         )
     for r in result.get("probe", []):
         verdict = "WAITS for the device" if r["waits"] else "does not wait"

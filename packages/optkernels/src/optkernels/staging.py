@@ -3,19 +3,22 @@ tables) without stalling the host.
 
 A copy from pageable memory makes the host wait; from pinned memory it is queued on the
 stream like a kernel, and the host goes on at once. The catch: the pinned source must not be
-rewritten until the device has read it. Each buffer therefore has a ring of ``SLOTS`` pinned
-sources; a round (one ``prepare`` of a plan) writes slot ``round % SLOTS`` of every buffer it
-refreshes. Rather than one event per round (recording one cost the host about as much as the
-copy), a round records an event after its copies only when the oldest copy no event covers
-yet is ``EVERY - 1`` rounds old (or the stream changed). A round that comes back to a slot
-never waits for the device (a step inside backward must keep the stream fed): the first
-event recorded at or after the slot's last copy is queried, unless it was found done
-already (one query per event: an event covers the copies of consecutive rounds on one
-stream, those since the event before it); if the device has not done that copy yet, the
-slot gets new pinned sources (the old ones are held until the device has read them).
-Normally the copy is long done (the host would have to run ``SLOTS - EVERY`` rounds ahead
-of the device): ``queries`` counts the events queried, ``grown`` the slots replaced.
-Device buffers keep their addresses from call to call: a recorded CUDA graph reads them.
+rewritten until the device has read it. Each buffer therefore has a pool of pinned sources,
+one per slot; a round (one ``prepare`` of a plan) takes a slot and writes it in every buffer
+it refreshes. Rather than one event per round (recording one cost the host about as much as
+the copy), a round records an event after its copies only when the oldest copy no event
+covers yet is ``EVERY - 1`` rounds old (or the stream changed). Slots are taken back in the
+order their rounds ran, and a round never waits for the device (a step inside backward must
+keep the stream fed): the oldest slot in flight is taken back when the first event recorded
+at or after its copy is done (queried once: an event covers the copies of consecutive rounds
+on one stream, those since the event before it); when it is not, the pool doubles (every
+buffer gets new pinned sources for the new slots, one allocation each). Normally the copy is
+long done (the host would have to run ``SLOTS - EVERY`` rounds ahead of the device), and a
+host that does run further ahead (a device-bound loop, a deep launch queue) keeps as many
+slots as it is rounds ahead, allocated once (the CUDA driver's launch queue bounds that: a
+launch blocks once the queue is full, and a round is at least one copy and one launch):
+``queries`` counts the events queried, ``grown`` the times the pool doubled. Device buffers
+keep their addresses from call to call: a recorded CUDA graph reads them.
 
 The copy itself is queued through the CUDA driver where it can be (optguard's native
 ``h2d``, handed in like the address checks: ``addresses.native_module``; well under 1 µs of
@@ -39,19 +42,23 @@ import torch
 from optkernels._torch_compat import current_stream
 from optkernels.addresses import native_module
 
-SLOTS = 16
+SLOTS = 16  # a pool's first size
 EVERY = 4  # at most SLOTS: the event covering a slot's copy is recorded before its reuse
 
 
 class Staging:
-    """The pinned staging rings of one plan; ``begin()`` / ``end()`` bracket a round."""
+    """The pinned staging pools of one plan; ``begin()`` / ``end()`` bracket a round."""
 
     def __init__(self) -> None:
         self.round = 0
         self.slot = 0
         self.events_recorded = 0
-        # The round whose copies last read each slot, until the slot's next round.
-        self._written: list[int | None] = [None] * SLOTS
+        self.slots = SLOTS  # the pool's size (every ring has this many pinned sources)
+        self._free = list(range(SLOTS - 1, -1, -1))  # slots no copy reads (taken from the end)
+        # (slot, round) of the rounds with copies, oldest first, until their slot is taken
+        # back (their copies done).
+        self._in_flight: deque[tuple[int, int]] = deque()
+        self._copied = False  # whether this round queued a copy
         # (first, last, event): the event was recorded after the copies of rounds first to
         # last (on its stream; earlier ones are covered by earlier events).
         self._covers: deque[tuple[int, int, Any]] = deque()
@@ -60,8 +67,7 @@ class Staging:
         # and each round checks its own.
         self._one_stream_rounds = True
         self.queries = 0  # events queried (each a driver call that does not wait)
-        self.grown = 0  # slots given new pinned sources (the device was that far behind)
-        self._retiring: list[_Ring] = []  # rings holding replaced sources (see _Ring.replace)
+        self.grown = 0  # times the pool doubled (the device that far behind)
         self._spare: list[Any] = []  # events no slot waits for any more
         self._uncovered: int | None = None  # the first round with copies no event covers
         self._last_copy = 0  # the last round with a copy
@@ -73,20 +79,18 @@ class Staging:
     def begin(self) -> None:
         if _HELD:
             _drain_held()
-        if self._retiring:
-            self._retiring = [ring for ring in self._retiring if ring.release()]
         self.round += 1
-        self.slot = self.round % SLOTS
-        written = self._written[self.slot]
-        if written is not None:
-            first, last = self._done
-            done = self._one_stream_rounds and first <= written <= last
-            if not done and not self._device_done(written):
-                self._replace_slot()
-            self._written[self.slot] = None
+        self._copied = False
+        self.slot = self._free.pop() if self._free else self._take_back()
 
     def end(self) -> None:
-        """Record an event if the oldest uncovered copy is due one (see the module)."""
+        """Put the round's slot in flight (or back, without copies); record an event if the
+        oldest uncovered copy is due one (see the module)."""
+        if self._copied:
+            self._in_flight.append((self.slot, self.round))
+            self._copied = False
+        elif self.slot not in self._free:
+            self._free.append(self.slot)
         if self._uncovered is not None and self.round - self._uncovered >= EVERY - 1:
             self._cover()
 
@@ -110,7 +114,7 @@ class Staging:
             buffer = torch.zeros(shape, dtype=dtype, device=device)
         if device.type != "cuda":
             return buffer, buffer.numpy()
-        ring = self._rings[id(buffer)] = _Ring(buffer, shape, dtype)
+        ring = self._rings[id(buffer)] = _Ring(buffer, shape, dtype, self.slots)
         return buffer, ring.arrays[self.slot]
 
     def send(self, buffer: torch.Tensor) -> None:
@@ -129,7 +133,8 @@ class Staging:
             self.native_sends += 1
         else:
             buffer.copy_(ring.pinned[self.slot], non_blocking=True)
-        self._written[self.slot] = self._last_copy = self.round
+        self._copied = True
+        self._last_copy = self.round
         if self._uncovered is None:
             self._uncovered, self._stream = self.round, stream
 
@@ -146,6 +151,29 @@ class Staging:
         host[...] = values if values else 0
         self.send(buffer)
         return buffer
+
+    def _take_back(self) -> int:
+        """The oldest slot in flight once its copies are done, else a new one (the pool
+        doubled)."""
+        if not self._in_flight:  # (every slot held by rounds not ended)
+            return self._grow()
+        slot, written = self._in_flight[0]
+        first, last = self._done
+        done = self._one_stream_rounds and first <= written <= last
+        if not done and not self._device_done(written):
+            return self._grow()
+        self._in_flight.popleft()
+        return slot
+
+    def _grow(self) -> int:
+        """Double the pool: new pinned sources in every ring; one of the new slots."""
+        added = range(self.slots, 2 * self.slots)
+        for ring in self._rings.values():
+            ring.grow(len(added))
+        self.slots += len(added)
+        self._free.extend(reversed(added))
+        self.grown += 1
+        return self._free.pop()
 
     def _cover(self) -> None:
         event = self._spare.pop() if self._spare else torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -169,28 +197,21 @@ class Staging:
         self._done = (first, last)
         return True
 
-    def _replace_slot(self) -> None:
-        """New pinned sources for this round's slot in every ring (the old ones are held
-        until the device has read them: ``_Ring.replace``)."""
-        for ring in self._rings.values():
-            if ring.replace(self.slot) and ring not in self._retiring:
-                self._retiring.append(ring)
-        self.grown += 1
-
 
 class _Ring:
     """The pinned sources of one device buffer, one per slot, with numpy views of them."""
 
-    def __init__(self, buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(
+        self, buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, slots: int
+    ) -> None:
         self.buffer = buffer
         self.shape = shape
         self.dtype = dtype
-        self.pinned = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(SLOTS)]
-        # Replaced sources a driver copy may still read, with the events that say when not.
-        self.retired: list[tuple[list[Any], torch.Tensor]] = []
-        self.arrays = [p.numpy() for p in self.pinned]
+        self.pinned: list[torch.Tensor] = []
+        self.arrays: list[np.ndarray] = []
+        self._srcs: list[int] = []
+        self.grow(slots)
         self._dst = buffer.data_ptr()  # the device buffer keeps its address (see Staging)
-        self._srcs = [p.data_ptr() for p in self.pinned]
         self._nbytes = buffer.numel() * buffer.element_size()
         self._device = buffer.device.index if buffer.device.index is not None else 0
         self._streams: list[Any] = []  # the streams its driver copies were queued on
@@ -199,28 +220,13 @@ class _Ring:
     def fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         return shape == self.shape and dtype == self.dtype
 
-    def replace(self, slot: int) -> bool:
-        """Give ``slot`` a new pinned source. The old one may still be read by a copy: one
-        queued by ``copy_`` is protected by torch's pinned-memory allocator; one queued
-        through the driver is held here, with an event recorded now on each stream the
-        ring's driver copies went to, until those events are done (``release``). True when
-        it is held."""
-        old = self.pinned[slot]
-        new = self.pinned[slot] = torch.zeros(self.shape, dtype=self.dtype, pin_memory=True)
-        self.arrays[slot] = new.numpy()
-        self._srcs[slot] = new.data_ptr()
-        if not self._streams:
-            return False
-        events = [torch.cuda.Event() for _ in self._streams]  # type: ignore[no-untyped-call]
-        for event, stream in zip(events, self._streams, strict=True):
-            event.record(stream)
-        self.retired.append((events, old))
-        return True
-
-    def release(self) -> bool:
-        """Drop the held sources whose events are done; whether some are still held."""
-        self.retired[:] = [r for r in self.retired if not all(e.query() for e in r[0])]
-        return bool(self.retired)
+    def grow(self, count: int) -> None:
+        """``count`` more slots: one pinned allocation, a view of it per slot."""
+        block = torch.zeros((count, *self.shape), dtype=self.dtype, pin_memory=True)
+        added = list(block.unbind(0))
+        self.pinned.extend(added)
+        self.arrays.extend(p.numpy() for p in added)
+        self._srcs.extend(p.data_ptr() for p in added)
 
     def native(self, stream: Any, slot: int) -> bool:
         """Queue the copy of ``slot`` into the buffer on ``stream`` through the CUDA driver;
@@ -233,7 +239,7 @@ class _Ring:
         streams = self._streams
         if not streams or streams[-1] is not stream:  # (by identity: current_stream's)
             if not any(s is stream for s in streams):
-                weakref.finalize(self, _drain, stream, [self.pinned, self.retired])
+                weakref.finalize(self, _drain, stream, self.pinned)
             streams[:] = [*(s for s in streams if s is not stream), stream]
             self._handle = stream.cuda_stream
         return module.h2d(self._dst, self._srcs[slot], self._nbytes, self._handle, self._device)
