@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import optkernels.kernel_prelude as kernel_prelude
-import optkernels.triton_backend as triton_backend
+import optkernels.triton_group as triton_group
 import torch
 
 _HELPERS_BEFORE = """
@@ -100,20 +100,20 @@ def _source_before(source: str) -> str:
 
 @contextlib.contextmanager
 def _patched(source: Any, config: Any, prelude: str) -> Iterator[None]:
-    saved = triton_backend.kernel_source, triton_backend.launch_config, kernel_prelude._PRELUDE
-    triton_backend.kernel_source, triton_backend.launch_config = source, config
+    saved = triton_group.kernel_source, triton_group.launch_config, kernel_prelude._PRELUDE
+    triton_group.kernel_source, triton_group.launch_config = source, config
     kernel_prelude._PRELUDE = prelude
     try:
         yield
     finally:
-        triton_backend.kernel_source, triton_backend.launch_config = saved[:2]
+        triton_group.kernel_source, triton_group.launch_config = saved[:2]
         kernel_prelude._PRELUDE = saved[2]
 
 
 def kernels_before() -> contextlib.AbstractContextManager[None]:
     """Within: kernels lowered now are generated as before the int8 rework (the module
     docstring). Compile and run the optimizer's first step inside."""
-    today_source, today_config = triton_backend.kernel_source, triton_backend.launch_config
+    today_source, today_config = triton_group.kernel_source, triton_group.launch_config
 
     def source(*args: Any, **kwargs: Any) -> str:
         return _source_before(today_source(*args, **kwargs))
@@ -126,9 +126,9 @@ def kernels_before() -> contextlib.AbstractContextManager[None]:
 
 def launch_shape(block: int, warps: int) -> contextlib.AbstractContextManager[None]:
     """Within: today's int8 kernels launched ``block`` elements by ``warps`` warps."""
-    today_config = triton_backend.launch_config
+    today_config = triton_group.launch_config
 
     def config(dtypes: Any) -> tuple[int, int]:
         return (block, warps) if torch.uint8 in dtypes else today_config(dtypes)
 
-    return _patched(triton_backend.kernel_source, config, kernel_prelude._PRELUDE)
+    return _patched(triton_group.kernel_source, config, kernel_prelude._PRELUDE)

@@ -7,8 +7,9 @@ import os
 
 import pytest
 import torch
+from optkernels.double_scalars import _python_floats_in_double
 from optkernels.reference import TorchPlan
-from optkernels.triton_backend import TritonPlan, _python_floats_in_double
+from optkernels.triton_backend import TritonPlan
 from torch import fx
 
 aten = torch.ops.aten

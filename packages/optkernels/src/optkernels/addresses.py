@@ -1,7 +1,7 @@
 """The data pointers of a plan's inputs at fixed positions: recorded when a table is
 written, compared on every call.
 
-An address table (triton_backend) holds ``inputs[i].data_ptr()`` for its slots; each call
+An address table (triton_group) holds ``inputs[i].data_ptr()`` for its slots; each call
 must know whether any of them moved. ``AddressCheck`` records them once and compares them
 each call: through one C++ loop over the positions once optguard's native module is handed
 in (``use_native_addresses``; ~5 ns per tensor), else through torch's batch compare (~100 ns

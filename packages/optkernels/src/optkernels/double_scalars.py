@@ -1,0 +1,104 @@
+"""The torch backend's graph where the kernels do not take a step: the 0-dim inputs eager
+reads as Python floats (step counts) read in float64, as the host computes them for the
+kernels, where every op computing from them takes the wider dtype (checked on meta tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch import fx
+
+
+def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` for the torch backend when the kernels do not take it: the 0-dim inputs eager
+    reads as Python floats (placeholder meta ``python_float``: step counts) read in float64,
+    as the host computes them for the kernels (a copy of the graph; ``gm`` where there are
+    none). Written back in their dtype by the graph's copy_, as before. The ops computing
+    from them run once on meta tensors first: ``gm`` where one refuses the wider dtype (a
+    ``lerp`` whose weight is computed from a step count)."""
+    marked = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and n.meta.get("python_float") is True
+        and getattr(n.meta.get("val"), "dtype", torch.float64) is not torch.float64
+    ]
+    if not marked:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    names = {n.name for n in marked}
+    copy_ = torch.ops.aten.copy_.default
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in names]:
+        with graph.inserting_after(node):
+            wide = graph.call_function(
+                torch.ops.aten._to_copy.default, (node,), {"dtype": torch.float64}
+            )
+        wide.meta["val"] = node.meta["val"]  # (its device and dim: see reference._on_device)
+        for user in list(node.users):
+            if user is not wide and user.target is not copy_:
+                user.replace_input_with(node, wide)
+    if not _takes_double(gm, graph, names):
+        return gm
+    return fx.GraphModule(gm, graph)
+
+
+def _takes_double(gm: fx.GraphModule, graph: fx.Graph, names: Collection[str]) -> bool:
+    """Whether every op computing from the placeholders ``names`` of ``graph`` (a copy of
+    ``gm``'s) takes their widened values. Those ops alone run, on meta tensors; the values
+    they read from the others are as traced (``meta["val"]``, which ran them), or run too
+    where a node has none. Every tensor is a meta one: an op that makes a tensor on a
+    device (``torch.where``'s scalar, ``scalar_tensor(..., device='cuda:0')``) makes it on
+    the meta device, and a constant is read as a meta tensor (a real CUDA tensor beside
+    meta ones made the check fail on a GPU, and the torch backend then computed eager's
+    Python floats from float32 step counts: RAdam's for-loop 1e-6 relative off eager on an
+    H100). An ``.item()`` gives 1.0 (its value does not matter here, but Python arithmetic
+    on it must not divide by zero), and so does the arithmetic computing from it."""
+    cone = {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in cone for a in node.all_input_nodes):
+            cone.add(node)
+    computed: dict[fx.Node, Any] = {}
+
+    def value(node: fx.Node) -> Any:
+        if node not in computed:
+            val: Any = node.meta.get("val")
+            listed = isinstance(val, list | tuple)
+            vals = val if listed else (val,)
+            if node not in cone and all(isinstance(v, torch.Tensor) for v in vals):
+                metas = [_meta_like(v) for v in vals]
+                computed[node] = metas if listed else metas[0]
+            else:  # (a Python number's node has its type's 0 as its value: run it)
+                computed[node] = run(node)
+        return computed[node]
+
+    def run(node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            return _meta_like(node.meta.get("val"))
+        if node.op == "get_attr":
+            return _meta_like(getattr(gm, str(node.target)))
+        if node.target is torch.ops.aten._local_scalar_dense.default:
+            return 1.0
+        args, kwargs = fx.map_arg((node.args, node.kwargs), value)
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+
+    try:
+        with torch.no_grad():
+            for node in graph.nodes:
+                if node in cone:
+                    value(node)
+    except Exception:  # (an op refusing the wider dtype)
+        return False
+    return True
+
+
+def _meta_like(val: Any) -> Any:
+    """A meta tensor like the traced value ``val`` (a Python scalar stays as it is)."""
+    if isinstance(val, torch.Tensor):
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    return val
