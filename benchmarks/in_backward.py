@@ -11,6 +11,8 @@ Variants, each in a fresh process (so peak memory counts only its own tensors):
                           (``optcompile-in-backward@25``: buckets of 25 MiB, not the default;
                           ``optcompile-in-backward-own``: each bucket update computes and
                           copies its own host values, none sent ahead at the first hook)
+  <variant>+capturable    the same with AdamW(capturable=True): step counts on the device, no
+                          host values to compute and copy per step (or per bucket update)
 
 Reported per variant: median iteration time (forward + backward + step, CUDA-synchronized,
 after warm-up iterations), peak allocated memory over the timed iterations
@@ -119,6 +121,11 @@ def make_step(variant: str, model: torch.nn.Module, device: str) -> Any:
     import optcompile
 
     kwargs: dict[str, Any] = {"lr": 6e-4, "betas": (0.9, 0.95)}
+    variant, _, option = variant.partition("+")
+    if option not in ("", "capturable"):
+        raise SystemExit(f"unknown option +{option}; the one known: +capturable")
+    if option:
+        kwargs["capturable"] = True
     if variant == "eager-hooks":
         per_param = {}
         for group in optimizer_groups(model):

@@ -16,7 +16,8 @@ buffer gets new pinned sources for the new slots, one allocation each). Normally
 long done (the host would have to run ``SLOTS - EVERY`` rounds ahead of the device), and a
 host that does run further ahead (a device-bound loop, a deep launch queue) keeps as many
 slots as it is rounds ahead, allocated once (the CUDA driver's launch queue bounds that: a
-launch blocks once the queue is full, and a round is at least one copy and one launch):
+launch blocks once the queue is full, and a round is at least one copy and one launch; the
+driver may make the allocation itself wait for the device, once per doubling):
 ``queries`` counts the events queried, ``grown`` the times the pool doubled. Device buffers
 keep their addresses from call to call: a recorded CUDA graph reads them.
 
