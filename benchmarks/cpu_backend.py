@@ -55,7 +55,7 @@ import optcompile
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from first_call import PHASES, Timer, _cpu, _patch_phases
+from first_call_child import PHASES, Timer, _cpu, _patch_phases
 from guard_check import gpt2_shapes
 
 RESULTS = Path(__file__).parent / "results"

@@ -225,10 +225,10 @@ def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tag
     # A bucket's view syncs with the optimizer only where something changed since its last
     # update (compared by identity; the state's lookups skipped while CPython's version tags
     # say neither state dict changed): each kind of change must still arrive.
-    from optcompile import backward
+    from optcompile import backward, backward_hooks
 
     if not tags:
-        monkeypatch.setattr(backward, "_dict_version", backward._no_version)
+        monkeypatch.setattr(backward_hooks, "_dict_version", backward_hooks._no_version)
     model, opt, reference, eager = make_pair("AdamW", bucket_bytes=4096)
 
     def change(step: int, o: torch.optim.Optimizer, m: torch.nn.Module) -> None:
@@ -258,7 +258,7 @@ def test_changes_to_groups_and_state_between_backwards_reach_the_next_update(tag
         eager_iteration(reference, eager, step)
         assert_same(model, opt, reference, eager)
     versioned = [isinstance(b.tags[0], int) for b in backward._STATES[opt].buckets]
-    native = backward._dict_version is not backward._no_version
+    native = backward_hooks._dict_version is not backward_hooks._no_version
     assert versioned == [tags and native] * len(versioned)
 
 
@@ -282,10 +282,10 @@ def test_what_a_step_writes_into_its_group_reaches_the_next_buckets_update(tags,
     # Each bucket's view steps with its own copy of the group: what one bucket's step wrote
     # is pushed into the optimizer's group, and the next bucket of that group (in the same
     # backward) pulls it, though nothing else changed in between.
-    from optcompile import backward
+    from optcompile import backward_hooks
 
     if not tags:
-        monkeypatch.setattr(backward, "_dict_version", backward._no_version)
+        monkeypatch.setattr(backward_hooks, "_dict_version", backward_hooks._no_version)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
     opt = optcompile.compile(
@@ -339,7 +339,7 @@ def test_a_bucket_update_makes_one_python_call_outside_its_step_when_nothing_cha
     # thread: with nothing changed since the last backward, the update itself is the one
     # call (its groups and state tested by version tags, its grads freed natively); the
     # lr an LR scheduler set adds the group's pull (and its identity pass).
-    from optcompile import backward
+    from optcompile import backward_hooks
 
     model, opt, _, _ = make_pair("AdamW", bucket_bytes=4096)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1))
@@ -352,7 +352,7 @@ def test_a_bucket_update_makes_one_python_call_outside_its_step_when_nothing_cha
 
     for step in range(3):
         iteration(step)
-    if backward._dict_version is backward._no_version:
+    if backward_hooks._dict_version is backward_hooks._no_version:
         pytest.skip("no native dict version tags (OPTCOMPILE_NATIVE=0, or CPython 3.14+)")
     updates, calls = _calls_outside_steps(opt, lambda: iteration(3))
     assert updates == len(buckets(opt)) >= 3
