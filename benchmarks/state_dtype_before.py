@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import optkernels.kernel_prelude as kernel_prelude
+import optkernels.kernel_cache as kernel_cache
 import optkernels.triton_group as triton_group
 import torch
 
@@ -99,15 +99,18 @@ def _source_before(source: str) -> str:
 
 
 @contextlib.contextmanager
-def _patched(source: Any, config: Any, prelude: str) -> Iterator[None]:
-    saved = triton_group.kernel_source, triton_group.launch_config, kernel_prelude._PRELUDE
+def _patched(source: Any, config: Any, extra_helpers: str = "") -> Iterator[None]:
+    """Kernels lowered within use ``source`` and ``config``; each kernel module gets
+    ``extra_helpers`` after the helpers it uses (patched where the kernel cache looks
+    ``prelude_for`` up: the prelude's helper table is built at import)."""
+    saved = triton_group.kernel_source, triton_group.launch_config, kernel_cache.prelude_for
+    today_prelude = kernel_cache.prelude_for
     triton_group.kernel_source, triton_group.launch_config = source, config
-    kernel_prelude._PRELUDE = prelude
+    kernel_cache.prelude_for = lambda text: today_prelude(text) + extra_helpers
     try:
         yield
     finally:
-        triton_group.kernel_source, triton_group.launch_config = saved[:2]
-        kernel_prelude._PRELUDE = saved[2]
+        triton_group.kernel_source, triton_group.launch_config, kernel_cache.prelude_for = saved
 
 
 def kernels_before() -> contextlib.AbstractContextManager[None]:
@@ -121,7 +124,7 @@ def kernels_before() -> contextlib.AbstractContextManager[None]:
     def config(dtypes: Any) -> tuple[int, int]:
         return (1024, 4) if torch.uint8 in dtypes else today_config(dtypes)
 
-    return _patched(source, config, kernel_prelude._PRELUDE + _HELPERS_BEFORE)
+    return _patched(source, config, _HELPERS_BEFORE)
 
 
 def launch_shape(block: int, warps: int) -> contextlib.AbstractContextManager[None]:
@@ -131,4 +134,4 @@ def launch_shape(block: int, warps: int) -> contextlib.AbstractContextManager[No
     def config(dtypes: Any) -> tuple[int, int]:
         return (block, warps) if torch.uint8 in dtypes else today_config(dtypes)
 
-    return _patched(triton_group.kernel_source, config, kernel_prelude._PRELUDE)
+    return _patched(triton_group.kernel_source, config)
