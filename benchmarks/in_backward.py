@@ -124,6 +124,8 @@ def make_step(variant: str, model: torch.nn.Module, device: str) -> Any:
     variant, _, option = variant.partition("+")
     if option not in ("", "capturable"):
         raise SystemExit(f"unknown option +{option}; the one known: +capturable")
+    if option and device != "cuda":
+        raise SystemExit("+capturable needs a CUDA device (torch's AdamW refuses it on the CPU)")
     if option:
         kwargs["capturable"] = True
     if variant == "eager-hooks":

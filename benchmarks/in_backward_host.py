@@ -47,6 +47,9 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
 GPU (from the repository root; under 3 minutes on an H100):
   PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
       python benchmarks/in_backward_host.py --sweep 1,4,40 --profile 25
+The iterations alone, both optimizers with capturable=True (``--capturable``: no host values
+per update), alternated iteration by iteration:
+  ... python benchmarks/in_backward_host.py --only-iterations --capturable --iters 200
 Only the parts inside backward (about a minute on an H100):
   PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
       python benchmarks/in_backward_host.py --only-parts --iters 30
@@ -98,7 +101,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model = in_backward.GPT(layers, heads, width, vocab, context).to(args.device)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kwargs: dict[str, Any] = {"lr": 6e-4, "betas": (0.9, 0.95)}
+    kwargs: dict[str, Any] = {"lr": 6e-4, "betas": (0.9, 0.95), "capturable": args.capturable}
 
     def compiled(m: torch.nn.Module, buckets: int | None, in_backward_: bool) -> Any:
         options: dict[str, Any] = {"backend": args.backend, "in_backward": in_backward_}
@@ -195,8 +198,20 @@ def main() -> None:
     parser.add_argument(
         "--only-parts", action="store_true", help="--parts, and skip the other measurements"
     )
+    parser.add_argument(
+        "--only-iterations",
+        action="store_true",
+        help="the iterations alone (both optimizers alternated iteration by iteration)",
+    )
+    parser.add_argument(
+        "--capturable",
+        action="store_true",
+        help="AdamW(capturable=True) everywhere: step counts on the device, no host values",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.capturable and args.device != "cuda":
+        parser.error("--capturable needs a CUDA device (torch's AdamW refuses it on the CPU)")
     if args.config is None:
         args.config = "gpt2" if args.device == "cuda" else "gpt2-narrow"
     if args.buckets is None and args.device != "cuda":
@@ -220,6 +235,11 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return
     result["iterations"] = iterations(setup, args)
+    if args.only_iterations:
+        print("\n".join(iterations_table(result)), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return
     _, opt = setup["variants"]["in-backward"]
     state = backward._STATES[opt]
     result["buckets"] = len(state.buckets)
@@ -243,12 +263,15 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 
-def report(result: dict[str, Any]) -> str:
+def iterations_table(result: dict[str, Any]) -> list[str]:
+    """The heading line and the iterations' table."""
     a = result["args"]
     device = torch.cuda.get_device_name() if a["device"] == "cuda" else "cpu"
+    adamw = "AdamW(capturable=True)" if a.get("capturable") else "AdamW"
+    buckets = f"{result['buckets']} buckets; " if "buckets" in result else ""
     lines = [
         f"{device}; torch {result['torch']}; {a['config']} batch {a['batch']} x {result['tokens']}"
-        f" tokens; {result['buckets']} buckets; backend {a['backend']}; medians of {a['iters']}",
+        f" tokens; {adamw}; {buckets}backend {a['backend']}; medians of {a['iters']}",
         "",
         "| optimizer | buckets | forward | backward | step | iteration (wall) | GC pauses |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -260,6 +283,11 @@ def report(result: dict[str, Any]) -> str:
             f"| {name} | {row['buckets']} | {cells} "
             f"| {gcs['collections']} in {gcs['total_us']:,.0f} µs |"
         )
+    return lines
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = iterations_table(result)
     inside, after = result["inside_backward"], result["iterations"]["after"]
     rest = inside["backward_us"] - inside["hooks_us"]
     lines += [
