@@ -9,8 +9,9 @@ Variants, each in a fresh process (so peak memory counts only its own tensors):
   optcompile-in-backward  optcompile.compile(AdamW, in_backward=True): the update runs inside
                           backward in buckets, each gradient freed after its update
                           (``optcompile-in-backward@25``: buckets of 25 MiB, not the default;
-                          ``optcompile-in-backward-own``: each bucket update computes and
-                          copies its own host values, none sent ahead at the first hook)
+                          ``optcompile-in-backward-ahead``: every bucket's host values sent
+                          ahead at the first hook, ``send_ahead(opt, True)``; ``-own``, as
+                          in earlier results: each update its own, now the default)
   <variant>+capturable    the same with AdamW(capturable=True): step counts on the device, no
                           host values to compute and copy per step (or per bucket update)
 
@@ -150,10 +151,10 @@ def make_step(variant: str, model: torch.nn.Module, device: str) -> Any:
         _, _, mib = variant.partition("@")
         sizes = {"bucket_bytes": max(1, int(float(mib) * 2**20))} if mib else {}
         opt = optcompile.compile(opt, in_backward=True, **sizes)
-        if variant.startswith("optcompile-in-backward-own"):
+        if variant.startswith(("optcompile-in-backward-own", "optcompile-in-backward-ahead")):
             from optcompile import backward
 
-            backward.send_ahead(opt, False)
+            backward.send_ahead(opt, variant.startswith("optcompile-in-backward-ahead"))
     elif variant not in ("eager", "eager-fused"):
         raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
 

@@ -38,7 +38,7 @@ a copy compiled to step after backward. Reported, host microseconds (medians):
   real backwards, each part timed where it runs, on the host (perf_counter) and on the
   device (CUDA events recorded on the current stream at the same points: the device time
   between them), with every bucket's host values sent ahead at the backward's first hook
-  (the default) and without (each update computes and copies its own), iterations
+  and without (each update computes and copies its own: the default), iterations
   alternated; a table at the end (medians per update; the stage-ahead per backward);
 - ``--profile ROWS``: the in-backward iteration under torch.profiler (CPU and CUDA
   activities): every ``cuda*Synchronize`` call with its count per iteration and the rows with

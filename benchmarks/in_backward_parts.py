@@ -193,7 +193,7 @@ def parts_inside_backward(
             found[name]["staged"] += staged
             found[name]["backward"].append(host[1] * 1e6)
             found[name]["wall"].append(wall * 1e6)
-    backward.send_ahead(opt, True)
+    backward.send_ahead(opt, False)  # (the default)
     out: dict[str, Any] = {}
     for name, rows in found.items():
         parts: dict[str, Any] = {}

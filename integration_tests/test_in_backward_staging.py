@@ -4,8 +4,8 @@ computed and sent in one copy (``InBackward.stage_ahead``, ``optkernels.ahead``)
 each bucket's update inside the backward only replays its kernels.
 
 Each test trains two copies of one model side by side, one in-backward optimizer sending
-ahead and one not (``backward.send_ahead(opt, False)``: each update computes and sends its
-own values), and asserts after every step that parameters and every state tensor are
+ahead (``backward.send_ahead(opt, True)``) and one not (the default: each update computes
+and sends its own values), and asserts after every step that parameters and every state tensor are
 bitwise equal: over an LR schedule, param groups with other options, gradient accumulation,
 a ``load_state_dict`` between steps and a param without gradient in one backward. On the
 Triton backend (TRITON_INTERPRET=1 on the CPU: the values go into the plans' buffers by the
@@ -89,7 +89,7 @@ class Pair:
             )
             for m in self.models
         ]
-        backward.send_ahead(self.opts[1], False)
+        backward.send_ahead(self.opts[0], True)
         self.scheds = [
             torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 0.9**s, lambda s: 1.0 / (1 + s)])
             for o in self.opts
