@@ -1,15 +1,15 @@
 """What a sound hit must check, each part alone: the floor under a compiled step's host time.
 
-    python benchmarks/guard_floor.py [--set 200x64x64] [--device cuda|cpu]
+    python benchmarks/guard_floor.py [--set 200x64x64] [--device cuda|cpu] [--calls 3000]
 
 200 tensors of 64x64, AdamW (lr 1e-3, weight_decay 0.01) with capturable=True, compiled by
-optcompile (CUDA graphs on a GPU). Times (host microseconds, the median of 7 rounds of 3,000
-calls, warm caches) the whole step, its cache lookup with the prologue, the prologue's C++
-guard tree, its Python residual, and alone the three native loops every hit runs inside
-that tree: the params (identity, metadata, data pointer) with their grads (metadata; read
-for their addresses), the pinned state tensors (metadata, data pointer: ``.data =``,
-``t_()``, ``set_()`` or ``requires_grad_()`` on one changes them in place, and nothing in
-torch signals it), and the state dicts' version tags; then one CUDA graph replay of one
+optcompile (CUDA graphs on a GPU). Times (host microseconds, the median of 7 rounds of
+``--calls`` calls, warm caches) the whole step, its cache lookup with the prologue, the
+prologue's C++ guard tree, its Python residual, and alone the three native loops every hit
+runs inside that tree: the params (identity, metadata, data pointer) with their grads
+(metadata; read for their addresses), the pinned state tensors (metadata, data pointer:
+``.data =``, ``t_()``, ``set_()`` or ``requires_grad_()`` on one changes them in place, and
+nothing in torch signals it), and the state dicts' version tags; then one CUDA graph replay of one
 kernel. On the CPU (``TRITON_INTERPRET=1``) neither the step nor a replay is timed. A
 pure-Python anchor (a sum of 2,000 squares) gives the host's speed: machines of one kind
 differ by up to 2x. The three loops are work no sound hit can skip: their sum is the floor
@@ -34,8 +34,8 @@ from optcompile.api import _OPTIMIZERS
 from optguard import native
 
 
-def _median_us(fn: Callable[[], Any], calls: int = 3000) -> float:
-    for _ in range(300):
+def _median_us(fn: Callable[[], Any], calls: int) -> float:
+    for _ in range(max(calls // 10, 1)):
         fn()
     rounds = []
     for _ in range(7):
@@ -50,13 +50,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="200x64x64")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--calls", type=int, default=3000)
     args = parser.parse_args()
-    anchor = _median_us(lambda: sum(i * i for i in range(2000)), 300)
+    anchor = _median_us(lambda: sum(i * i for i in range(2000)), max(args.calls // 10, 1))
     print(f"{args.device}; torch {torch.__version__}; {args.set} AdamW capturable=True")
     print(f"pure-Python anchor (a sum of 2,000 squares): {anchor:.1f} µs")
     params = step_time.make_params(args.set, args.device)
     step = step_time.build("optcompile-capturable", "AdamW", params)
-    for _ in range(30):
+    for _ in range(30 if args.device == "cuda" else 3):  # (interpreted kernels on the CPU)
         step()
     opt = step.__self__  # type: ignore[attr-defined]
     compiled, L = _OPTIMIZERS[opt], {"opt": opt}
@@ -93,7 +94,7 @@ def main() -> None:
     print("| part | host µs |\n| --- | ---: |")
     floor = 0.0
     for name, fn in rows.items():
-        spent = _median_us(fn)
+        spent = _median_us(fn, args.calls)
         floor += spent if name in native_rows else 0.0
         print(f"| {name} | {spent:.2f} |")
     if args.device == "cuda":
@@ -105,7 +106,7 @@ def main() -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             x.add_(1)
-        print(f"| graph replay (one kernel) | {_median_us(graph.replay):.2f} |")
+        print(f"| graph replay (one kernel) | {_median_us(graph.replay, args.calls):.2f} |")
         torch.cuda.synchronize()
     print(f"| the three native loops together | {floor:.2f} |")
 

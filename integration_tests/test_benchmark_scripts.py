@@ -3,8 +3,8 @@ run them: the sharded ones on gloo, benchmarks/sharded_step.py (world size 1, in
 and benchmarks/fsdp_train.py (torchrun, world size 2), each in its --smoke mode (a tiny model,
 a few steps; they raise if optcompile falls back or retraces, or if the compiled and eager runs
 or the checkpoint round trip differ); benchmarks/first_call.py, benchmarks/in_backward.py
-and benchmarks/in_backward_host.py on a tiny case; benchmarks/host_time.py's host parts on the CPU
-(the Triton interpreter)."""
+and benchmarks/in_backward_host.py on a tiny case; benchmarks/host_time.py's host parts and
+benchmarks/guard_floor.py's loops on the CPU (the Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -158,3 +158,25 @@ def test_host_time_benchmark_times_the_host_parts_on_the_cpu() -> None:
     rows = [line for line in done.stdout.splitlines() if line.startswith("| optcompile")]
     assert [r.split(" | ")[0] for r in rows] == ["| optcompile", "| optcompile-capturable"]
     assert all(r.count(" µs") == 5 for r in rows)  # guard check, gather, prologue, prepare, hit
+
+
+def test_guard_floor_benchmark_times_the_native_loops_on_the_cpu() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    args = ["--device", "cpu", "--set", "200x4x4", "--calls", "20"]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "guard_floor.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = dict(
+        line.strip("| ").rsplit(" | ", 1)
+        for line in done.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith(("| part", "| ---"))
+    )
+    loops = ["200 params + their grads (native)", "600 state tensors (native)"]
+    assert all(name in rows for name in [*loops, "201 dict versions (native)"]), rows
+    assert float(rows["the three native loops together"]) > 0
