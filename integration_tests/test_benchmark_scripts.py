@@ -24,11 +24,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _script(command: list[str]) -> subprocess.CompletedProcess[str]:
-    """``command`` run to its end (one OpenMP thread each), asserted to succeed."""
+def _script(command: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """``command`` run to its end (one OpenMP thread each, ``env`` added to the
+    environment), asserted to succeed."""
     done = subprocess.run(
         command,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
         capture_output=True,
         text=True,
         timeout=300,
@@ -144,34 +145,18 @@ def test_in_backward_benchmark_reports_peaks_and_bucket_sizes_on_the_cpu(tmp_pat
 
 
 def test_host_time_benchmark_times_the_host_parts_on_the_cpu() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     args = ["--device", "cpu", "--set", "200x4x4", "--calls", "20"]
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "host_time.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = _script([sys.executable, str(BENCHMARKS / "host_time.py"), *args], TRITON_INTERPRET="1")
     rows = [line for line in done.stdout.splitlines() if line.startswith("| optcompile")]
     assert [r.split(" | ")[0] for r in rows] == ["| optcompile", "| optcompile-capturable"]
     assert all(r.count(" µs") == 5 for r in rows)  # guard check, gather, prologue, prepare, hit
 
 
 def test_guard_floor_benchmark_times_the_native_loops_on_the_cpu() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     args = ["--device", "cpu", "--set", "200x4x4", "--calls", "20"]
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "guard_floor.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    done = _script(
+        [sys.executable, str(BENCHMARKS / "guard_floor.py"), *args], TRITON_INTERPRET="1"
     )
-    assert done.returncode == 0, done.stderr[-4000:]
     rows = dict(
         line.strip("| ").rsplit(" | ", 1)
         for line in done.stdout.splitlines()
