@@ -118,10 +118,10 @@ class Pair:
                     f"state[{key}][{field!r}] differs at step {step}"
                 )
 
-    def taken(self) -> tuple[int, int]:
-        """(sent ahead, taken) summed over the ahead copy's bucket plans."""
+    def taken(self, copy: int = 0) -> tuple[int, int]:
+        """(sent ahead, taken) summed over a copy's bucket plans (0: the ahead copy)."""
         counts = [(0, 0)]
-        for _, compiled in backward.buckets(self.opts[0]):
+        for _, compiled in backward.buckets(self.opts[copy]):
             for entry in compiled.cache.entries:
                 plan = getattr(entry.value.plan, "plan", entry.value.plan)
                 counts.append(getattr(plan, "ahead_counts", (0, 0)))
@@ -152,6 +152,7 @@ def test_values_sent_ahead_give_the_same_bits_over_an_lr_schedule(name, backend)
     _expect_taken(pair, backend, (steps - 1) * buckets)
     if backend == "triton":
         assert pair.taken()[0] == pair.taken()[1]
+    assert pair.taken(1) == (0, 0)  # sending ahead is off by default
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
