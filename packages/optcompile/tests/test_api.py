@@ -311,3 +311,57 @@ def test_swap_tensors_on_a_param_and_a_state_tensor_of_a_compiled_optimizer():
         torch.utils.swap_tensors(buf, buf.clone() * 2)
     step_both(model, opt, reference, eager, range(2, 4))
     assert_same(model, opt, reference, eager)
+
+
+def _grads_set(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+
+
+def test_zero_grad_sets_the_optimizers_grads_to_none_and_no_others():
+    """zero_grad(): one native pass per group (no Python loop over params), the same result
+    as torch's: each of the optimizer's params' grads None, a param outside it untouched."""
+    model = make_model()
+    params = list(model.parameters())
+    opt = optcompile.compile(torch.optim.AdamW(params[:-1], lr=1e-2))
+    opt.add_param_group({"params": [params[-1]], "lr": 1e-3})
+    opt.param_groups[-1]["params"] = tuple(opt.param_groups[-1]["params"])  # (not a list)
+    outside = torch.nn.Parameter(torch.zeros(3))
+    outside.grad = torch.ones(3)
+    _grads_set(model)
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+    assert outside.grad is not None
+
+
+def test_zero_grad_without_set_to_none_zeroes_as_torch_does():
+    model = make_model()
+    opt = optcompile.compile(torch.optim.SGD(model.parameters(), lr=0.1))
+    _grads_set(model)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_an_optimizer_classs_own_zero_grad_still_runs():
+    calls = []
+
+    class Counting(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none)
+
+    model = make_model()
+    opt = optcompile.compile(Counting(model.parameters(), lr=0.1))
+    _grads_set(model)
+    opt.zero_grad()
+    assert calls == [True] and all(p.grad is None for p in model.parameters())
+
+
+def test_zero_grad_under_the_profiler_is_torchs_labelled_one():
+    model = make_model()
+    opt = optcompile.compile(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _grads_set(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert any("zero_grad" in event.key for event in prof.key_averages())

@@ -48,6 +48,12 @@ def unhooked_step(cls: type) -> Callable[..., Any]:
     return step
 
 
+def profiler_enabled() -> bool:
+    """Whether torch's profiler records (then ``zero_grad`` runs torch's own, which labels
+    itself in the trace)."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
 # --- in_backward: autograd's engine, compiled autograd, and the two functions it guards ---
 
 

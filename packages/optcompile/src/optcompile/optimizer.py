@@ -22,13 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from optguard import Locals
+from optguard import Locals, native
 from optkernels import Backend
 from opttrace import TracedStep, closure_reason, eager_step, trace_step
 
 from optcompile import backward, compressed_state, logs
 from optcompile._torch_compat import (
     has_step_hooks,
+    profiler_enabled,
     step_post_hooks,
     step_pre_hooks,
     unhooked_step,
@@ -245,6 +246,7 @@ def compiled_class(base: type) -> type:
             "step": step,
             "__reduce_ex__": _reduce_ex,
             "state_dict": _state_dict,
+            "zero_grad": _zero_grad,
             "load_state_dict": _load_state_dict,
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
@@ -286,6 +288,31 @@ def _step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any
     for hook in step_post_hooks(self):
         hook(self, args, kwargs)
     return loss
+
+
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    """torch.optim's ``zero_grad``; its usual call (``set_to_none``, torch's own method, no
+    profiler recording, not under dynamo) as one native pass per param group, ``p.grad =
+    None`` for each param without a Python loop: a training loop calls it every iteration,
+    and after an in-backward backward (every gradient already None) it is all it does."""
+    base = type(self).__dict__["_optcompile_base"]
+    zero_grad = base.zero_grad
+    module = native.module()
+    if (
+        not set_to_none
+        or zero_grad is not _TORCH_ZERO_GRAD
+        or module is None
+        or torch.compiler.is_compiling()
+        or profiler_enabled()
+    ):
+        zero_grad(self, set_to_none)
+        return
+    for group in self.param_groups:
+        params = group["params"]
+        module.clear_grads(params if type(params) is list else list(params))
 
 
 def _advance_rounding(opt: torch.optim.Optimizer) -> None:
