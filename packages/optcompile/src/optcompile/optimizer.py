@@ -298,16 +298,12 @@ def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     profiler recording, not under dynamo) as one native pass per param group, ``p.grad =
     None`` for each param without a Python loop: a training loop calls it every iteration,
     and after an in-backward backward (every gradient already None) it is all it does."""
-    base = type(self).__dict__["_optcompile_base"]
-    zero_grad = base.zero_grad
+    zero_grad = type(self).__dict__["_optcompile_base"].zero_grad
+    if torch.compiler.is_compiling():  # (torch's is dynamo-disabled: a graph break there)
+        zero_grad(self, set_to_none)
+        return
     module = native.module()
-    if (
-        not set_to_none
-        or zero_grad is not _TORCH_ZERO_GRAD
-        or module is None
-        or torch.compiler.is_compiling()
-        or profiler_enabled()
-    ):
+    if not set_to_none or zero_grad is not _TORCH_ZERO_GRAD or module is None or profiler_enabled():
         zero_grad(self, set_to_none)
         return
     for group in self.param_groups:
