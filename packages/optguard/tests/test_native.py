@@ -92,6 +92,26 @@ def test_grads_agree_with_python(module):
     assert all(g is p.grad for g, p in zip(module.grads(params), params, strict=True))
 
 
+def test_count_grads_counts_what_python_sees(module):
+    """Plain params read in C++, a subclass through its own ``grad`` property."""
+
+    class Hidden(torch.Tensor):
+        @property
+        def grad(self) -> torch.Tensor | None:
+            return None  # (whatever torch holds)
+
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
+    hidden = torch.randn(2).as_subclass(Hidden).requires_grad_()
+    assert module.count_grads([*params, hidden]) == 0
+    (params[0] * 2 + params[2]).sum().backward()  # grads made by autograd, in C++
+    torch.Tensor.grad.__set__(hidden, torch.ones(2))
+    assert module.count_grads([*params, hidden]) == 2
+    params[3].grad = torch.zeros(3)
+    assert module.count_grads(params) == 3 == sum(p.grad is not None for p in params)
+    with pytest.raises(TypeError):
+        module.count_grads(tuple(params))  # not a list
+
+
 def test_clear_grads_sets_every_grad_to_none_as_the_setter_does(module):
     params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
     plain = torch.randn(2, requires_grad=True)

@@ -2,7 +2,7 @@
 learn the buckets and thin out, the bucket updates over views synced with the optimizer,
 the host values sent ahead, the end-of-backward flush. "The module" in the docstrings
 below is the design in ``optcompile.backward``'s docstring. optguard's native functions
-that the hooks and updates call (``_hook_grads``, ``_clear_grads``, ``_dict_version``) are
+that the hooks and updates call (``_hook_count``, ``_clear_grads``, ``_dict_version``) are
 module globals here, set once that module is loaded: a test replaces them here.
 """
 
@@ -14,7 +14,6 @@ import threading
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Collection
-from itertools import repeat
 from operator import is_
 from typing import Any
 
@@ -231,14 +230,14 @@ class InBackward:
         this backward and all of its gradients are there (else the end of backward does)."""
         task = _torch_compat.graph_task_id()
         if p is self.first:
-            clean = task >= 0 and all(map(is_, _hook_grads(self.others), repeat(None)))
+            clean = task >= 0 and _hook_count(self.others) == 0
             self.clean_task = task if clean else None
             if clean and self.ahead_enabled:
                 self.stage_ahead()
         bucket = self.trigger_of.get(id(p))
         if bucket is None or self.clean_task != task:
             return
-        if not any(map(is_, _hook_grads(bucket.params), repeat(None))):  # all there
+        if _hook_count(bucket.params) == len(bucket.params):  # all there
             self.update(bucket)
 
     def stage_ahead(self) -> None:
@@ -430,21 +429,17 @@ def _nothing_to_fetch(L: dict[str, Any]) -> list[Any]:
 
 
 def _none_held(params: list[torch.Tensor]) -> bool:
-    """Whether none of ``params`` holds a gradient (compared by identity: ``==`` would call
-    ``Tensor.__eq__`` on each gradient held)."""
-    return all(map(is_, _grads(params), repeat(None)))
-
-
-def _grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """Each param's ``.grad``, read in one C loop (optguard's native ``grads``); attribute
-    reads where dynamo traces this (an ``opt.step()`` inside a ``torch.compile``d function),
-    which the native call would break."""
+    """Whether none of ``params`` holds a gradient: counted in one C loop (optguard's
+    native ``count_grads``); attribute reads where dynamo traces this (an ``opt.step()``
+    inside a ``torch.compile``d function), which the native call would break."""
     module = None if torch.compiler.is_compiling() else native.module()
-    return module.grads(params) if module is not None else [p.grad for p in params]
+    if module is not None:
+        return bool(module.count_grads(params) == 0)
+    return all(p.grad is None for p in params)
 
 
-def _read_grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    return [p.grad for p in params]
+def _count_grads(params: list[torch.Tensor]) -> int:
+    return sum(p.grad is not None for p in params)
 
 
 def _set_grads_to_none(params: list[torch.Tensor]) -> None:
@@ -459,18 +454,19 @@ def _no_version(d: dict[Any, Any]) -> object:
 
 _UNKNOWN = (None, None)  # a Bucket's tags before its first update (equal to no tag)
 # optguard's native functions that a hook and a bucket update call, set once that module is
-# loaded: each param's .grad read (by a thin hook, which dynamo never traces: see _grads)
-# and set to None in one C++ loop, a dict's version tag (_no_version until then, and where
+# loaded: the params holding a grad counted (by a thin hook, which dynamo never traces: see
+# _none_held; counted in C++, no Python object is made for a grad autograd made) and each
+# param's grad set to None in one C++ loop, a dict's version tag (_no_version until then, and where
 # CPython has no tags, 3.14 on: groups are then compared value by value on each update,
 # the state synced by lookups).
-_hook_grads: Callable[[list[torch.Tensor]], list[torch.Tensor | None]] = _read_grads
+_hook_count: Callable[[list[torch.Tensor]], int] = _count_grads
 _clear_grads: Callable[[list[torch.Tensor]], None] = _set_grads_to_none
 _dict_version: Callable[[dict[Any, Any]], object] = _no_version
 
 
 def _use_native(module: Any) -> None:
-    global _hook_grads, _clear_grads, _dict_version
-    _hook_grads, _clear_grads = module.grads, module.clear_grads
+    global _hook_count, _clear_grads, _dict_version
+    _hook_count, _clear_grads = module.count_grads, module.clear_grads
     _dict_version = getattr(module, "dict_version", _no_version)
 
 

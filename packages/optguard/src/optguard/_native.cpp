@@ -17,6 +17,8 @@
 //   match_both(grads, items, container)     match(grads, True, ...) and match(items, False,
 //                                           ...) in one visit of each item
 //   grads(objects) -> list                  [o.grad for o in objects]
+//   count_grads(objects) -> int             how many of objects have a grad (no Python
+//                                           object made for a plain tensor's grad)
 //   clear_grads(objects)                    o.grad = None for o in objects (what the setter
 //                                           does, without a Python setattr per object)
 //   take(spec) -> list | None               the grads the last passing match(spec, True,
@@ -633,6 +635,29 @@ PyObject* grads(PyObject*, PyObject* objects) {
   return out;
 }
 
+// How many objects have a grad. A plain tensor's is read in C++: grads(), and reading
+// .grad in Python, give a grad made in C++ (by autograd) a Python object, which then lives
+// as long as the grad and is freed with it.
+PyObject* count_grads(PyObject*, PyObject* objects) {
+  if (!PyList_Check(objects)) {
+    PyErr_SetString(PyExc_TypeError, "count_grads(objects: list)");
+    return nullptr;
+  }
+  Py_ssize_t count = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objects); ++i) {
+    PyObject* obj = PyList_GET_ITEM(objects, i);
+    if (is_plain(obj)) {
+      count += THPVariable_Unpack(obj).grad().defined() ? 1 : 0;
+      continue;
+    }
+    PyObject* g = PyObject_GetAttrString(obj, "grad");
+    if (g == nullptr) return nullptr;
+    count += g != Py_None ? 1 : 0;
+    Py_DECREF(g);
+  }
+  return PyLong_FromSsize_t(count);
+}
+
 // Each object's .grad set to None. A plain tensor's setter (THPVariable_set_grad) resets
 // the grad in C++ unless a torch function mode is on (the mode then sees the assignment, as
 // any other type's setter does here through setattr). Freeing a grad may run Python (its
@@ -1088,6 +1113,7 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL, "match(grads, True, c) and match(items, False, c) in one visit."},
     {"grads", grads, METH_O, "[o.grad for o in objects]."},
     {"clear_grads", clear_grads, METH_O, "o.grad = None for o in objects."},
+    {"count_grads", count_grads, METH_O, "How many of objects have a grad."},
     {"take", take, METH_O, "The grads the last passing match of a spec read (once), or None."},
     {"take_locals", take_locals, METH_O,
      "The DTensors' local tensors the last passing match of a spec read (once), or None."},

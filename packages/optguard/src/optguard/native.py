@@ -188,6 +188,7 @@ def _load(path: Path) -> Any:
         "take_locals",
         "grads",
         "clear_grads",
+        "count_grads",
         "held",
         "held_match",
     )
