@@ -19,6 +19,7 @@ import torch
 
 from optkernels.compressed import BLOCK as INT8_BLOCK
 from optkernels.dtypes import COMPARE, op_dtypes
+from optkernels.errors import KernelError
 from optkernels.host import HOST_ROWS
 from optkernels.kernel_cache import load_kernel, source_dir
 from optkernels.kernel_prelude import prelude_for
@@ -27,7 +28,6 @@ from optkernels.launch_config import BLOCK, launch_config, register_limit
 from optkernels.numbers import HOST_ONLY
 from optkernels.triton_ops import (
     _TL_DTYPES,
-    KernelError,
     _convert,
     _lower,
     _Scalars,

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from optkernels.dtypes import COMPARE, OpDtypes, compute_dtype
+from optkernels.errors import KernelError
 from optkernels.host import scalar_slot
 from optkernels.lanes import LaneOp, LaneProgram
 
@@ -24,10 +25,6 @@ _TL_DTYPES = {
     torch.uint8: "tl.uint8",  # int8 state: codes, then block scales (optkernels.compressed)
 }
 _NARROW = (torch.float16, torch.bfloat16)
-
-
-class KernelError(Exception):
-    """The lane program uses something the generator cannot emit."""
 
 
 def _round(expr: str, dtype: torch.dtype) -> str:
