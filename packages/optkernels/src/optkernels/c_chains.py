@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from optkernels.c_kernel import _C_TYPES, CEmitter, Compiler, _ctype, build_async, library_source
+from optkernels.c_kernel import _C_TYPES, Compiler, _ctype, build_async, c_emitter, library_source
 from optkernels.errors import KernelError
 from optkernels.lane_program import _SINGLE, LaneOp, LaneProgram
 from optkernels.lowering import expression
@@ -353,7 +353,7 @@ def chain_source(chain: _Chain, name: str) -> tuple[str, list[int]]:
     inner = shape[-1] if shape else 1
     rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     ctype = _C_TYPES[chain.dtype]
-    emit = CEmitter(LaneProgram(lanes=1))
+    emit = c_emitter(LaneProgram(lanes=1))
     made = chain.storage < 0
     rows_per_item = max(1, _GRAIN // max(inner, 1))
     dims = [rows, inner, rows_per_item, -(-rows // rows_per_item)]

@@ -4,7 +4,7 @@
 table of work items (lane, first element, end) built once from the shapes, OpenMP threads
 taking items, and computes the lane program over each item's elements in one ``omp simd``
 loop: every tensor is read once and written once per step, with no temporaries in memory.
-Each op is lowered as in the Triton kernels (``lowering``, spelled in C by ``CEmitter``):
+Each op is lowered as in the Triton kernels (``lowering``, spelled in C by ``c_emitter``):
 operands cast to the op's dtype, computed in float32 for float16/bfloat16/float32 and in
 float64 for float64, the result rounded to its dtype after each op (bfloat16 to nearest
 even, float16 through ``_Float16``), Python scalars read unrounded in the compute dtype, and
@@ -40,7 +40,7 @@ from optkernels.dtypes import compute_dtype, op_dtypes
 from optkernels.errors import KernelError
 from optkernels.host import HOST_ROWS
 from optkernels.lanes import LaneProgram
-from optkernels.lowering import Scalars, Values, lower
+from optkernels.lowering import NARROW, Code, Emitter, Scalars, Values, lower
 
 _C_TYPES = {
     torch.float32: "float",
@@ -49,7 +49,6 @@ _C_TYPES = {
     torch.float16: "_Float16",
     torch.bool: "uint8_t",
 }
-_NARROW = (torch.float16, torch.bfloat16)
 FLAGS = (
     "-O3",
     "-march=native",
@@ -93,7 +92,7 @@ def _store(expr: str, src: torch.dtype, dtype: torch.dtype) -> str:
     """``expr`` (a ``src`` value in its compute type) as a ``dtype`` element to store."""
     if dtype is torch.bool:
         return f"(uint8_t)({expr})"
-    if src is torch.float64 and dtype in _NARROW:
+    if src is torch.float64 and dtype in NARROW:
         expr = f"(float)({expr})"
     if dtype is torch.bfloat16:
         return f"f2bf({expr})"
@@ -121,82 +120,51 @@ def _literal(value: float, compute: torch.dtype) -> str:
     return f"(({_ctype(compute)}){text})"
 
 
-class CEmitter:
-    """Lane ops as C expressions (``lowering.Emitter``): values are ``float`` (float32,
-    float16, bfloat16) or ``double`` (float64) scalars of one element, computed with C's
-    IEEE operators and libm (``-ffp-contract=off``: a product is rounded before the sum
-    unless written as ``fma``)."""
+def c_emitter(program: LaneProgram) -> Emitter:
+    """Lane ops as C expressions (for ``lowering``): values are ``float`` (float32, float16,
+    bfloat16) or ``double`` (float64) scalars of one element, computed with C's IEEE
+    operators and libm (``-ffp-contract=off``: a product is rounded before the sum unless
+    written as ``fma``)."""
+    load = "    const double {name} = scalars[{slot}];"
+    narrow = "    const float {narrow} = (float){name};"
+    return Emitter(Scalars(program, load, narrow, suffix="_f"), _CODE)
 
-    ignored = "0"
 
-    def __init__(self, program: LaneProgram) -> None:
-        self.scalars = Scalars(
-            program,
-            load="    const double {name} = scalars[{slot}];",
-            narrow="    const float {narrow} = (float){name};",
-            suffix="_f",
-        )
-
-    def literal(self, value: float, compute: torch.dtype) -> str:
-        return _literal(value, compute)
-
-    def cast(self, expr: str, compute: torch.dtype) -> str:
-        return f"(({_ctype(compute)})({expr}))"
-
-    def round(self, expr: str, dtype: torch.dtype) -> str:
-        return f"rbf({expr})" if dtype is torch.bfloat16 else f"rhf({expr})"
-
-    def fma(self, x: str, y: str, z: str, compute: torch.dtype) -> str:
-        return f"{_libm('fma', compute)}({x}, {y}, {z})"
-
-    def div(self, x: str, y: str, compute: torch.dtype) -> str:
-        return f"({x} / {y})"
-
-    def sqrt(self, x: str, compute: torch.dtype) -> str:
-        return f"{_libm('sqrt', compute)}({x})"
-
-    def abs(self, x: str, compute: torch.dtype) -> str:
-        return f"{_libm('fabs', compute)}({x})"
-
-    def abs_below_half(self, x: str) -> str:
-        return f"fabs((double){x}) < 0.5"
-
-    def maximum(self, x: str, y: str, compute: torch.dtype) -> str:
+def _code(compute: torch.dtype) -> Code:
+    """How C spells ``lowering.PRIMITIVES`` for ops computing in ``compute``."""
+    wide = compute is torch.float64
+    f = "" if wide else "f"  # libm's float functions: fmaf, sqrtf, fabsf
+    return {
+        "literal": lambda value: _literal(value, compute),
+        "ignored": "0",
+        "cast": "((" + _ctype(compute) + ")({0}))",
+        "round": lambda x, dtype: f"rbf({x})" if dtype is torch.bfloat16 else f"rhf({x})",
+        "fma": "fma" + f + "({0}, {1}, {2})",
+        "div": "({0} / {1})",
+        "sqrt": "sqrt" + f + "({0})",
+        "abs": "fabs" + f + "({0})",
+        "abs_below_half": "fabs((double){0}) < 0.5",
         # mxf/mxd, mnf/mnd (_PRELUDE): NaN if either operand is, as ATen's maximum and clamp
-        return f"{'mxd' if compute is torch.float64 else 'mxf'}({x}, {y})"
-
-    def minimum(self, x: str, y: str, compute: torch.dtype) -> str:
-        return f"{'mnd' if compute is torch.float64 else 'mnf'}({x}, {y})"
-
-    def select(self, condition: str, x: str, y: str) -> str:
-        return f"({condition} ? {x} : {y})"
-
-    def broadcast(self, value: str, like: str) -> str:
-        return value  # (one element: nothing to broadcast)
-
-    def float64_call(self, fn: str, args: list[str], compute: torch.dtype) -> str:
-        call = f"{fn}({', '.join(f'(double){x}' for x in args)})"
-        return call if compute is torch.float64 else f"(float){call}"
-
-    def compare_operand(self, x: str, common: torch.dtype | None) -> str:
-        return x
-
-    def zeros_like(self, x: str, compute: torch.dtype) -> str:
-        return _literal(0.0, compute)
-
-    def ones_like(self, x: str, compute: torch.dtype) -> str:
-        return _literal(1.0, compute)
-
-    def value(self, x: str) -> str:
-        return f"({x})"
-
-    def full(self, x: str, compute: torch.dtype) -> str:
-        return f"({x})"
+        "maximum": ("mxd" if wide else "mxf") + "({0}, {1})",
+        "minimum": ("mnd" if wide else "mnf") + "({0}, {1})",
+        "select": "({0} ? {1} : {2})",
+        "broadcast": "{0}",  # (one element: nothing to broadcast)
+        "float64": lambda fn, *args: _float64(fn, list(args), wide),
+        "compare_operand": "{0}",
+        "zeros_like": _literal(0.0, compute),
+        "ones_like": _literal(1.0, compute),
+        "value": "({0})",
+        "full": "({0})",
+    }
 
 
-def _libm(fn: str, compute: torch.dtype) -> str:
-    """libm's ``fn`` for ``compute``: ``fn`` for double, ``fnf`` for float."""
-    return fn if compute is torch.float64 else f"{fn}f"
+def _float64(fn: str, args: list[str], wide: bool) -> str:
+    """exp, log or pow of ``args`` in double (rounded to float unless ``wide``)."""
+    call = f"{fn}({', '.join(f'(double){x}' for x in args)})"
+    return call if wide else f"(float){call}"
+
+
+_CODE = {dtype: _code(dtype) for dtype in (torch.float32, torch.float64)}
 
 
 def kernel_source(
@@ -221,7 +189,7 @@ def kernel_source(
         "        const double *restrict host_vals, int threads) {",
         "    const int64_t row_stride = (int64_t)host_vals[0];",
     ]
-    emit = CEmitter(program)
+    emit = c_emitter(program)
     pointers: list[str] = []
     counts = {False: 0, True: 0}
     for k, dtype in enumerate(dtypes):

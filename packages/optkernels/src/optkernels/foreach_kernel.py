@@ -27,7 +27,7 @@ from optkernels.lanes import LaneOp, LaneProgram
 from optkernels.launch_config import BLOCK, launch_config, register_limit
 from optkernels.lowering import Values, convert, lower
 from optkernels.numbers import HOST_ONLY
-from optkernels.triton_ops import _TL_DTYPES, TritonEmitter, _store_cast
+from optkernels.triton_ops import _TL_DTYPES, _store_cast, triton_emitter
 
 __all__ = [
     "BLOCK",
@@ -94,7 +94,7 @@ def kernel_source(
         if dtype not in _TL_DTYPES:
             raise KernelError(f"dtype {dtype} of a lane input")
         lines.append(f"    a{k} = tl.load({columns[k]})")
-    emit = TritonEmitter(program)
+    emit = triton_emitter(program)
     body: list[str] = []
     loads: list[str] = []  # the inputs' loads (see below)
     resolved = op_dtypes(program, lane)

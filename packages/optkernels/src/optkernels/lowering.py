@@ -6,15 +6,18 @@ optional bounds, ``addcdiv``'s default value), the casts around it (tensor opera
 op's dtype, Python numbers read unrounded in its compute dtype, the result rounded to its
 dtype) and the arithmetic ATen's functors do (one fused multiply-add for ``a + b * c``,
 lerp's two formulas, exp/log/pow in float64). That is written once here, as ``lower`` and
-``expression``. A target supplies an ``Emitter``: how its source spells a literal, a cast, a
-rounding to float16/bfloat16, fma, division, a square root, a NaN-propagating max/min, a
-select, a float64 call. ``triton_ops.TritonEmitter`` and ``c_kernel.CEmitter`` are the two.
+``expression``. A target supplies a table of how its source spells each of a few primitives
+(``PRIMITIVES``: a literal, a cast, a rounding to float16/bfloat16, fma, division, a square
+root, a NaN-propagating max/min, a select, a call in float64, ...), one table per compute
+dtype, in an ``Emitter``: ``triton_ops.triton_emitter`` and ``c_kernel.c_emitter`` make them.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -81,79 +84,46 @@ class Values:
         self.dtype[op.out] = dtype
 
 
-class Emitter(Protocol):
-    """How one target's source spells what ``expression`` needs. Operands are expressions
-    already in ``compute``, the dtype an op computes in (float32 or float64)."""
+# What ``expression`` asks a target to spell, with what it means ({0}, {1}, ...: the operands,
+# expressions already in the compute dtype of the table, float32 or float64, unless said).
+PRIMITIVES = {
+    "literal": "the Python number {0} as a value",
+    "ignored": "an argument the op takes but does not read",
+    "cast": "{0} (float32 or float64) converted to the compute dtype",
+    "round": "{0} (float32) rounded to dtype {1} (float16 or bfloat16) and back",
+    "fma": "{0} * {1} + {2}, rounded once",
+    "div": "{0} / {1}, rounded to nearest (IEEE division, as ATen divides)",
+    "sqrt": "the correctly rounded square root of {0}",
+    "abs": "the magnitude of {0}",
+    "abs_below_half": "the condition |{0}| < 0.5 (lerp's choice of formula)",
+    "maximum": "the larger of {0} and {1}, NaN if either is (ATen's maximum and clamp)",
+    "minimum": "the smaller of {0} and {1}, NaN if either is",
+    "select": "{1} where {0} holds, else {2}",
+    "broadcast": "{0} in the shape of {1} (for a target whose values have shapes)",
+    "float64": "{0} (exp, log or pow) of the rest computed in float64, rounded once to "
+    "the compute dtype (see kernel_prelude on pow)",
+    "compare_operand": "{0} as an operand of a comparison whose operands are cast to {1}",
+    "zeros_like": "zeros in the shape of {0}",
+    "ones_like": "ones in the shape of {0}",
+    "value": "{0} as an op's value of its own (identity, item, copy)",
+    "full": "a 0-dim tensor holding {0}",
+}
+Rule = str | Callable[..., str]  # a format of the operands ("{0} / {1}"), or a function of them
+Code = Mapping[str, Rule]  # a target's rule for each primitive, for one compute dtype
+
+
+@dataclass
+class Emitter:
+    """One target's spelling of the primitives (``code``: a table per compute dtype, each
+    covering PRIMITIVES) and the scalars its kernel reads."""
 
     scalars: Scalars
-    ignored: str  # an argument the op takes but does not read
+    code: Mapping[torch.dtype, Code]
 
-    def literal(self, value: float, compute: torch.dtype) -> str:
-        """The number ``value`` as a ``compute`` value."""
-        ...
-
-    def cast(self, expr: str, compute: torch.dtype) -> str:
-        """``expr`` (float32 or float64) converted to ``compute``."""
-        ...
-
-    def round(self, expr: str, dtype: torch.dtype) -> str:
-        """``expr`` (float32) rounded to ``dtype`` (float16 or bfloat16) and back."""
-        ...
-
-    def fma(self, x: str, y: str, z: str, compute: torch.dtype) -> str:
-        """``x * y + z`` rounded once."""
-        ...
-
-    def div(self, x: str, y: str, compute: torch.dtype) -> str:
-        """``x / y`` rounded to nearest (IEEE division)."""
-        ...
-
-    def sqrt(self, x: str, compute: torch.dtype) -> str:
-        """The correctly rounded square root."""
-        ...
-
-    def abs(self, x: str, compute: torch.dtype) -> str: ...
-
-    def abs_below_half(self, x: str) -> str:
-        """The condition ``|x| < 0.5`` (lerp's choice of formula)."""
-        ...
-
-    def maximum(self, x: str, y: str, compute: torch.dtype) -> str:
-        """The larger of ``x`` and ``y``, NaN if either is (as ATen's maximum and clamp)."""
-        ...
-
-    def minimum(self, x: str, y: str, compute: torch.dtype) -> str:
-        """The smaller of ``x`` and ``y``, NaN if either is."""
-        ...
-
-    def select(self, condition: str, x: str, y: str) -> str:
-        """``x`` where ``condition`` holds, else ``y``."""
-        ...
-
-    def broadcast(self, value: str, like: str) -> str:
-        """``value`` in the shape of ``like`` (for a target whose values have shapes)."""
-        ...
-
-    def float64_call(self, fn: str, args: list[str], compute: torch.dtype) -> str:
-        """``fn`` (exp, log or pow) of ``args`` computed in float64, rounded once to
-        ``compute`` for a float32 op (see kernel_prelude on pow)."""
-        ...
-
-    def compare_operand(self, x: str, common: torch.dtype | None) -> str:
-        """An operand of a comparison whose operands are cast to ``common``."""
-        ...
-
-    def zeros_like(self, x: str, compute: torch.dtype) -> str: ...
-
-    def ones_like(self, x: str, compute: torch.dtype) -> str: ...
-
-    def value(self, x: str) -> str:
-        """``x`` as an op's value of its own (identity, item, copy)."""
-        ...
-
-    def full(self, x: str, compute: torch.dtype) -> str:
-        """A 0-dim tensor holding ``x``."""
-        ...
+    def __call__(self, compute: torch.dtype, primitive: str, *operands: Any) -> str:
+        """``primitive`` of ``operands`` for an op computing in ``compute``."""
+        rule = self.code[compute][primitive]
+        return rule.format(*operands) if isinstance(rule, str) else rule(*operands)
 
 
 def convert(expr: str, src: torch.dtype, dst: torch.dtype, emit: Emitter) -> str:
@@ -164,8 +134,8 @@ def convert(expr: str, src: torch.dtype, dst: torch.dtype, emit: Emitter) -> str
     if src is dst or torch.bool in (src, dst):
         return expr
     if compute_dtype(src) is not compute_dtype(dst):
-        expr = emit.cast(expr, compute_dtype(dst))
-    return emit.round(expr, dst) if dst in NARROW else expr
+        expr = emit(compute_dtype(dst), "cast", expr)
+    return emit(torch.float32, "round", expr, dst) if dst in NARROW else expr
 
 
 def lower(op: LaneOp, dtypes: OpDtypes, values: Values, emit: Emitter) -> tuple[torch.dtype, str]:
@@ -208,9 +178,9 @@ def _ref(arg: Any, refs: dict[int, str], compute: torch.dtype, emit: Emitter) ->
             return _OMITTED  # a bound clamp goes without: see expression
         if isinstance(value, bool):
             raise KernelError(f"constant {value!r} as an operand")
-        return emit.literal(float(value), compute)
+        return emit(compute, "literal", float(value))
     if kind == "ignore":
-        return emit.ignored
+        return emit(compute, "ignored")
     raise KernelError(f"argument {arg!r}")
 
 
@@ -230,10 +200,11 @@ def expression(
 ) -> str:
     """``op`` as an expression over its operands (``refs``: lane values already in
     ``compute``, the op's compute dtype; ``common``: the dtype its operands are cast to)."""
+    spell = functools.partial(emit, compute)
     a = [_ref(x, refs, compute, emit) for x in op.args]
     kw = {k: _ref(v, refs, compute, emit) for k, v in op.kwargs}
     name = op.op
-    one = emit.literal(1.0, compute)
+    one = spell("literal", 1.0)
     if name != "clamp" and (_OMITTED in a or _OMITTED in kw.values()):
         raise KernelError(f"constant None as an operand of {name}")
     # ATen's functors compute ``a + b * c`` as one fused multiply-add (nvcc contracts them,
@@ -242,75 +213,76 @@ def expression(
         alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
         if alpha is None:
             return f"({a[0]} {'+' if name == 'add' else '-'} {a[1]})"
-        return emit.fma(a[1] if name == "add" else f"(-{a[1]})", alpha, a[0], compute)
+        return spell("fma", a[1] if name == "add" else f"(-{a[1]})", alpha, a[0])
     if name == "rsub":  # other - alpha * self
         alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
         if alpha is None:
             return f"({a[1]} - {a[0]})"
-        return emit.fma(f"(-{a[0]})", alpha, a[1], compute)
+        return spell("fma", f"(-{a[0]})", alpha, a[1])
     if name == "mul":
         return f"({a[0]} * {a[1]})"
     if name == "div":
-        return emit.div(a[0], a[1], compute)
+        return spell("div", a[0], a[1])
     if name in ("addcmul", "addcdiv"):  # self + value * (t1 * t2), self + value * (t1 / t2)
         value = kw.get("value", a[3] if len(a) > 3 else one)
         t1, t2 = a[1], a[2]
-        product = f"({t1} * {t2})" if name == "addcmul" else emit.div(t1, t2, compute)
-        return emit.fma(value, product, a[0], compute)
+        product = f"({t1} * {t2})" if name == "addcmul" else spell("div", t1, t2)
+        return spell("fma", value, product, a[0])
     if name == "lerp":  # exact at both ends; |weight| < 0.5 picks the formula
         s, e, w = a[0], a[1], a[2]
-        near = emit.fma(w, f"{e} - {s}", s, compute)
-        far = emit.fma(f"{s} - {e}", f"{one} - {w}", e, compute)
+        near = spell("fma", w, f"{e} - {s}", s)
+        far = spell("fma", f"{s} - {e}", f"{one} - {w}", e)
         weight = constant(op.args[2])
         if weight is not None:
             return near if abs(weight) < 0.5 else far
-        return emit.select(emit.abs_below_half(w), near, far)
+        return spell("select", spell("abs_below_half", w), near, far)
     if name == "sqrt":
-        return emit.sqrt(a[0], compute)
+        return spell("sqrt", a[0])
     if name == "rsqrt":
-        return emit.div(one, emit.sqrt(a[0], compute), compute)
+        return spell("div", one, spell("sqrt", a[0]))
     if name == "reciprocal":
-        return emit.div(one, a[0], compute)
+        return spell("div", one, a[0])
     if name == "neg":
         return f"(-{a[0]})"
     if name == "abs":
-        return emit.abs(a[0], compute)
+        return spell("abs", a[0])
     if name == "sign":  # torch.sign(nan) is 0, like sign(0)
-        x, zero = a[0], emit.literal(0, compute)  # (an int: Triton compares with 0)
-        below = emit.select(f"{x} < {zero}", f"-{one}", emit.zeros_like(x, compute))
-        return emit.select(f"{x} > {zero}", one, below)
+        x, zero = a[0], spell("literal", 0)  # (an int: Triton compares with 0)
+        below = spell("select", f"{x} < {zero}", f"-{one}", spell("zeros_like", x))
+        return spell("select", f"{x} > {zero}", one, below)
     if name in ("exp", "log"):
-        return emit.float64_call(name, [a[0]], compute)
+        return spell("float64", name, a[0])
     if name == "pow":
-        base, exponent = emit.broadcast(a[0], a[1]), emit.broadcast(a[1], a[0])
-        return emit.float64_call(name, [base, exponent], compute)
+        base = spell("broadcast", a[0], a[1])
+        exponent = spell("broadcast", a[1], a[0])
+        return spell("float64", name, base, exponent)
     if name in ("maximum", "minimum"):
-        extremum = emit.maximum if name == "maximum" else emit.minimum
-        return extremum(a[0], emit.broadcast(a[1], a[0]), compute)
+        return spell(name, a[0], spell("broadcast", a[1], a[0]))
     if name == "clamp":  # either bound may be None
         low = kw.get("min", a[1] if len(a) > 1 else _OMITTED)
         high = kw.get("max", a[2] if len(a) > 2 else _OMITTED)
         out = a[0]
         if low != _OMITTED:
-            out = emit.maximum(out, emit.broadcast(low, a[0]), compute)
+            out = spell("maximum", out, spell("broadcast", low, a[0]))
         if high != _OMITTED:
-            out = emit.minimum(out, emit.broadcast(high, a[0]), compute)
+            out = spell("minimum", out, spell("broadcast", high, a[0]))
         return out
     if name == "where":
-        return emit.select(a[0], emit.broadcast(a[1], a[2]), emit.broadcast(a[2], a[1]))
+        x, y = spell("broadcast", a[1], a[2]), spell("broadcast", a[2], a[1])
+        return spell("select", a[0], x, y)
     if name in COMPARE:  # ATen casts every operand, a Python number too, to the common dtype
-        x, y = (emit.compare_operand(v, common) for v in a[:2])
+        x, y = (spell("compare_operand", v, common) for v in a[:2])
         return f"({x} {_COMPARE[name]} {y})"
     if name in ("identity", "item"):
-        return emit.value(a[0])
+        return spell("value", a[0])
     if name == "full":  # a 0-dim tensor holding the value
-        return emit.full(a[0], compute)
+        return spell("full", a[0])
     if name == "copy":
-        return emit.value(emit.broadcast(a[1], a[0]))
+        return spell("value", spell("broadcast", a[1], a[0]))
     if name == "zero":
-        return emit.zeros_like(a[0], compute)
+        return spell("zeros_like", a[0])
     if name == "ones":
-        return emit.ones_like(a[0], compute)
+        return spell("ones_like", a[0])
     raise KernelError(f"op {name}.{op.overload}")
 
 

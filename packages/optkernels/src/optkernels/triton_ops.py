@@ -1,4 +1,4 @@
-"""How Triton spells each lane op's pieces (``TritonEmitter``, for ``lowering``, which
+"""How Triton spells each lane op's pieces (``triton_emitter``, for ``lowering``, which
 lowers the ops as ATen computes them), and the casts around a kernel's loads and stores
 (``foreach_kernel.kernel_source`` assembles the kernel around them)."""
 
@@ -10,7 +10,7 @@ import os
 import torch
 
 from optkernels.lanes import LaneProgram
-from optkernels.lowering import NARROW, Scalars
+from optkernels.lowering import NARROW, Code, Emitter, Scalars
 
 _TL_DTYPES = {
     torch.float32: "tl.float32",
@@ -44,98 +44,12 @@ def _store_cast(expr: str, src: torch.dtype, dtype: torch.dtype) -> str:
     return f"({expr}).to({_TL_DTYPES[dtype]})"
 
 
-class TritonEmitter:
-    """Lane ops as Triton expressions (``lowering.Emitter``): values are blocks of a
-    kernel's elements, or Python floats for literals; float32 math through Triton's
-    correctly rounded functions (``tl.div_rn``, ``tl.sqrt_rn``, ``tl.fma``)."""
-
-    ignored = "None"
-
-    def __init__(self, program: LaneProgram) -> None:
-        self.scalars = Scalars(
-            program,
-            load="    {name} = tl.load(scalars + {slot})",
-            narrow="    {narrow} = {name}.to(tl.float32)",
-            suffix="_f32",
-        )
-
-    def literal(self, value: float, compute: torch.dtype) -> str:
-        return repr(value)  # (an int stays one: sign compares with 0)
-
-    def cast(self, expr: str, compute: torch.dtype) -> str:
-        return f"({expr}).to({_TL_DTYPES[compute]})"
-
-    def round(self, expr: str, dtype: torch.dtype) -> str:
-        return _round(expr, dtype)
-
-    def fma(self, x: str, y: str, z: str, compute: torch.dtype) -> str:
-        return f"tl.fma({x}, {y}, {z})"
-
-    def div(self, x: str, y: str, compute: torch.dtype) -> str:
-        return _div(x, y, compute is torch.float64)
-
-    def sqrt(self, x: str, compute: torch.dtype) -> str:
-        return _sqrt(x, compute is torch.float64)
-
-    def abs(self, x: str, compute: torch.dtype) -> str:
-        return f"tl.abs({x})"
-
-    def abs_below_half(self, x: str) -> str:
-        return f"tl.abs({x}) < 0.5"
-
-    def maximum(self, x: str, y: str, compute: torch.dtype) -> str:
-        return f"tl.maximum({x}, {y}, propagate_nan=tl.PropagateNan.ALL)"
-
-    def minimum(self, x: str, y: str, compute: torch.dtype) -> str:
-        return f"tl.minimum({x}, {y}, propagate_nan=tl.PropagateNan.ALL)"
-
-    def select(self, condition: str, x: str, y: str) -> str:
-        return f"tl.where({condition}, {x}, {y})"
-
-    def broadcast(self, value: str, like: str) -> str:
-        return _full(value, like)
-
-    def float64_call(self, fn: str, args: list[str], compute: torch.dtype) -> str:
-        wide = compute is torch.float64
-        if fn == "pow":  # _pow (kernel_prelude) takes float32 and computes in float64
-            out = f"_pow({', '.join(args)})"
-        else:
-            out = f"tl.{fn}({args[0]})" if wide else f"tl.{fn}({args[0]}.to(tl.float64))"
-        return out if wide else f"{out}.to(tl.float32)"
-
-    def compare_operand(self, x: str, common: torch.dtype | None) -> str:
-        # (Rprop's sign == etaminus in bfloat16: etaminus rounded to bfloat16 first)
-        return _narrowed(x, common) if common in NARROW else x
-
-    def zeros_like(self, x: str, compute: torch.dtype) -> str:
-        return f"tl.zeros_like({x})"
-
-    def ones_like(self, x: str, compute: torch.dtype) -> str:
-        return f"(tl.zeros_like({x}) + 1.0)"
-
-    def value(self, x: str) -> str:
-        return x
-
-    def full(self, x: str, compute: torch.dtype) -> str:
-        if not _is_literal(x):
-            return f"({x} - 0.0)"
-        number = float(x)  # (tl.full makes any zero +0.0: a negative value is negated)
-        full = f"tl.full([], {abs(number)!r}, {_TL_DTYPES[compute]})"
-        return f"(-{full})" if math.copysign(1.0, number) < 0 else full
-
-
 def _div(x: str, y: str, wide: bool) -> str:
     """``x / y`` rounded to nearest, as ATen divides (``/`` is IEEE division in float64 on a
     GPU; ``tl.div_rn`` takes float32 only)."""
     if wide:
         return f"({x} / {y})"
     return f"tl.div_rn({_full(x, y)}, {_full(y, x)})"
-
-
-def _sqrt(x: str, wide: bool) -> str:
-    """The correctly rounded square root (``tl.sqrt_rn`` takes float32 only; ``tl.sqrt`` of
-    a float64 is correctly rounded)."""
-    return f"tl.sqrt({x})" if wide else f"tl.sqrt_rn({x})"
 
 
 def _full(value: str, like: str) -> str:
@@ -161,3 +75,60 @@ def _is_literal(expr: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _float64(fn: str, args: list[str], wide: bool) -> str:
+    """exp, log or pow of ``args`` computed in float64 (rounded to float32 unless ``wide``)."""
+    if fn == "pow":  # _pow (kernel_prelude) takes float32 and computes in float64
+        out = f"_pow({', '.join(args)})"
+    else:
+        out = f"tl.{fn}({args[0]})" if wide else f"tl.{fn}({args[0]}.to(tl.float64))"
+    return out if wide else f"{out}.to(tl.float32)"
+
+
+def _full_tensor(x: str, compute: torch.dtype) -> str:
+    """A 0-dim tensor holding ``x``."""
+    if not _is_literal(x):
+        return f"({x} - 0.0)"
+    number = float(x)  # (tl.full makes any zero +0.0: a negative value is negated)
+    full = f"tl.full([], {abs(number)!r}, {_TL_DTYPES[compute]})"
+    return f"(-{full})" if math.copysign(1.0, number) < 0 else full
+
+
+def _code(compute: torch.dtype) -> Code:
+    """How Triton spells ``lowering.PRIMITIVES`` for ops computing in ``compute``."""
+    wide = compute is torch.float64
+    return {
+        "literal": repr,  # (an int stays one: sign compares with 0)
+        "ignored": "None",
+        "cast": "({0}).to(" + _TL_DTYPES[compute] + ")",
+        "round": _round,
+        "fma": "tl.fma({0}, {1}, {2})",
+        "div": lambda x, y: _div(x, y, wide),
+        # (tl.sqrt_rn, correctly rounded, takes float32 only; tl.sqrt of a float64 is)
+        "sqrt": "tl.sqrt({0})" if wide else "tl.sqrt_rn({0})",
+        "abs": "tl.abs({0})",
+        "abs_below_half": "tl.abs({0}) < 0.5",
+        "maximum": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+        "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+        "select": "tl.where({0}, {1}, {2})",
+        "broadcast": _full,
+        "float64": lambda fn, *args: _float64(fn, list(args), wide),
+        # (Rprop's sign == etaminus in bfloat16: etaminus rounded to bfloat16 first)
+        "compare_operand": lambda x, common: _narrowed(x, common) if common in NARROW else x,
+        "zeros_like": "tl.zeros_like({0})",
+        "ones_like": "(tl.zeros_like({0}) + 1.0)",
+        "value": "{0}",
+        "full": lambda x: _full_tensor(x, compute),
+    }
+
+
+_CODE = {dtype: _code(dtype) for dtype in (torch.float32, torch.float64)}
+
+
+def triton_emitter(program: LaneProgram) -> Emitter:
+    """Lane ops as Triton expressions (for ``lowering``): values are blocks of a kernel's
+    elements, or Python floats for literals; float32 math through Triton's correctly rounded
+    functions (``tl.div_rn``, ``tl.sqrt_rn``, ``tl.fma``)."""
+    load, narrow = "    {name} = tl.load(scalars + {slot})", "    {narrow} = {name}.to(tl.float32)"
+    return Emitter(Scalars(program, load, narrow, suffix="_f32"), _CODE)
