@@ -7,8 +7,8 @@ Its elementwise work on one tensor is then a *chain*: an op making a tensor (Ada
 in-place op on one, followed by in-place ops on that value (``div_``, ``clamp_``,
 ``rsqrt_``, ``mul_``) or by an in-place op on another tensor that reads it
 (``variance.lerp_(g * g, w)``). ATen runs each op as a pass over memory and an OpenMP region;
-``fuse_chains`` replaces a chain by one call of a generated C function (``c_kernel``'s
-expressions, float32 or float64, each op rounded as ATen rounds it) that reads each operand
+``fuse_chains`` replaces a chain by one call of a generated C function (``lowering``'s
+expressions in C, float32 or float64, each op rounded as ATen rounds it) that reads each operand
 and writes the chain's tensor once, its other operands (a row, a column, a scalar tensor)
 broadcast to its shape and Python numbers read at the call. Intermediate tensors no other
 node reads are never made. Shapes are the graph's (the entry's guards fix them), read by
@@ -34,22 +34,15 @@ import numpy as np
 import torch
 from torch import fx
 
-from optkernels.c_kernel import (
-    _C_TYPES,
-    Compiler,
-    _ctype,
-    _Env,
-    _expr,
-    build_async,
-    library_source,
-)
-from optkernels.foreach_kernel import KernelError
+from optkernels.c_kernel import _C_TYPES, Compiler, _ctype, build_async, c_emitter, library_source
+from optkernels.errors import KernelError
 from optkernels.lane_program import _SINGLE, LaneOp, LaneProgram
+from optkernels.lowering import expression
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _DTYPES = (torch.float32, torch.float64)
-# ATen op base name (in-place or not) -> the per-element op of ``c_kernel._expr``: the
+# ATen op base name (in-place or not) -> the per-element op of ``lowering.expression``: the
 # lanes' single-tensor ops a chain takes (elementwise arithmetic; no comparison or select).
 _CHAIN_OPS = [
     "add",
@@ -360,7 +353,7 @@ def chain_source(chain: _Chain, name: str) -> tuple[str, list[int]]:
     inner = shape[-1] if shape else 1
     rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     ctype = _C_TYPES[chain.dtype]
-    env = _Env(LaneProgram(lanes=1), [], set())
+    emit = c_emitter(LaneProgram(lanes=1))
     made = chain.storage < 0
     rows_per_item = max(1, _GRAIN // max(inner, 1))
     dims = [rows, inner, rows_per_item, -(-rows // rows_per_item)]
@@ -402,7 +395,7 @@ def chain_source(chain: _Chain, name: str) -> tuple[str, list[int]]:
             names[op.out] = f"p{k}[o{k} + j * {strides[k]}]"
             continue
         refs = {v: names[v] for v in op.lane_vars}
-        expr = _expr(op, refs, compute, env)
+        expr = expression(op, refs, compute, emit)
         body.append(f"            const {_ctype(compute)} v{op.out} = {expr};")
         names[op.out] = f"v{op.out}"
     last = chain.ops[-1].out
@@ -417,7 +410,7 @@ def chain_source(chain: _Chain, name: str) -> tuple[str, list[int]]:
         f"void {name}(const int64_t *restrict ptrs, const double *restrict scalars,"
         " const int64_t *restrict dims, int threads) {",
         *pointers,
-        *env.lines,
+        *emit.scalars.lines,
         "    const int64_t rows = dims[0], inner = dims[1], per = dims[2], items = dims[3];",
         "    #pragma omp parallel for if(threads > 1 && items > 1) num_threads(threads)",
         "    for (int64_t item = 0; item < items; ++item) {",

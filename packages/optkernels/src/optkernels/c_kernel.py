@@ -4,12 +4,13 @@
 table of work items (lane, first element, end) built once from the shapes, OpenMP threads
 taking items, and computes the lane program over each item's elements in one ``omp simd``
 loop: every tensor is read once and written once per step, with no temporaries in memory.
-Each op computes as the Triton kernels do (``foreach_kernel``): operands cast to the op's
-dtype, computed in float32 for float16/bfloat16/float32 and in float64 for float64, the
-result rounded to its dtype after each op (bfloat16 to nearest even, float16 through
-``_Float16``), Python scalars read unrounded in the compute dtype, and ``fma`` where ATen's
-functors compute ``a + b * c``. What depends only on 0-dim inputs (step counts) and scalars
-is computed on the host for every lane (``host.host_function``) and read from ``host_vals``.
+Each op is lowered as in the Triton kernels (``lowering``, spelled in C by ``c_emitter``):
+operands cast to the op's dtype, computed in float32 for float16/bfloat16/float32 and in
+float64 for float64, the result rounded to its dtype after each op (bfloat16 to nearest
+even, float16 through ``_Float16``), Python scalars read unrounded in the compute dtype, and
+``fma`` where ATen's functors compute ``a + b * c``. What depends only on 0-dim inputs (step
+counts) and scalars is computed on the host for every lane (``host.host_function``) and read
+from ``host_vals``.
 
 ``build`` compiles the sources with the system C compiler into a shared library cached on
 disk, named by a hash of the source, the compiler, its flags and the CPU (``-march=native``):
@@ -35,10 +36,11 @@ from typing import Any
 
 import torch
 
-from optkernels.dtypes import COMPARE, OpDtypes, compute_dtype, op_dtypes
-from optkernels.foreach_kernel import KernelError
-from optkernels.host import HOST_ROWS, scalar_slot
-from optkernels.lanes import LaneOp, LaneProgram
+from optkernels.dtypes import compute_dtype, op_dtypes
+from optkernels.errors import KernelError
+from optkernels.host import HOST_ROWS
+from optkernels.lanes import LaneProgram
+from optkernels.lowering import NARROW, Code, Emitter, Scalars, Values, lower
 
 _C_TYPES = {
     torch.float32: "float",
@@ -47,7 +49,6 @@ _C_TYPES = {
     torch.float16: "_Float16",
     torch.bool: "uint8_t",
 }
-_NARROW = (torch.float16, torch.bfloat16)
 FLAGS = (
     "-O3",
     "-march=native",
@@ -87,27 +88,11 @@ def _ctype(dtype: torch.dtype) -> str:
     return "double" if compute_dtype(dtype) is torch.float64 else "float"
 
 
-def _round(expr: str, dtype: torch.dtype) -> str:
-    """``expr`` (a float) rounded to ``dtype`` and back to float."""
-    return f"rbf({expr})" if dtype is torch.bfloat16 else f"rhf({expr})"
-
-
-def _convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
-    """``expr``, a ``src`` value held in its compute type, as a ``dst`` value held in dst's
-    compute type: rounded where ``dst`` cannot hold it (float64 goes through float32 to a
-    narrower type, as torch's conversions do)."""
-    if src is dst or torch.bool in (src, dst):
-        return expr
-    if compute_dtype(src) is not compute_dtype(dst):
-        expr = f"(({_ctype(dst)})({expr}))"
-    return _round(expr, dst) if dst in _NARROW else expr
-
-
 def _store(expr: str, src: torch.dtype, dtype: torch.dtype) -> str:
     """``expr`` (a ``src`` value in its compute type) as a ``dtype`` element to store."""
     if dtype is torch.bool:
         return f"(uint8_t)({expr})"
-    if src is torch.float64 and dtype in _NARROW:
+    if src is torch.float64 and dtype in NARROW:
         expr = f"(float)({expr})"
     if dtype is torch.bfloat16:
         return f"f2bf({expr})"
@@ -135,26 +120,51 @@ def _literal(value: float, compute: torch.dtype) -> str:
     return f"(({_ctype(compute)}){text})"
 
 
-@dataclass
-class _Env:
-    """What the expressions of one kernel refer to: scalars read once per call."""
+def c_emitter(program: LaneProgram) -> Emitter:
+    """Lane ops as C expressions (for ``lowering``): values are ``float`` (float32, float16,
+    bfloat16) or ``double`` (float64) scalars of one element, computed with C's IEEE
+    operators and libm (``-ffp-contract=off``: a product is rounded before the sum unless
+    written as ``fma``)."""
+    load = "    const double {name} = scalars[{slot}];"
+    narrow = "    const float {narrow} = (float){name};"
+    return Emitter(Scalars(program, load, narrow, suffix="_f"), _CODE)
 
-    program: LaneProgram
-    lines: list[str]
-    names: set[str]
 
-    def scalar(self, index: int, compute: torch.dtype) -> str:
-        slot = scalar_slot(index, self.program)
-        name = f"s{slot}"
-        if name not in self.names:
-            self.names.add(name)
-            self.lines.append(f"    const double {name} = scalars[{slot}];")
-        if compute is torch.float64:
-            return name
-        if f"{name}_f" not in self.names:
-            self.names.add(f"{name}_f")
-            self.lines.append(f"    const float {name}_f = (float){name};")
-        return f"{name}_f"
+def _code(compute: torch.dtype) -> Code:
+    """How C spells ``lowering.PRIMITIVES`` for ops computing in ``compute``."""
+    wide = compute is torch.float64
+    f = "" if wide else "f"  # libm's float functions: fmaf, sqrtf, fabsf
+    return {
+        "literal": lambda value: _literal(value, compute),
+        "ignored": "0",
+        "cast": "((" + _ctype(compute) + ")({0}))",
+        "round": lambda x, dtype: f"rbf({x})" if dtype is torch.bfloat16 else f"rhf({x})",
+        "fma": "fma" + f + "({0}, {1}, {2})",
+        "div": "({0} / {1})",
+        "sqrt": "sqrt" + f + "({0})",
+        "abs": "fabs" + f + "({0})",
+        "abs_below_half": "fabs((double){0}) < 0.5",
+        # mxf/mxd, mnf/mnd (_PRELUDE): NaN if either operand is, as ATen's maximum and clamp
+        "maximum": ("mxd" if wide else "mxf") + "({0}, {1})",
+        "minimum": ("mnd" if wide else "mnf") + "({0}, {1})",
+        "select": "({0} ? {1} : {2})",
+        "broadcast": "{0}",  # (one element: nothing to broadcast)
+        "float64": lambda fn, *args: _float64(fn, list(args), wide),
+        "compare_operand": "{0}",
+        "zeros_like": _literal(0.0, compute),
+        "ones_like": _literal(1.0, compute),
+        "value": "({0})",
+        "full": "({0})",
+    }
+
+
+def _float64(fn: str, args: list[str], wide: bool) -> str:
+    """exp, log or pow of ``args`` in double (rounded to float unless ``wide``)."""
+    call = f"{fn}({', '.join(f'(double){x}' for x in args)})"
+    return call if wide else f"(float){call}"
+
+
+_CODE = {dtype: _code(dtype) for dtype in (torch.float32, torch.float64)}
 
 
 def kernel_source(
@@ -179,7 +189,7 @@ def kernel_source(
         "        const double *restrict host_vals, int threads) {",
         "    const int64_t row_stride = (int64_t)host_vals[0];",
     ]
-    env = _Env(program, [], set())
+    emit = c_emitter(program)
     pointers: list[str] = []
     counts = {False: 0, True: 0}
     for k, dtype in enumerate(dtypes):
@@ -196,16 +206,12 @@ def kernel_source(
     per_item: list[str] = []  # host values, read once per work item
     body: list[str] = []  # the elementwise loop
     resolved = op_dtypes(program, lane)
-    value_dtype: dict[int, torch.dtype] = {}
-    numbers: set[int] = set()
+    values = Values()
     for op in program.ops:
         if op.out in host:
             read_at = host[op.out]
             if read_at is not None:
-                truth = op.op in COMPARE
-                value_dtype[op.out] = torch.bool if truth else torch.float64
-                if not truth:
-                    numbers.add(op.out)
+                truth = values.from_host(op)
                 read = f"hv[{read_at}]"
                 per_item.append(
                     f"        const int v{op.out} = {read} != 0;"
@@ -217,18 +223,16 @@ def kernel_source(
             dtype = dtypes[op.args[0]]
             expr = _load(op.args[0], dtype)
         else:
-            dtype, expr = _lower(op, resolved[op.out], value_dtype, numbers, env)
-        if op.op == "item":
-            numbers.add(op.out)
-        value_dtype[op.out] = dtype
+            dtype, expr = lower(op, resolved[op.out], values, emit)
+        values.computed(op, dtype)
         body.append(f"            const {_ctype(dtype)} v{op.out} = {expr};")
     for var, k in program.writes:
         if program.input_small[k]:
             continue  # written on the host
-        body.append(f"            p{k}[i] = {_store(f'v{var}', value_dtype[var], dtypes[k])};")
+        body.append(f"            p{k}[i] = {_store(f'v{var}', values.dtype[var], dtypes[k])};")
     lines = [
         *head,
-        *env.lines,
+        *emit.scalars.lines,
         "    #pragma omp parallel for if(threads > 1) num_threads(threads) schedule(dynamic, 1)",
         "    for (int64_t it = 0; it < n_items; ++it) {",
         "        const int64_t lane = items[3 * it], start = items[3 * it + 1];",
@@ -245,140 +249,6 @@ def kernel_source(
         "}",
     ]
     return "\n".join(lines) + "\n"
-
-
-def _lower(
-    op: LaneOp,
-    dtypes: OpDtypes,
-    value_dtype: dict[int, torch.dtype],
-    numbers: set[int],
-    env: _Env,
-) -> tuple[torch.dtype, str]:
-    """The dtype of ``op``'s value and its C expression (in that dtype's compute type)."""
-    refs = {v: _operand(v, value_dtype[v], dtypes.common, v in numbers) for v in op.lane_vars}
-    compute = compute_dtype(dtypes.common)
-    expr = _expr(op, refs, compute, env)
-    if dtypes.result is torch.bool:
-        return torch.bool, expr
-    result = dtypes.result or torch.float64
-    return result, _convert(expr, compute, result)
-
-
-def _operand(var: int, dtype: torch.dtype, common: torch.dtype, number: bool) -> str:
-    if dtype is torch.bool:
-        return f"v{var}"
-    if number:
-        return _convert(f"v{var}", dtype, compute_dtype(common))
-    return _convert(f"v{var}", dtype, common)
-
-
-_OMITTED = "<omitted>"
-
-
-def _ref(arg: Any, refs: dict[int, str], compute: torch.dtype, env: _Env) -> str:
-    kind = arg[0]
-    if kind == "lane":
-        return refs[arg[1]]
-    if kind == "scalar":
-        return env.scalar(arg[1], compute)
-    if kind == "const":
-        value = arg[1]
-        if value is None:
-            return _OMITTED
-        if isinstance(value, bool):
-            raise KernelError(f"constant {value!r} as an operand")
-        return _literal(float(value), compute)
-    if kind == "ignore":
-        return "0"
-    raise KernelError(f"argument {arg!r}")
-
-
-def _constant(arg: Any) -> float | None:
-    """The number ``arg`` stands for when it is a literal, else None."""
-    if arg[0] == "const" and isinstance(arg[1], int | float) and not isinstance(arg[1], bool):
-        return float(arg[1])
-    return None
-
-
-def _expr(op: LaneOp, refs: dict[int, str], compute: torch.dtype, env: _Env) -> str:
-    """``op`` as a C expression over its operands (already in ``compute``)."""
-    a = [_ref(x, refs, compute, env) for x in op.args]
-    kw = {k: _ref(v, refs, compute, env) for k, v in op.kwargs}
-    name = op.op
-    wide = compute is torch.float64
-    fma, sqrt, mx, mn = ("fma", "sqrt", "mxd", "mnd") if wide else ("fmaf", "sqrtf", "mxf", "mnf")
-    one, zero = _literal(1.0, compute), _literal(0.0, compute)
-    if name != "clamp" and (_OMITTED in a or _OMITTED in kw.values()):
-        raise KernelError(f"constant None as an operand of {name}")
-    if name in ("add", "sub"):  # self + alpha * other
-        alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
-        if alpha is None:
-            return f"({a[0]} {'+' if name == 'add' else '-'} {a[1]})"
-        return f"{fma}({a[1] if name == 'add' else f'(-{a[1]})'}, {alpha}, {a[0]})"
-    if name == "mul":
-        return f"({a[0]} * {a[1]})"
-    if name == "div":
-        return f"({a[0]} / {a[1]})"
-    if name in ("addcmul", "addcdiv"):  # self + value * (t1 * t2), self + value * (t1 / t2)
-        value = kw.get("value", a[3] if len(a) > 3 else one)
-        product = f"({a[1]} * {a[2]})" if name == "addcmul" else f"({a[1]} / {a[2]})"
-        return f"{fma}({value}, {product}, {a[0]})"
-    if name == "lerp":  # exact at both ends; |weight| < 0.5 picks the formula
-        s, e, w = a[0], a[1], a[2]
-        near, far = f"{fma}({w}, {e} - {s}, {s})", f"{fma}({s} - {e}, {one} - {w}, {e})"
-        weight = _constant(op.args[2])
-        if weight is not None:
-            return near if abs(weight) < 0.5 else far
-        return f"(fabs((double){w}) < 0.5 ? {near} : {far})"
-    if name == "sqrt":
-        return f"{sqrt}({a[0]})"
-    if name == "rsqrt":
-        return f"({one} / {sqrt}({a[0]}))"
-    if name == "reciprocal":
-        return f"({one} / {a[0]})"
-    if name == "neg":
-        return f"(-{a[0]})"
-    if name == "abs":
-        return f"fabs({a[0]})" if wide else f"fabsf({a[0]})"
-    if name == "sign":  # torch.sign(nan) is 0, like sign(0)
-        x = a[0]
-        return f"({x} > {zero} ? {one} : ({x} < {zero} ? -{one} : {zero}))"
-    if name in ("exp", "log", "pow"):  # in double, rounded once for a float32 op
-        args = ", ".join(f"(double){x}" for x in a[:2] if name == "pow") or f"(double){a[0]}"
-        call = f"{name}({args})"
-        return call if wide else f"(float){call}"
-    if name in ("maximum", "minimum"):
-        return f"{mx if name == 'maximum' else mn}({a[0]}, {a[1]})"
-    if name == "rsub":  # other - alpha * self
-        alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
-        if alpha is None:
-            return f"({a[1]} - {a[0]})"
-        return f"{fma}((-{a[0]}), {alpha}, {a[1]})"
-    if name == "clamp":
-        low = kw.get("min", a[1] if len(a) > 1 else _OMITTED)
-        high = kw.get("max", a[2] if len(a) > 2 else _OMITTED)
-        out = a[0]
-        if low != _OMITTED:
-            out = f"{mx}({out}, {low})"
-        if high != _OMITTED:
-            out = f"{mn}({out}, {high})"
-        return out
-    if name == "where":
-        return f"({a[0]} ? {a[1]} : {a[2]})"
-    if name in COMPARE:
-        return f"({a[0]} {_COMPARE[name]} {a[1]})"
-    if name in ("identity", "item", "full"):
-        return f"({a[0]})"
-    if name == "copy":
-        return f"({a[1]})"
-    if name == "zero":
-        return zero
-    if name == "ones":
-        return one
-    raise KernelError(f"op {name}.{op.overload}")
-
-
-_COMPARE = {"gt": ">", "lt": "<", "ge": ">=", "le": "<=", "eq": "==", "ne": "!="}
 
 
 # -- the compiler and the on-disk cache ------------------------------------------------------

@@ -18,21 +18,16 @@ from collections.abc import Sequence
 import torch
 
 from optkernels.compressed import BLOCK as INT8_BLOCK
-from optkernels.dtypes import COMPARE, op_dtypes
+from optkernels.dtypes import op_dtypes
+from optkernels.errors import KernelError
 from optkernels.host import HOST_ROWS
 from optkernels.kernel_cache import load_kernel, source_dir
 from optkernels.kernel_prelude import prelude_for
 from optkernels.lanes import LaneOp, LaneProgram
 from optkernels.launch_config import BLOCK, launch_config, register_limit
+from optkernels.lowering import Values, convert, lower
 from optkernels.numbers import HOST_ONLY
-from optkernels.triton_ops import (
-    _TL_DTYPES,
-    KernelError,
-    _convert,
-    _lower,
-    _Scalars,
-    _store_cast,
-)
+from optkernels.triton_ops import _TL_DTYPES, _store_cast, triton_emitter
 
 __all__ = [
     "BLOCK",
@@ -99,22 +94,16 @@ def kernel_source(
         if dtype not in _TL_DTYPES:
             raise KernelError(f"dtype {dtype} of a lane input")
         lines.append(f"    a{k} = tl.load({columns[k]})")
-    scalars = _Scalars(program)
+    emit = triton_emitter(program)
     body: list[str] = []
     loads: list[str] = []  # the inputs' loads (see below)
     resolved = op_dtypes(program, lane)
-    value_dtype: dict[int, torch.dtype] = {}  # what each var's Triton value holds
-    numbers: set[int] = set()  # vars ATen reads as Python numbers (see _operand)
+    values = Values()  # what each var's Triton value holds
     for op in program.ops:
         if op.out in host:
             column = host[op.out]
             if column is not None:
-                # (a comparison the host made, RAdam's rect > 5, comes as 0.0/1.0: a where
-                # takes it back as a bool)
-                truth = op.op in COMPARE
-                value_dtype[op.out] = torch.bool if truth else torch.float64
-                if not truth:
-                    numbers.add(op.out)
+                truth = values.from_host(op)
                 load = f"tl.load(host_vals + {HOST_ROWS} + row + {column})"
                 body.append(f"    v{op.out} = {load}{' != 0' if truth else ''}")
             continue
@@ -132,10 +121,8 @@ def kernel_source(
             dtype = dtypes[op.args[0]]
             expr = _load(op, dtype)
         else:
-            dtype, expr = _lower(op, resolved[op.out], program, value_dtype, numbers, scalars)
-        if op.op == "item":
-            numbers.add(op.out)
-        value_dtype[op.out] = dtype
+            dtype, expr = lower(op, resolved[op.out], values, emit)
+        values.computed(op, dtype)
         # every load first (they depend on nothing computed, and no store comes before the
         # end): their latencies overlap, where a load written at its first use (Adam's
         # param, read by the last op) waited until the math before it was done. int8 state:
@@ -146,7 +133,7 @@ def kernel_source(
         (loads if hoist else body).append(f"    v{op.out} = {expr}")
     rounding = rounding or {}
     counters = {
-        k: scalars.ref(c, torch.float64) for k, (f, c, _) in rounding.items() if f == "bf16"
+        k: emit.scalars.ref(c, torch.float64) for k, (f, c, _) in rounding.items() if f == "bf16"
     }
     core = loads + body
     for var, k in program.writes:
@@ -154,25 +141,25 @@ def kernel_source(
             continue  # written on the host
         if program.input_small[k]:
             j = small_writes.index((var, k))
-            value = _convert(f"v{var}", value_dtype[var], torch.float64)
+            value = convert(f"v{var}", values.dtype[var], torch.float64, emit)
             core.append(
                 f"    tl.store(small_out + lane * {len(small_writes)} + {j}, {value}, mask=first)"
             )
         elif dtypes[k] is torch.uint8:  # int8 state: codes and block scales
             if rounding.get(k, ("",))[0] != "int8":
                 raise KernelError(f"input column {k} (uint8) is written without its scales")
-            value = _convert(f"v{var}", value_dtype[var], torch.float32)
+            value = convert(f"v{var}", values.dtype[var], torch.float32, emit)
             args = f"p{k}, {_scales(k)}, {value}, offs, start, mask, BLOCK"
             core.append(f"    _store_int8({args})")
         elif k in counters:  # bfloat16 state, stochastically rounded (optkernels.compressed)
-            value = _convert(f"v{var}", value_dtype[var], torch.float32)
+            value = convert(f"v{var}", values.dtype[var], torch.float32, emit)
             mix = rounding[k][2] * 0xC2B2AE3D
             stored = f"_round_bf16_stochastic({value}, offs, {counters[k]}, {mix})"
             core.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
         else:
-            stored = _store_cast(f"v{var}", value_dtype[var], dtypes[k])
+            stored = _store_cast(f"v{var}", values.dtype[var], dtypes[k])
             core.append(f"    tl.store(p{k} + offs, {stored}, mask=mask)")
-    lines += _branches(program, dtypes, scalars.lines, core)
+    lines += _branches(program, dtypes, emit.scalars.lines, core)
     if small_writes and not host:
         copies = _small_kernel(dtypes, name, small_writes, table_columns(dynamic, "lanes"))
         lines += ["", "", *copies]
