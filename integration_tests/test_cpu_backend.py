@@ -46,6 +46,9 @@ MAKE = {
         ps, lr=1e-2, centered=True, momentum=0.5, foreach=f
     ),
     "Rprop": lambda ps, f: optim.Rprop(ps, lr=1e-2, foreach=f),
+    # etaminus 0.3 is no bfloat16/float16 value: ``sign == etaminus`` compares with its
+    # rounded value there, as ATen casts both operands (0.5, the default, is exact)
+    "Rprop etas": lambda ps, f: optim.Rprop(ps, lr=1e-2, etas=(0.3, 1.7), foreach=f),
     "SGD nesterov": lambda ps, f: optim.SGD(
         ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=f
     ),

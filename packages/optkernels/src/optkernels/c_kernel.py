@@ -138,7 +138,7 @@ def _code(compute: torch.dtype) -> Code:
         "literal": lambda value: _literal(value, compute),
         "ignored": "0",
         "cast": "((" + _ctype(compute) + ")({0}))",
-        "round": lambda x, dtype: f"rbf({x})" if dtype is torch.bfloat16 else f"rhf({x})",
+        "round": _narrowed,
         "fma": "fma" + f + "({0}, {1}, {2})",
         "div": "({0} / {1})",
         "sqrt": "sqrt" + f + "({0})",
@@ -150,12 +150,19 @@ def _code(compute: torch.dtype) -> Code:
         "select": "({0} ? {1} : {2})",
         "broadcast": "{0}",  # (one element: nothing to broadcast)
         "float64": lambda fn, *args: _float64(fn, list(args), wide),
-        "compare_operand": "{0}",
+        # ATen casts a comparison's operands, a Python number too, to their common dtype:
+        # Rprop's ``sign == etaminus`` over bfloat16 compares with etaminus in bfloat16
+        "compare_operand": lambda x, common: _narrowed(x, common) if common in NARROW else x,
         "zeros_like": _literal(0.0, compute),
         "ones_like": _literal(1.0, compute),
         "value": "({0})",
         "full": "({0})",
     }
+
+
+def _narrowed(x: str, dtype: torch.dtype) -> str:
+    """``x`` (a float) rounded to bfloat16 or float16, held in a float."""
+    return f"rbf({x})" if dtype is torch.bfloat16 else f"rhf({x})"
 
 
 def _float64(fn: str, args: list[str], wide: bool) -> str:
