@@ -345,3 +345,26 @@ def test_adafactor_steps_while_the_chains_c_is_still_building_run_their_aten_ops
     _step_both(params, opt, reference, eager, 2, torch.Generator().manual_seed(11))
     assert all(call.function is not None for call in calls)
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["AdamW weight decay", "RAdam", "Adamax"])
+def test_a_graph_the_loops_do_not_take_reads_step_counts_in_float64(name):
+    """One grad tensor shared by two float32 params (the trace reads it once: no lane
+    program) beside a float64 param: the torch backend runs the graph, with the step counts
+    eager reads as Python floats widened to float64, as the host computes them for the
+    loops. In float32 the float64 param's bias corrections were 2e-7 off eager's."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [((3,), torch.float32), ((3,), torch.float32), ((1,), torch.float64)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in shapes]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = optcompile.compile(MAKE[name](params, False), backend="cpu")
+    eager = MAKE[name](reference, False)
+    for _ in range(3):
+        shared = torch.randn(3, generator=gen)
+        wide = torch.randn(1, generator=gen, dtype=torch.float64)
+        for group in (params, reference):
+            group[0].grad, group[1].grad, group[2].grad = shared, shared, wide.clone()
+        opt.step()
+        eager.step()
+    assert "not fused" in optcompile.explain(opt).graph_code.splitlines()[0]
+    _assert_matches_eager(params, opt, reference, eager, torch.float64)

@@ -35,6 +35,7 @@ from optkernels.c_kernel import (
     library_source,
 )
 from optkernels.c_norms import use_c_norms
+from optkernels.double_scalars import _python_floats_in_double
 from optkernels.dtypes import lanes_by_dtypes
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError
@@ -300,7 +301,10 @@ class CpuPlan:
                 else:
                     self.split, self.prelude = split, TorchPlan(split.prelude)
         if not self.parts:
-            self.fallback = _torch_plan(gm, compiler)
+            # (step counts read in float64, as the host computes them for the loop nests
+            # and eager's Python floats are: the capturable path's float32 counts would
+            # round a float64 param's bias corrections to float32)
+            self.fallback = _torch_plan(_python_floats_in_double(gm), compiler)
 
     def _lower(self, graph: fx.Graph) -> list[_Part]:
         index = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
