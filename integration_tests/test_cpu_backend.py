@@ -12,6 +12,7 @@ computes what depends on step counts in float64, as eager's Python floats do.
 from __future__ import annotations
 
 import copy
+import os
 
 import optcompile
 import pytest
@@ -368,3 +369,34 @@ def test_a_graph_the_loops_do_not_take_reads_step_counts_in_float64(name):
         eager.step()
     assert "not fused" in optcompile.explain(opt).graph_code.splitlines()[0]
     _assert_matches_eager(params, opt, reference, eager, torch.float64)
+
+
+_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not _TRITON, reason="no Triton"))],
+)
+@pytest.mark.parametrize("etas", [(0.5, 1.2), (0.4, 1.5)], ids=["same etas", "other etas"])
+def test_rprop_in_two_groups_takes_each_lanes_etas(backend, etas):
+    """Rprop writes its etas into 0-dim tensors, a number each lane picks from its group:
+    over two groups the host computes them per lane (it raised a TypeError there, on the
+    C loops and on Triton alike)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, generator=gen).to(device)) for _ in range(3)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        return optim.Rprop([{"params": ps[:2]}, {"params": ps[2:], "etas": etas}], lr=1e-2)
+
+    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    for _ in range(4):
+        for p, q in zip(params, reference, strict=True):
+            grad = torch.randn(5, generator=gen).to(device)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+    assert optcompile.explain(opt).fallback_reason is None
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)

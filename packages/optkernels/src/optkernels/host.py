@@ -250,11 +250,12 @@ def host_function(
             value = f"small[{op.args[0]}]"
             if not uniform:
                 value = f"np.asarray({value}, dtype=np.float64)"
-        elif op.op == "full":  # a constant for every lane (``scalar_tensor(0.0)``)
+        elif op.op == "full":  # a 0-dim tensor of a number (``scalar_tensor(0.0)``)
+            # (the number may differ by lane: Rprop's etas picked from each lane's group)
             number = f"float({ref(op.args[0])})"
-            if exact is not None:
-                number = rounded(number, exact.result)
-            value = number if uniform else f"np.full(lanes, {number}, dtype=np.float64)"
+            if not uniform:
+                number = f"np.broadcast_to(np.asarray({ref(op.args[0])}, np.float64), (lanes,))"
+            value = number if exact is None else rounded(number, exact.result)
         elif op.op in PYTHON_FUNCTIONS:  # Python's arithmetic, lane by lane
             python = const(PYTHON_FUNCTIONS[op.op])
             operands = ", ".join(ref(x) for x in op.args)
