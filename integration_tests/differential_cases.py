@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from hypothesis import reject
 from hypothesis import strategies as st
+from optkernels.c_kernel import find_compiler
 from step_optimizers import ClippedAdam, ForeachLamb, SophiaLike
 
 LONG_EXAMPLES = int(os.environ.get("OPTCOMPILE_FUZZ_EXAMPLES", "0"))
@@ -22,6 +23,10 @@ LONG = LONG_EXAMPLES > 0
 WITH_KNOWN_BUGS = os.environ.get("OPTCOMPILE_FUZZ_KNOWN_BUGS") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_OK = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+# backend "cpu" (generated C loop nests: what "auto" picks for CPU params) where a C
+# compiler builds them; OPTCOMPILE_FUZZ_BACKEND=cpu draws it alone (a campaign over it)
+CPU_OK = DEVICE == "cpu" and not isinstance(find_compiler(), str)
+ONLY_BACKEND = os.environ.get("OPTCOMPILE_FUZZ_BACKEND")
 
 
 @dataclass(frozen=True)
@@ -414,7 +419,10 @@ def _set_event(draw: Any, name: str, groups: list[Group], after: int) -> Event:
 @st.composite
 def cases(draw: Any) -> Case:
     name = draw(st.sampled_from([*TORCH_OPTIMIZERS, *CUSTOM]))
-    backend = "triton" if TRITON_OK and draw(st.integers(0, 5)) == 0 else "torch"
+    roll = draw(st.integers(0, 5))
+    backend = "triton" if TRITON_OK and roll == 0 else "cpu" if CPU_OK and roll == 1 else "torch"
+    if ONLY_BACKEND is not None:
+        backend = ONLY_BACKEND
     defaults = draw(_options(name, group=False))
     if name in FUSED and draw(st.integers(0, 15)) == 0:
         defaults["fused"] = True

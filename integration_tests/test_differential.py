@@ -12,7 +12,8 @@ on some steps, set by a closure, halved by a step pre-hook), zero_grad between s
 scheduler (attached before or after ``compile``), events between steps (a hyperparameter
 changed by hand, ``add_param_group``, ``state_dict`` round trips through fresh and existing
 optimizers in both directions, deep-copied or through ``torch.save``), the backend ("torch",
-or "triton" for a smaller share of cases) and a recompile limit. It steps a compiled
+or "triton" and "cpu" (generated C loops, where a C compiler builds them) for a smaller
+share of cases each) and a recompile limit. It steps a compiled
 optimizer and an eager one over parameters built the same way, and after every step and
 event compares the parameters, every state entry, the group hyperparameters, the losses
 ``step(closure)`` returns, hook calls and the warnings eager gives:
@@ -43,6 +44,7 @@ Modes (environment variables):
   foreach changes are drawn, backend "triton" runs compiled kernels (no interpreter) with
   and without CUDA graphs: ``OPTCOMPILE_FUZZ_EXAMPLES=2000 python -m pytest
   integration_tests/test_differential.py -x``.
+- ``OPTCOMPILE_FUZZ_BACKEND=cpu`` (or ``torch``, ``triton``): every case on that backend.
 - ``OPTCOMPILE_FUZZ_KNOWN_BUGS=1``: also draw the combinations of ``KNOWN_BUGS`` (open
   bugs, excluded from the draw until fixed; delete an entry to re-enable it for good).
 
