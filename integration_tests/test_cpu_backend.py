@@ -400,3 +400,32 @@ def test_rprop_in_two_groups_takes_each_lanes_etas(backend, etas):
         eager.step()
     assert optcompile.explain(opt).fallback_reason is None
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not _TRITON, reason="no Triton"))],
+)
+def test_a_0_dim_lane_the_host_computes_takes_a_sign(backend):
+    """A step with a sign (SophiaLike's ``m.sign()``) over a 0-dim parameter among lanes
+    the host computes: its value arrives as a 0-dim numpy number, whose bools do not
+    subtract (the host raised a TypeError there)."""
+    from step_optimizers import SophiaLike
+
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3,), (3,), ()]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = optcompile.compile(SophiaLike([{"params": [p]} for p in params]), backend=backend)
+    eager = SophiaLike([{"params": [p]} for p in reference])
+    for _ in range(3):
+        shared = torch.randn(3, generator=gen).to(device)  # one grad tensor for two params
+        scalar = torch.randn((), generator=gen).to(device)
+        for group in (params, reference):
+            group[0].grad, group[1].grad, group[2].grad = shared, shared, scalar.clone()
+        opt.step()
+        eager.step()
+    assert optcompile.explain(opt).fallback_reason is None
+    for p, q in zip(params, reference, strict=True):
+        assert_within_ulps(p, q, ULPS[torch.float32])

@@ -527,7 +527,9 @@ def _scalar_clamp(a: Sequence[Any], kw: dict[str, Any]) -> Any:
 
 
 def _scalar_sign(x: float) -> float:
-    return x if x != x else float((x > 0) - (x < 0))
+    """torch.sign of a number (a Python float or a 0-dim numpy value: its bools do not
+    subtract): NaN stays NaN."""
+    return x if x != x else float(int(x > 0) - int(x < 0))
 
 
 def _scalar_pow(x: float, y: float) -> float:
