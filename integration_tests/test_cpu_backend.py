@@ -372,18 +372,22 @@ def test_a_graph_the_loops_do_not_take_reads_step_counts_in_float64(name):
 
 
 _TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+# The host values are shared by both backends: these cases run on each (Triton's on CUDA
+# where there is one, else under TRITON_INTERPRET=1)
+BOTH = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not _TRITON, reason="no Triton"))]
 
 
-@pytest.mark.parametrize(
-    "backend",
-    ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not _TRITON, reason="no Triton"))],
-)
+def _device(backend: str) -> str:
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("backend", BOTH)
 @pytest.mark.parametrize("etas", [(0.5, 1.2), (0.4, 1.5)], ids=["same etas", "other etas"])
 def test_rprop_in_two_groups_takes_each_lanes_etas(backend, etas):
     """Rprop writes its etas into 0-dim tensors, a number each lane picks from its group:
     over two groups the host computes them per lane (it raised a TypeError there, on the
     C loops and on Triton alike)."""
-    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    device = _device(backend)
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, generator=gen).to(device)) for _ in range(3)]
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -402,17 +406,14 @@ def test_rprop_in_two_groups_takes_each_lanes_etas(backend, etas):
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
 
 
-@pytest.mark.parametrize(
-    "backend",
-    ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not _TRITON, reason="no Triton"))],
-)
+@pytest.mark.parametrize("backend", BOTH)
 def test_a_0_dim_lane_the_host_computes_takes_a_sign(backend):
     """A step with a sign (SophiaLike's ``m.sign()``) over a 0-dim parameter among lanes
     the host computes: its value arrives as a 0-dim numpy number, whose bools do not
     subtract (the host raised a TypeError there)."""
     from step_optimizers import SophiaLike
 
-    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    device = _device(backend)
     gen = torch.Generator().manual_seed(0)
     shapes = [(3,), (3,), ()]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
