@@ -48,7 +48,6 @@ from optkernels.host import (
     picks_differ,
     scalar_function,
 )
-from optkernels.lane_program import one_small_tensor_per_lane
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.reference import PAGE_VALUES, TorchBackend, TorchPlan, node_by_node, values_per_op
@@ -130,7 +129,6 @@ class _Part:
             for k, nodes in enumerate(program.inputs)
             if program.input_small[k]
         }
-        one_small_tensor_per_lane(self.small_slots)
         self.small = AddressCheck([i for s in self.small_slots.values() for i in s])
         self.small_views: dict[int, np.ndarray] = {}
         width = len(self.host_read)

@@ -16,20 +16,6 @@ class NotLanes(Exception):
     """The graph is not a per-lane program; the message says why."""
 
 
-def one_small_tensor_per_lane(small_slots: dict[int, list[int]]) -> None:
-    """Raise NotLanes where one 0-dim tensor is an input of several lanes (a group's
-    tensor lr read by each of its params): the backends alias each lane's 0-dim inputs into
-    one buffer (the same tensor objects, re-pointed), so a tensor of several lanes could
-    point at one of their places only, and a change in place (an LR scheduler's ``fill_``
-    of a tensor lr) would reach that lane alone."""
-    for slots in small_slots.values():
-        if len(set(slots)) < len(slots):
-            raise NotLanes(
-                "one 0-dim tensor is an input of several lanes (a tensor hyperparameter such "
-                "as a group's lr): an in-place change to it must reach every lane"
-            )
-
-
 @dataclass(frozen=True)
 class LaneOp:
     """``out = op(args)`` for every lane. Args: ("lane", var) | ("scalar", index) | ("const",

@@ -23,7 +23,6 @@ from optkernels.foreach_kernel import (
     register_limit,
 )
 from optkernels.host import HostFunction
-from optkernels.lane_program import one_small_tensor_per_lane
 from optkernels.lanes import LaneProgram
 from optkernels.staging import Staging
 
@@ -115,7 +114,6 @@ class _Group:
         # _Part._host_values), and the addresses that aliasing gives them.
         self.small_buffers: dict[int, torch.Tensor] = {}
         self.small_views: dict[int, np.ndarray] = {}  # numpy views of small_buffers
-        one_small_tensor_per_lane(self.small_slots)
         self.small = AddressCheck([i for slots in self.small_slots.values() for i in slots])
 
     def guard(self, guarded: frozenset[int]) -> None:
