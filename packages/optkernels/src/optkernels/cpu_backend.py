@@ -48,6 +48,7 @@ from optkernels.host import (
     picks_differ,
     scalar_function,
 )
+from optkernels.lane_program import one_input_tensor_per_lane
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.reference import PAGE_VALUES, TorchBackend, TorchPlan, node_by_node, values_per_op
@@ -310,7 +311,10 @@ class CpuPlan:
         index = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
         programs = analyze_parts(graph)
         self.layouts = layouts(programs, index, self.num_inputs)
-        return [_Part(p, index, self.compiler) for p in programs]
+        parts = [_Part(p, index, self.compiler) for p in programs]
+        for part in parts:
+            one_input_tensor_per_lane(part.small_slots, self.num_inputs)
+        return parts
 
     @property
     def build_seconds(self) -> float:

@@ -28,6 +28,7 @@ from optkernels._triton_compat import prefetch_runtime, prefetch_triton_key
 from optkernels.double_scalars import _python_floats_in_double
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError, source_dir
+from optkernels.lane_program import one_input_tensor_per_lane
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.prelude_capture import PreludeCapture
@@ -119,7 +120,10 @@ class TritonPlan:
         self.index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
         programs = analyze_parts(gm.graph)
         self.layouts = layouts(programs, self.index, self.num_inputs)
-        return [_Part(p, self.index, host_small, self.staging, self._changes) for p in programs]
+        parts = [_Part(p, self.index, host_small, self.staging, self._changes) for p in programs]
+        for group in (g for part in parts for g in part.groups):
+            one_input_tensor_per_lane(group.small_slots, self.num_inputs)
+        return parts
 
     @property
     def program(self) -> LaneProgram | None:
