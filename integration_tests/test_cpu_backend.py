@@ -78,15 +78,18 @@ def _run(make, foreach, dtype, steps=3, backend="cpu", shapes=None):
     return params, opt, reference, eager
 
 
-def _step_both(params, opt, reference, eager, steps, gen, dtype=torch.float32):
+def _step_both(params, opt, reference, eager, steps, gen, dtype=torch.float32, after=None):
     """``steps`` steps of both optimizers, each param and its reference given the same
-    random grad (drawn from ``gen``) before each."""
+    random grad (drawn from ``gen``, on the param's device) before each; ``after()`` after
+    each step of both."""
     for _ in range(steps):
         for p, q in zip(params, reference, strict=True):
-            grad = torch.randn(p.shape, generator=gen).to(dtype)
+            grad = torch.randn(p.shape, generator=gen).to(p.device, dtype)
             p.grad, q.grad = grad.clone(), grad.clone()
         opt.step()
         eager.step()
+        if after is not None:
+            after()
 
 
 def _assert_matches_eager(params, opt, reference, eager, dtype, ulps=None):
@@ -396,12 +399,7 @@ def test_rprop_in_two_groups_takes_each_lanes_etas(backend, etas):
         return optim.Rprop([{"params": ps[:2]}, {"params": ps[2:], "etas": etas}], lr=1e-2)
 
     opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
-    for _ in range(4):
-        for p, q in zip(params, reference, strict=True):
-            grad = torch.randn(5, generator=gen).to(device)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        opt.step()
-        eager.step()
+    _step_both(params, opt, reference, eager, 4, gen)
     assert optcompile.explain(opt).fallback_reason is None
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
 
@@ -449,13 +447,6 @@ def test_a_tensor_lr_an_lr_scheduler_changes_in_place_reaches_every_lane(name, b
 
     opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
     schedulers = [optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, eager)]
-    for _ in range(4):
-        for p, q in zip(params, reference, strict=True):
-            grad = torch.randn(3, generator=gen).to(device)
-            p.grad, q.grad = grad.clone(), grad.clone()
-        opt.step()
-        eager.step()
-        for scheduler in schedulers:
-            scheduler.step()
+    _step_both(params, opt, reference, eager, 4, gen, after=lambda: [s.step() for s in schedulers])
     for p, q in zip(params, reference, strict=True):
         assert_within_ulps(p, q, ULPS[torch.float32])
