@@ -429,13 +429,12 @@ def _nothing_to_fetch(L: dict[str, Any]) -> list[Any]:
 
 
 def _none_held(params: list[torch.Tensor]) -> bool:
-    """Whether none of ``params`` holds a gradient: counted in one C loop (optguard's
-    native ``count_grads``); attribute reads where dynamo traces this (an ``opt.step()``
-    inside a ``torch.compile``d function), which the native call would break."""
-    module = None if torch.compiler.is_compiling() else native.module()
-    if module is not None:
-        return bool(module.count_grads(params) == 0)
-    return all(p.grad is None for p in params)
+    """Whether none of ``params`` holds a gradient: counted as the hooks count (``_hook_count``,
+    one C loop once optguard's native module is loaded); attribute reads where dynamo traces
+    this (an ``opt.step()`` inside a ``torch.compile``d function), which the native call
+    would break."""
+    count = _count_grads if torch.compiler.is_compiling() else _hook_count
+    return count(params) == 0
 
 
 def _count_grads(params: list[torch.Tensor]) -> int:

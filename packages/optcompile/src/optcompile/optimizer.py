@@ -299,11 +299,13 @@ def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     None`` for each param without a Python loop: a training loop calls it every iteration,
     and after an in-backward backward (every gradient already None) it is all it does."""
     zero_grad = type(self).__dict__["_optcompile_base"].zero_grad
-    if torch.compiler.is_compiling():  # (torch's is dynamo-disabled: a graph break there)
-        zero_grad(self, set_to_none)
-        return
-    module = native.module()
-    if not set_to_none or zero_grad is not _TORCH_ZERO_GRAD or module is None or profiler_enabled():
+    if (
+        torch.compiler.is_compiling()  # (first: torch's is dynamo-disabled, a graph break)
+        or not set_to_none
+        or zero_grad is not _TORCH_ZERO_GRAD
+        or profiler_enabled()
+        or (module := native.module()) is None
+    ):
         zero_grad(self, set_to_none)
         return
     for group in self.param_groups:

@@ -252,8 +252,9 @@ def host_function(
                 value = f"np.asarray({value}, dtype=np.float64)"
         elif op.op == "full":  # a 0-dim tensor of a number (``scalar_tensor(0.0)``)
             # (the number may differ by lane: Rprop's etas picked from each lane's group)
-            number = f"float({ref(op.args[0])})"
-            if not uniform:
+            if uniform:
+                number = f"float({ref(op.args[0])})"
+            else:
                 number = f"np.broadcast_to(np.asarray({ref(op.args[0])}, np.float64), (lanes,))"
             value = number if exact is None else rounded(number, exact.result)
         elif op.op in PYTHON_FUNCTIONS:  # Python's arithmetic, lane by lane
