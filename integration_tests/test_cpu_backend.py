@@ -92,6 +92,19 @@ def _step_both(params, opt, reference, eager, steps, gen, dtype=torch.float32, a
             after()
 
 
+def _step_sharing_a_grad(params, opt, reference, eager, gen, steps=3):
+    """``steps`` steps of both optimizers over three params: the first two given one grad
+    tensor (the trace reads it once), the third its own (drawn in its shape and dtype)."""
+    last = params[2]
+    for _ in range(steps):
+        shared = torch.randn(3, generator=gen).to(last.device)
+        own = torch.randn(last.shape, generator=gen, dtype=last.dtype).to(last.device)
+        for group in (params, reference):
+            group[0].grad, group[1].grad, group[2].grad = shared, shared, own.clone()
+        opt.step()
+        eager.step()
+
+
 def _assert_matches_eager(params, opt, reference, eager, dtype, ulps=None):
     for p, q in zip(params, reference, strict=True):
         assert_within_ulps(p, q, ulps or ULPS[dtype])
@@ -363,13 +376,7 @@ def test_a_graph_the_loops_do_not_take_reads_step_counts_in_float64(name):
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = optcompile.compile(MAKE[name](params, False), backend="cpu")
     eager = MAKE[name](reference, False)
-    for _ in range(3):
-        shared = torch.randn(3, generator=gen)
-        wide = torch.randn(1, generator=gen, dtype=torch.float64)
-        for group in (params, reference):
-            group[0].grad, group[1].grad, group[2].grad = shared, shared, wide.clone()
-        opt.step()
-        eager.step()
+    _step_sharing_a_grad(params, opt, reference, eager, gen)
     assert "not fused" in optcompile.explain(opt).graph_code.splitlines()[0]
     _assert_matches_eager(params, opt, reference, eager, torch.float64)
 
@@ -418,16 +425,9 @@ def test_a_0_dim_lane_the_host_computes_takes_a_sign(backend):
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = optcompile.compile(SophiaLike([{"params": [p]} for p in params]), backend=backend)
     eager = SophiaLike([{"params": [p]} for p in reference])
-    for _ in range(3):
-        shared = torch.randn(3, generator=gen).to(device)  # one grad tensor for two params
-        scalar = torch.randn((), generator=gen).to(device)
-        for group in (params, reference):
-            group[0].grad, group[1].grad, group[2].grad = shared, shared, scalar.clone()
-        opt.step()
-        eager.step()
+    _step_sharing_a_grad(params, opt, reference, eager, gen)
     assert optcompile.explain(opt).fallback_reason is None
-    for p, q in zip(params, reference, strict=True):
-        assert_within_ulps(p, q, ULPS[torch.float32])
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
 
 
 @pytest.mark.parametrize("backend", BOTH)
@@ -448,5 +448,4 @@ def test_a_tensor_lr_an_lr_scheduler_changes_in_place_reaches_every_lane(name, b
     opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
     schedulers = [optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, eager)]
     _step_both(params, opt, reference, eager, 4, gen, after=lambda: [s.step() for s in schedulers])
-    for p, q in zip(params, reference, strict=True):
-        assert_within_ulps(p, q, ULPS[torch.float32])
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
