@@ -260,3 +260,34 @@ def test_an_in_place_op_on_a_strided_half_param_computes_as_eager_on_that_layout
         assert torch.equal(p, q)
         for key, value in eager.state[q].items():
             assert torch.equal(opt.state[p][key], value), key
+
+
+def test_a_check_on_numpy_numbers_runs_batched():
+    """A numpy float64 lr makes the step's Python comparisons numpy bools (ASGD with Tensor
+    lambd, alpha and t0 in a second group checks them): the batched plan handed them to
+    ``aten._assert_scalar`` as they were, which ATen refused (a RuntimeError); it passes
+    them as the node-by-node plan does."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, generator=gen)) for _ in range(3)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        tensors = {k: torch.tensor(v) for k, v in (("lambd", 1e-4), ("alpha", 0.75), ("t0", 1e6))}
+        groups = [{"params": ps[:2]}, {"params": ps[2:], **tensors}]
+        return torch.optim.ASGD(groups, lr=np.float64(0.01))
+
+    opt = optcompile.compile(make(params), backend="torch")
+    eager = make(reference)
+    for _ in range(3):
+        for p, q in zip(params, reference, strict=True):
+            p.grad = torch.randn(3, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        eager.step()
+    assert optcompile.explain(opt).graph_code.startswith(BATCHED)
+    for p, q in zip(params, reference, strict=True):
+        assert torch.equal(p, q)
+        for key, value in eager.state[q].items():
+            assert torch.equal(opt.state[p][key], value), key

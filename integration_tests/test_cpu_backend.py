@@ -434,9 +434,10 @@ def test_a_0_dim_lane_the_host_computes_takes_a_sign(backend):
 @pytest.mark.parametrize("name", ["Adamax", "NAdam", "Adagrad", "ASGD"])
 def test_a_tensor_lr_an_lr_scheduler_changes_in_place_reaches_every_lane(name, backend):
     """A group's tensor lr is an input of each of its lanes; an LR scheduler ``fill_``s it.
-    Each lane's 0-dim inputs are aliased into one buffer, which one tensor of several lanes
-    cannot be: such a graph runs on the torch backend. (Aliased, every lane but the last
-    kept the first lr: 0.008-0.012 off eager after 4 steps.)"""
+    Each lane's 0-dim inputs are aliased into one buffer, where one tensor of several lanes
+    takes one slot and the others copy it each call: the step stays fused. (Aliased at each
+    of its slots in turn, every lane but the last kept the first lr: 0.008-0.012 off eager
+    after 4 steps.)"""
     device = _device(backend)
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, generator=gen).to(device)) for _ in range(2)]
@@ -449,3 +450,77 @@ def test_a_tensor_lr_an_lr_scheduler_changes_in_place_reaches_every_lane(name, b
     schedulers = [optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, eager)]
     _step_both(params, opt, reference, eager, 4, gen, after=lambda: [s.step() for s in schedulers])
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    if not (name == "ASGD" and device == "cuda"):  # (its eta on the GPU beside a CPU lr)
+        assert "not fused" not in optcompile.explain(opt).graph_code.splitlines()[0]
+
+
+class _SharedCount(optim.Optimizer):
+    """Each param's state holds its group's one step count, advanced once per param."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            count = None
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    count = torch.zeros(()) if count is None else count
+                    state["step"] = count
+                state["step"] += 1
+                p.sub_(p.grad * group["lr"] / state["step"])
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_a_step_count_shared_by_params_advances_once_per_param(backend):
+    """One 0-dim tensor the step writes for each of its params (eager advances it once per
+    param, each param reading the count the one before wrote): the compiled step advances
+    it as often and reads it as eager does."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, generator=gen).to(device)) for _ in range(3)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, eager = optcompile.compile(_SharedCount(params), backend=backend), _SharedCount(reference)
+    _step_both(params, opt, reference, eager, 3, gen)
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    assert opt.state[params[0]]["step"].item() == eager.state[reference[0]]["step"].item() == 9
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_asgd_after_load_state_dict_over_float32_and_float64_params_matches_eager(backend):
+    """load_state_dict casts ASGD's eta and mu to each param's dtype: a float64 param's are
+    float64 beside a float32 one's. Its eta is eager's Python float rounded to float32 by
+    ``torch.as_tensor`` (the host computed it in double, 1e-8 off); and one column of 0-dim
+    inputs in two dtypes was stacked into one buffer the float32 tensor misread (eta 803
+    instead of 0.01 on the C loops)."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(0)
+    dtypes = (torch.float32, torch.float64)
+    params = [torch.nn.Parameter(torch.randn(3, generator=gen, dtype=d).to(device)) for d in dtypes]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        return optim.ASGD([{"params": [p]} for p in ps], lr=0.01, t0=1.0)
+
+    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    for p, q in zip(params, reference, strict=True):
+        p.grad = q.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device)
+    opt.step()
+    eager.step()
+    saved, eager_saved = opt.state_dict(), eager.state_dict()
+    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    opt.load_state_dict(eager_saved)
+    eager.load_state_dict(saved)
+    assert opt.state[params[1]]["eta"].dtype == torch.float64
+    for step in range(3):
+        for p, q in zip(params, reference, strict=True):
+            grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        eager.step()
+        for p, q in zip(params, reference, strict=True):
+            for key, value in eager.state[q].items():
+                assert torch.equal(opt.state[p][key], value), (step, p.dtype, key)
+            assert_within_ulps(p, q, ULPS[p.dtype])

@@ -48,10 +48,10 @@ from optkernels.host import (
     picks_differ,
     scalar_function,
 )
-from optkernels.lane_program import one_input_tensor_per_lane
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.reference import PAGE_VALUES, TorchBackend, TorchPlan, node_by_node, values_per_op
+from optkernels.small_columns import Columns, alias, refuse_shared_writes
 from optkernels.split import Split, split_unfused
 
 log = logging.getLogger("optcompile.kernels")
@@ -84,6 +84,12 @@ class _Part:
             # (the host computes 0-dim inputs with numpy: no bf16; only those columns looked at)
             if small and any([n.meta["val"].dtype == torch.bfloat16 for n in column]):
                 raise NotLanes("a 0-dim bfloat16 input the host would compute with")
+            if small and len({n.meta["val"].dtype for n in column}) > 1:
+                raise NotLanes(  # (the Triton backend groups its lanes by these dtypes)
+                    "the lanes' 0-dim inputs of one column differ in dtype (ASGD's eta of "
+                    "float32 and float64 params after load_state_dict): the host reads each "
+                    "column as one array"
+                )
         self.program = program
         self.index = index
         self._scalars = scalar_function(program, index)
@@ -132,6 +138,7 @@ class _Part:
         }
         self.small = AddressCheck([i for s in self.small_slots.values() for i in s])
         self.small_views: dict[int, np.ndarray] = {}
+        self.columns = Columns()
         width = len(self.host_read)
         self.host_vals = np.zeros(HOST_ROWS + max(program.lanes * width, 1), dtype=np.float64)
         self.scalars = np.zeros(max(len(program.scalar_inputs) + len(program.scalar_nodes), 1))
@@ -191,21 +198,15 @@ class _Part:
 
     def _host_values(self, inputs: Sequence[Any]) -> None:
         """The host vars of every lane, from the 0-dim inputs (step counts), which are made
-        to alias one CPU buffer per column (``set_``: the same tensor objects, values, dtype
-        and shape; a tensor re-pointed since is aliased again), read and written through
-        numpy views of it; and the rows the kernels read, in ``host_vals``."""
+        to alias one CPU buffer per column (small_columns: the same tensor objects, values,
+        dtype and shape; a tensor re-pointed since is aliased again), read and written
+        through numpy views of it; and the rows the kernels read, in ``host_vals``."""
         if not self.small_views or not self.small.equal(inputs):
-            views = {}
-            with torch.no_grad():
-                for k, slots in self.small_slots.items():
-                    tensors = [inputs[i] for i in slots]
-                    buffer = torch.stack(tensors).contiguous()
-                    storage = buffer.untyped_storage()
-                    for j, t in enumerate(tensors):
-                        t.set_(storage, j, (), ())
-                    views[k] = buffer.numpy()
-            self.small_views = views
+            self.columns = alias(self.small_slots, inputs)
+            self.small_views = self.columns.views
             self.small.record(inputs)
+        else:
+            self.columns.refresh()
         self._uniform_or_rows(self.small_views, list(self.scalars))
 
     def _uniform_or_rows(self, views: dict[int, np.ndarray], scalars: list[float]) -> None:
@@ -313,7 +314,7 @@ class CpuPlan:
         self.layouts = layouts(programs, index, self.num_inputs)
         parts = [_Part(p, index, self.compiler) for p in programs]
         for part in parts:
-            one_input_tensor_per_lane(part.small_slots, self.num_inputs)
+            refuse_shared_writes(part.program, part.small_slots)
         return parts
 
     @property

@@ -43,7 +43,38 @@ def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
                 user.replace_input_with(node, wide)
     if not _takes_double(gm, graph, names):
         return gm
+    _round_what_states_take(graph, names)
     return fx.GraphModule(gm, graph)
+
+
+def _round_what_states_take(graph: fx.Graph, names: Collection[str]) -> None:
+    """A value computed from the widened inputs and copied into a 0-dim tensor, rounded
+    first to the dtype the graph records for it (its step counts'), as eager's
+    capturable=False path rounds its Python float there (ASGD's ``eta.copy_(
+    torch.as_tensor(lr / ...))``: the default dtype; a float64 param's eta after
+    load_state_dict keeps that rounding). The host does the same for the kernels."""
+    cone = {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if any(a in cone for a in node.all_input_nodes):
+            cone.add(node)
+        if node.target is not torch.ops.aten.copy.default or len(node.args) < 2:
+            continue
+        dst, src = node.args[0], node.args[1]
+        if not (isinstance(dst, fx.Node) and isinstance(src, fx.Node)) or src not in cone:
+            continue
+        recorded, taken = getattr(src.meta.get("val"), "dtype", None), dst.meta.get("val")
+        if recorded in (None, torch.float64) or not isinstance(taken, torch.Tensor):
+            continue
+        if taken.dim() != 0:
+            continue
+        with graph.inserting_before(node):
+            narrow = graph.call_function(
+                torch.ops.aten._to_copy.default, (src,), {"dtype": recorded}
+            )
+        narrow.meta["val"] = src.meta["val"]
+        node.replace_input_with(src, narrow)
 
 
 def _takes_double(gm: fx.GraphModule, graph: fx.Graph, names: Collection[str]) -> bool:

@@ -28,6 +28,7 @@ from torch import fx
 
 from optkernels.lane_program import NotLanes
 from optkernels.lane_scan import is_foreach
+from optkernels.numbers import eager_target
 
 aten = torch.ops.aten
 
@@ -321,7 +322,7 @@ def _family_op(column: tuple[fx.Node, ...], kind: dict[fx.Node, str]) -> Batched
     args = tuple(arg(v) for v in zip(*(n.args for n in column), strict=True))
     kwargs = tuple((k, arg(tuple(n.kwargs[k] for n in column))) for k in head.kwargs)
     returned = any(user.op == "output" for n in column for user in n.users)
-    return BatchedOp("family", head.target, column, args, kwargs, returned)
+    return BatchedOp("family", eager_target(head), column, args, kwargs, returned)
 
 
 def _single_op(node: fx.Node, kind: dict[fx.Node, str]) -> BatchedOp:
@@ -339,4 +340,4 @@ def _single_op(node: fx.Node, kind: dict[fx.Node, str]) -> BatchedOp:
 
     args = tuple(arg(a) for a in node.args)
     kwargs = tuple((k, arg(v)) for k, v in node.kwargs.items())
-    return BatchedOp(kind[node], node.target, (node,), args, kwargs)
+    return BatchedOp(kind[node], eager_target(node), (node,), args, kwargs)

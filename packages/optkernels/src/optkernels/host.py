@@ -206,6 +206,7 @@ def host_function(
     picks_differ)."""
     chosen = list(range(program.lanes)) if lanes is None else list(lanes)
     ops = {op.out: op for op in program.ops}
+    stand_in = dtypes is None and python_floats(program)  # (tensor ops for Python floats)
     table = _HOST_SCALAR if uniform else _HOST
     constants: list[Any] = []
     rounds = _ROUND_SCALAR if uniform else _ROUND
@@ -272,6 +273,12 @@ def host_function(
         elif op.op == ASSERT:
             check = "_check" if uniform else "_check_lanes"
             value = f"{check}({ref(op.args[0])}, {const(op.args[1][1])})"
+        elif op.op == "copy" and stand_in and _recorded(ops, op.args[1]) is not None:
+            # What the capturable path copies into a 0-dim state, rounded to the dtype it
+            # records (its step counts'), as eager's capturable=False path rounds its Python
+            # float there (ASGD's ``eta.copy_(torch.as_tensor(lr / ...))``: the default
+            # dtype; a float64 param's eta after load_state_dict keeps that rounding)
+            value = rounded(ref(op.args[1]), _recorded(ops, op.args[1]))
         elif exact is not None and op.op == "pow" and _number(op.args[1], dtypes):
             base, exponent = ref(op.args[0], exact), ref(op.args[1])
             compute = const(compute_dtype(exact.common))
@@ -309,6 +316,14 @@ def host_function(
     exec(_compiled("\n".join(lines), "optkernels:host_function"), scope)
     fn: HostFunction = scope["host"]
     return fn
+
+
+def _recorded(ops: dict[int, Any], arg: Any) -> torch.dtype | None:
+    """The one dtype the graph records for lane value ``arg`` in every lane, or None."""
+    if arg[0] != "lane":
+        return None
+    found = set(ops[arg[1]].dtypes)
+    return found.pop() if len(found) == 1 else None
 
 
 def _number(arg: Any, dtypes: dict[int, OpDtypes] | None) -> bool:

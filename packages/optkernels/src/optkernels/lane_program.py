@@ -16,23 +16,6 @@ class NotLanes(Exception):
     """The graph is not a per-lane program; the message says why."""
 
 
-def one_input_tensor_per_lane(small_slots: dict[int, list[int]], num_inputs: int) -> None:
-    """Raise NotLanes where one 0-dim tensor the step is given is an input of several
-    lanes (a group's tensor lr read by each of its params). The backends alias each lane's
-    0-dim inputs into one buffer (the same tensor objects, re-pointed), so such a tensor
-    could point at one of its lanes' places only, and a change in place (an LR scheduler's
-    ``fill_`` of a tensor lr) would reach that lane alone. A value the prelude computes for
-    every lane (a global-norm clip's coefficient: positions from ``num_inputs`` on) is a new
-    tensor each call, aliased again each call: that is a lane program."""
-    for slots in small_slots.values():
-        given = [i for i in slots if i < num_inputs]
-        if len(set(given)) < len(given):
-            raise NotLanes(
-                "one 0-dim tensor is an input of several lanes (a tensor hyperparameter such "
-                "as a group's lr): an in-place change to it must reach every lane"
-            )
-
-
 @dataclass(frozen=True)
 class LaneOp:
     """``out = op(args)`` for every lane. Args: ("lane", var) | ("scalar", index) | ("const",

@@ -60,6 +60,18 @@ def is_assert(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.aten._assert_scalar.default
 
 
+def assert_scalar(condition: Any, message: str) -> None:
+    """``aten._assert_scalar`` of a condition the step computed from numpy numbers (a numpy
+    float hyperparameter makes its Python comparisons numpy bools: ATen takes no such
+    Scalar): what the torch backend runs for an assert node."""
+    torch.ops.aten._assert_scalar.default(bool(condition), message)
+
+
+def eager_target(node: fx.Node) -> Any:
+    """What the torch backend calls for ``node``: its target, or ``assert_scalar``."""
+    return assert_scalar if is_assert(node) else node.target
+
+
 def scalar_constant(node: Any) -> tuple[float, torch.dtype] | None:
     """The value and dtype of a 0-dim floating constant the step made (``torch.tensor(1.0)``,
     a get_attr node), or None for any other node."""

@@ -25,7 +25,7 @@ from torch import fx
 from optkernels._torch_compat import direct_call
 from optkernels.backend import Plan
 from optkernels.lanes import NotLanes
-from optkernels.numbers import is_assert
+from optkernels.numbers import assert_scalar, is_assert
 from optkernels.reinplace import reinplace
 
 log = logging.getLogger("optcompile.kernels")
@@ -78,17 +78,10 @@ _ROUNDS_DIFFERENTLY_IN_PLACE = {
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _assert_scalar(condition: Any, message: str) -> None:
-    """``aten._assert_scalar`` of a condition the step computed from numpy numbers (a numpy
-    float hyperparameter makes its Python comparisons numpy bools: ATen takes no such
-    Scalar)."""
-    torch.ops.aten._assert_scalar.default(bool(condition), message)
-
-
 def _as_eager_ran(node: fx.Node) -> Callable[..., Any]:
     """The callable that computes ``node`` as the op eager ran does."""
     if is_assert(node):
-        return _assert_scalar
+        return assert_scalar
     inplace = node.meta.get("inplace")
     values = node.meta.get("val")
     if node.target is inplace:  # (turned back in place: reinplace.py)

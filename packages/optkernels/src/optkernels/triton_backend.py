@@ -28,12 +28,12 @@ from optkernels._triton_compat import prefetch_runtime, prefetch_triton_key
 from optkernels.double_scalars import _python_floats_in_double
 from optkernels.errors import BackendError
 from optkernels.foreach_kernel import KernelError, source_dir
-from optkernels.lane_program import one_input_tensor_per_lane
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.prelude_capture import PreludeCapture
 from optkernels.prelude_capture import capture_reason as prelude_capture_reason
 from optkernels.reference import TorchPlan
+from optkernels.small_columns import refuse_shared_writes
 from optkernels.split import Split, split_unfused
 from optkernels.staging import Staging
 from optkernels.triton_group import BufferChanges, _Group
@@ -121,8 +121,9 @@ class TritonPlan:
         programs = analyze_parts(gm.graph)
         self.layouts = layouts(programs, self.index, self.num_inputs)
         parts = [_Part(p, self.index, host_small, self.staging, self._changes) for p in programs]
-        for group in (g for part in parts for g in part.groups):
-            one_input_tensor_per_lane(group.small_slots, self.num_inputs)
+        for part in parts:
+            for group in part.groups:
+                refuse_shared_writes(part.program, group.small_slots)
         return parts
 
     @property

@@ -24,6 +24,7 @@ from optkernels.foreach_kernel import (
 )
 from optkernels.host import HostFunction
 from optkernels.lanes import LaneProgram
+from optkernels.small_columns import Columns
 from optkernels.staging import Staging
 
 
@@ -114,6 +115,7 @@ class _Group:
         # _Part._host_values), and the addresses that aliasing gives them.
         self.small_buffers: dict[int, torch.Tensor] = {}
         self.small_views: dict[int, np.ndarray] = {}  # numpy views of small_buffers
+        self.small_columns = Columns()  # (their slots shared by lanes, refreshed each call)
         self.small = AddressCheck([i for slots in self.small_slots.values() for i in slots])
 
     def guard(self, guarded: frozenset[int]) -> None:

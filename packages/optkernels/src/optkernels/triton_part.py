@@ -33,6 +33,7 @@ from optkernels.host import (
 )
 from optkernels.lanes import LaneProgram, NotLanes
 from optkernels.numbers import HOST_ONLY, PICK
+from optkernels.small_columns import alias
 from optkernels.staging import Staging
 from optkernels.triton_group import BufferChanges, _Group
 
@@ -295,6 +296,7 @@ class _Part:
         # device tensors (tests): copies, written back with copy_.
         on_cpu = len(group.small_views) == len(buffers)
         views = group.small_views if on_cpu else {k: b.cpu().numpy() for k, b in buffers.items()}
+        group.small_columns.refresh(views)  # (a tensor lr several lanes read: each its copy)
         writes = self._host_rows(group, views, scalar_values, block, on_cpu)
         self._write_small(group, views, writes)
 
@@ -373,6 +375,7 @@ class _Part:
             seen, writes = [], []
             for group, start, length in starts:
                 views = group.small_views
+                group.small_columns.refresh()
                 seen.append(_column_bytes(views))
                 block = host[start : start + length]
                 writes.append(self._host_rows(group, views, scalar_values, block))
@@ -399,6 +402,7 @@ class _Part:
             views = group.small_views
             if not group.small_buffers or not group.small.equal(inputs):
                 return False
+            group.small_columns.refresh()
             if _column_bytes(views) != seen:
                 return False
         for group, writes in zip(groups, ahead.writes, strict=True):
@@ -430,16 +434,8 @@ class _Part:
 
     @staticmethod
     def _alias_small(group: _Group, inputs: Sequence[Any]) -> None:
-        buffers: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for k, slots in group.small_slots.items():
-                tensors = [inputs[i] for i in slots]
-                buffer = buffers[k] = torch.stack(tensors).contiguous()
-                storage = buffer.untyped_storage()
-                for j, t in enumerate(tensors):
-                    t.set_(storage, j, (), ())
-        group.small_buffers = buffers
-        group.small_views = {k: b.numpy() for k, b in buffers.items() if b.device.type == "cpu"}
+        columns = group.small_columns = alias(group.small_slots, inputs)
+        group.small_buffers, group.small_views = columns.buffers, columns.views
         group.small.record(inputs)
 
     def _group_tables(
