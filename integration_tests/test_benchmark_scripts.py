@@ -2,9 +2,10 @@
 run them: the sharded ones on gloo, benchmarks/sharded_step.py (world size 1, in one process)
 and benchmarks/fsdp_train.py (torchrun, world size 2), each in its --smoke mode (a tiny model,
 a few steps; they raise if optcompile falls back or retraces, or if the compiled and eager runs
-or the checkpoint round trip differ); benchmarks/first_call.py, benchmarks/in_backward.py
-and benchmarks/in_backward_host.py on a tiny case; benchmarks/host_time.py's host parts and
-benchmarks/guard_floor.py's loops on the CPU (the Triton interpreter)."""
+or the checkpoint round trip differ); benchmarks/first_call.py, benchmarks/in_backward.py,
+benchmarks/in_backward_host.py and benchmarks/in_backward_cold.py on a tiny case;
+benchmarks/host_time.py's host parts and benchmarks/guard_floor.py's loops on the CPU (the
+Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,24 @@ def test_in_backward_host_benchmark_times_hooks_and_bucket_updates(tmp_path: Pat
     speed = result["python_speed"]
     assert speed["inside_us"] > 0 and speed["outside_us"] > 0
     assert "The same pure Python:" in done.stdout
+
+
+def test_in_backward_cold_benchmark_splits_each_update_inside_backward_and_alone(
+    tmp_path: Path,
+) -> None:
+    js = tmp_path / "result.json"
+    script = str(BENCHMARKS / "in_backward_cold.py")
+    args = ["--device", "cpu", "--config", "tiny", "--iters", "2", "--warmup", "1"]
+    done = _script([sys.executable, script, *args, "--reps", "5", "--json", str(js)])
+    result = json.loads(js.read_text())
+    buckets = len(result["buckets"])
+    # every bucket updated once per backward; each alone 5 times, the first 3 not kept
+    assert len(result["inside"]) == 2 * buckets and len(result["alone"]) == 2 * buckets
+    assert len(result["first_hooks"]) == 2  # (the first param's, once per backward)
+    for _, parts in result["inside"] + result["alone"]:
+        assert 0 < parts["tree"] < parts["find"] < parts["compiled"] < parts["update"]
+        assert parts["clear"] > 0
+    assert "| whole update |" in done.stdout
 
 
 def test_in_backward_benchmark_reports_peaks_and_bucket_sizes_on_the_cpu(tmp_path: Path) -> None:

@@ -61,3 +61,5 @@ def test_a_written_column_one_tensor_fills_twice_is_refused():
         refuse_shared_writes(_program(writes=[(0, 0)]), {0: [3, 3]})
     refuse_shared_writes(_program(writes=[(0, 0)]), {0: [3, 4]})  # one tensor per lane
     refuse_shared_writes(_program(writes=[(1, 1)]), {0: [3, 3]})  # shared, read only
+    with pytest.raises(NotLanes):  # written in one column, read in another
+        refuse_shared_writes(_program(writes=[(0, 0)]), {0: [3, 4], 2: [5, 4]})

@@ -26,12 +26,15 @@ from optkernels.lane_program import LaneProgram, NotLanes
 
 
 def refuse_shared_writes(program: LaneProgram, small_slots: dict[int, list[int]]) -> None:
-    """Raise NotLanes where one 0-dim tensor is an input of several lanes of a column the
-    program writes (a step count shared by params: eager advances it once per param, the
-    lanes would write it once in all)."""
+    """Raise NotLanes where a 0-dim tensor the program writes is an input of several lanes
+    (a step count shared by params: eager advances it once per param, the lanes would
+    write it once in all) or of another column too (its slot there would be a copy: the
+    write must land in the tensor)."""
     written = {k for _, k in program.writes if program.input_small[k]}
-    for k, slots in small_slots.items():
-        if k in written and len(set(slots)) < len(slots):
+    for k in written & small_slots.keys():
+        slots = set(small_slots[k])
+        elsewhere = any(slots & set(s) for m, s in small_slots.items() if m != k)
+        if len(slots) < len(small_slots[k]) or elsewhere:
             raise NotLanes(
                 "one 0-dim tensor the step writes is an input of several lanes (a state "
                 "tensor shared by parameters): each lane would write it once"
