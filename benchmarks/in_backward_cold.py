@@ -18,7 +18,11 @@ update (all buckets, then each):
   gradients given back each time (the very tensors: nothing is freed when they are set to
   None, and every object the update reads stays in the caches);
 
-and their ratio. Where the ratio is alike for every part, Python glue and native code
+and their ratio; then the backward's host time three ways, alternated: the after-backward
+copy's plain backward, the same with a no-op post-accumulate-grad hook on each param the
+in-backward optimizer keeps a hook on (what autograd's calls into Python cost), and the
+in-backward backward, with the time spent in its hooks' bodies (updates included) and in its
+end-of-backward callback. Where the ratio is alike for every part, Python glue and native code
 alike, the update is slower inside backward for what it reads (its objects and code evicted
 by autograd's work between hooks), not for any one part. GPU (repository root):
 
@@ -211,6 +215,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 if rep >= 3:
                     alone += [(number, u) for u in marks.updates()[0]]
     return {
+        "backwards": backwards(setup, state, args),
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         "torch": torch.__version__,
         "buckets": [len(b.params) for b in state.buckets],
@@ -218,6 +223,64 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "alone": alone,
         "first_hooks": hooks,
     }
+
+
+def backwards(
+    setup: dict[str, Any], state: backward.InBackward, args: argparse.Namespace
+) -> dict[str, float]:
+    """Medians (µs) of the backward's host time: plain, with no-op hooks where the
+    in-backward optimizer keeps its hooks, in backward (and the time in its hook bodies and
+    end-of-backward callback); iterations alternated."""
+    model, opt = setup["variants"]["in-backward"]
+    after_model, after = setup["variants"]["after"]
+    tokens, device = setup["tokens"], args.device
+    names = {id(p): name for name, p in model.named_parameters()}
+    twins = dict(after_model.named_parameters())
+    hooked = [twins[names[key]] for key in state.handles]
+    spent: list[float] = []
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*a: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                spent.append(time.perf_counter() - start)
+
+        return run
+
+    cls = backward_hooks.InBackward
+    state.arrived = timed(cls.arrived.__get__(state))  # type: ignore[method-assign]
+    state.end_of_backward = timed(cls.end_of_backward.__get__(state))  # type: ignore[method-assign]
+
+    def one(m: torch.nn.Module, o: Any) -> float:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = m(tokens[:, :-1], tokens[:, 1:])
+        sync(device)
+        start = time.perf_counter()
+        loss.backward()
+        elapsed = time.perf_counter() - start
+        o.step()
+        o.zero_grad(set_to_none=True)
+        sync(device)
+        return elapsed * 1e6
+
+    rows: dict[str, list[float]] = {"plain": [], "no-op hooks": [], "in backward": [], "ours": []}
+    try:
+        for _ in range(args.iters):
+            rows["plain"].append(one(after_model, after))
+            handles = [p.register_post_accumulate_grad_hook(lambda p: None) for p in hooked]
+            rows["no-op hooks"].append(one(after_model, after))
+            for handle in handles:
+                handle.remove()
+            spent.clear()
+            rows["in backward"].append(one(model, opt))
+            rows["ours"].append(sum(spent) * 1e6)
+    finally:
+        del state.arrived, state.end_of_backward
+    out = {k: statistics.median(v) for k, v in rows.items()}
+    out["hooks"] = len(hooked)
+    return out
 
 
 def report(result: dict[str, Any]) -> str:
@@ -248,6 +311,15 @@ def report(result: dict[str, Any]) -> str:
     hooks = result["first_hooks"]
     if hooks:
         lines.append(f"first param's hook (no update): {statistics.median(hooks):.1f} µs")
+    b = result["backwards"]
+    rest = b["in backward"] - b["plain"] - b["ours"]
+    lines += [
+        "",
+        f"backward (host, medians): plain {b['plain']:,.0f} µs; with {b['hooks']} no-op hooks "
+        f"{b['no-op hooks']:,.0f} µs (+{b['no-op hooks'] - b['plain']:,.0f}); in backward "
+        f"{b['in backward']:,.0f} µs (+{b['in backward'] - b['plain']:,.0f}): in its hooks' "
+        f"bodies and callback {b['ours']:,.0f} µs, the rest +{rest:,.0f} µs",
+    ]
     return "\n".join(lines)
 
 

@@ -148,6 +148,11 @@ def test_in_backward_cold_benchmark_splits_each_update_inside_backward_and_alone
         assert 0 < parts["tree"] < parts["find"] < parts["compiled"] < parts["update"]
         assert parts["clear"] > 0
     assert "| whole update |" in done.stdout
+    # the backward three ways (hooks kept: the first param's and each bucket's last one's);
+    # our hooks' bodies (the updates among them) took some of its time
+    times = result["backwards"]
+    assert times["hooks"] == buckets + 1 and 0 < times["ours"] < times["in backward"]
+    assert times["plain"] > 0 and times["no-op hooks"] > 0 and "no-op hooks" in done.stdout
 
 
 def test_in_backward_benchmark_reports_peaks_and_bucket_sizes_on_the_cpu(tmp_path: Path) -> None:
