@@ -524,3 +524,51 @@ def test_asgd_after_load_state_dict_over_float32_and_float64_params_matches_eage
             for key, value in eager.state[q].items():
                 assert torch.equal(opt.state[p][key], value), (step, p.dtype, key)
             assert_within_ulps(p, q, ULPS[p.dtype])
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_adafactor_over_float32_and_bfloat16_params_in_one_group_clamps_at_each_dtypes_eps(
+    backend,
+):
+    """Adafactor's eps[0]=None is each dtype's finfo eps in eager's foreach path (its params
+    grouped by dtype); the path ``is_compiling()`` shows takes the first param's dtype for
+    all of them, so a bfloat16 param beside a float32 one clamped at float32's eps: 1-5 ulps
+    off eager from the first step. Eager's own path is traced for such a group."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(0)
+    dtypes = (torch.float32, torch.bfloat16)
+    params = [torch.nn.Parameter(torch.randn(1025, generator=gen).to(device, d)) for d in dtypes]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        return optim.Adafactor(ps, lr=0.01, foreach=True)
+
+    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    for _ in range(3):
+        for p, q in zip(params, reference, strict=True):
+            grad = torch.randn(p.shape, generator=gen).to(device, p.dtype)
+            p.grad, q.grad = grad, grad.clone()
+        opt.step()
+        eager.step()
+        for p, q in zip(params, reference, strict=True):
+            assert_within_ulps(p, q, ULPS[p.dtype])
+
+
+@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("name", ["NAdam", "Adam", "RMSprop"])
+def test_0_dim_params_in_two_groups_take_each_groups_numbers_on_the_host(name, backend):
+    """0-dim params in two groups: the host computes every lane (their values differ, so
+    each group's numbers are an array over the lanes), ``addcmul``'s ``value`` among them
+    (a ValueError on the array's truth value)."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn((), generator=gen).to(device)) for _ in range(2)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        return getattr(optim, name)([{"params": [p]} for p in ps], lr=0.01)
+
+    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    _step_both(params, opt, reference, eager, 3, gen)
+    assert optcompile.explain(opt).fallback_reason is None
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)

@@ -158,7 +158,7 @@ def _traces_capturable(backend: Backend, opt: torch.optim.Optimizer) -> bool:
     ``capturable=True`` fuses eager's capturable path, with its results."""
     if not backend.wants_capturable:
         return False
-    if _tensor_step_arithmetic(opt):
+    if _tensor_step_arithmetic(opt) or _eps_by_dtype(opt):
         return False
     return not (
         isinstance(opt, _FLOAT16_CAPTURABLE_ROUNDS_OTHERWISE)
@@ -167,6 +167,21 @@ def _traces_capturable(backend: Backend, opt: torch.optim.Optimizer) -> bool:
             and any(p.dtype is torch.float16 for p in group["params"])
             for group in opt.param_groups
         )
+    )
+
+
+def _eps_by_dtype(opt: torch.optim.Optimizer) -> bool:
+    """Whether torch's Adafactor has a group of params in several dtypes with ``eps[0]``
+    None: eager's foreach path takes that eps from each dtype's ``finfo`` (its params
+    grouped by dtype), the path ``is_compiling()`` shows from the first param's dtype for
+    all of them (no grouping there): a bfloat16 param beside a float32 one would clamp at
+    float32's eps. Eager's own path is traced instead."""
+    base = type(opt).__dict__.get("_optcompile_base", type(opt))
+    if base is not getattr(torch.optim, "Adafactor", None):
+        return False
+    return any(
+        group.get("eps", (None,))[0] is None and len({p.dtype for p in group["params"]}) > 1
+        for group in opt.param_groups
     )
 
 

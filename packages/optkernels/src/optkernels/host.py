@@ -462,7 +462,9 @@ def _alpha(a: Sequence[Any], kw: dict[str, Any], position: int = 2) -> Any:
 
 
 def _scaled(x: Any, alpha: Any) -> Any:
-    return x if alpha == 1 else alpha * x
+    """``alpha * x``, or ``x`` where alpha is the number 1 (every lane's alpha, an array of
+    the numbers of their groups, multiplies)."""
+    return x if np.ndim(alpha) == 0 and alpha == 1 else alpha * x
 
 
 def _like(x: Any, value: Any) -> Any:
