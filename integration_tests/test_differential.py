@@ -446,6 +446,347 @@ FOUND = [
     # Adamax's for-loop over an empty strided bfloat16 param beside another: the batched
     # plan's run of eager's in-place op on strided half lanes took maximum(.., out=) for one.
     Case("Adamax", (Group((Param((0,), "bfloat16", "strided"), Param((3,)))),), steps=2),
+    # Found by OPTCOMPILE_FUZZ_BACKEND=cpu|torch|triton campaigns (seeds 7, 9, 11-13, and the
+    # default draw):
+    # ASGD with Tensor lambd, alpha and t0 in a second group and a numpy lr, on the C loops'
+    # torch-backend plan: its batched check handed numpy bools to aten._assert_scalar.
+    Case(
+        optimizer="ASGD",
+        groups=(
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={
+                    "lambd": T(value=0.0001),
+                    "alpha": T(value=0.75),
+                    "t0": T(value=1000000.0),
+                    "weight_decay": 0.0,
+                    "maximize": False,
+                },
+            ),
+        ),
+        defaults={
+            "lambd": 0.0001,
+            "alpha": 0.75,
+            "weight_decay": 0.0,
+            "lr": N(value=0.01),
+            "differentiable": False,
+        },
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=True,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler=None,
+        scheduler_first=False,
+        events=(
+            Event(after=0, kind="round_trip", args=("fresh", False)),
+            Event(after=0, kind="deepcopy", args=None),
+        ),
+        backend="cpu",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
+    # ASGD over float32 and float64 params after a state_dict round trip (eta and mu cast to
+    # each param's dtype): the C loops stacked a column of two dtypes (eta 803 for 0.01), and
+    # the host computed the float64 eta in double where eager rounds it through float32.
+    Case(
+        optimizer="ASGD",
+        groups=(
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float64", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+        ),
+        defaults={
+            "lambd": 0.0001,
+            "alpha": 0.75,
+            "weight_decay": 0.0,
+            "lr": N(value=0.01),
+            "differentiable": False,
+        },
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=True,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler=None,
+        scheduler_first=False,
+        events=(
+            Event(after=0, kind="set", args=(0, "alpha", 0.75)),
+            Event(after=0, kind="round_trip", args=("fresh", False)),
+            Event(after=0, kind="deepcopy", args=None),
+        ),
+        backend="cpu",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
+    # Adafactor (eps[0]=None) over float32 and bfloat16 params in one group, on the C loops'
+    # torch-backend plan: its compiling path clamped the bfloat16 param at float32's eps.
+    Case(
+        optimizer="Adafactor",
+        groups=(
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+        ),
+        defaults={"eps": (None, 0.001), "d": 1.0, "lr": N(value=0.01), "foreach": True},
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=True,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler=None,
+        scheduler_first=False,
+        events=(
+            Event(
+                after=0,
+                kind="add_group",
+                args=Group(
+                    params=(
+                        Param(
+                            shape=(3,),
+                            dtype="float32",
+                            layout="contiguous",
+                            grad_layout="contiguous",
+                        ),
+                        Param(
+                            shape=(1025,),
+                            dtype="bfloat16",
+                            layout="contiguous",
+                            grad_layout="contiguous",
+                        ),
+                    ),
+                    options={},
+                ),
+            ),
+            Event(after=0, kind="round_trip", args=("fresh", False)),
+            Event(after=0, kind="deepcopy", args=None),
+            Event(after=0, kind="scale_param", args=0),
+        ),
+        backend="cpu",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
+    # NAdam over 0-dim params in two groups on Triton's host mode: addcmul's value, an array
+    # of the two groups' numbers, raised a ValueError.
+    Case(
+        optimizer="NAdam",
+        groups=(
+            Group(
+                params=(
+                    Param(shape=(), dtype="float32", layout="contiguous", grad_layout="contiguous"),
+                ),
+                options={},
+            ),
+            Group(
+                params=(
+                    Param(shape=(), dtype="float32", layout="contiguous", grad_layout="contiguous"),
+                ),
+                options={},
+            ),
+        ),
+        defaults={"eps": 1e-08, "weight_decay": 0.0, "lr": N(value=0.01), "differentiable": False},
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=False,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler="StepLR",
+        scheduler_first=False,
+        events=(
+            Event(after=0, kind="round_trip", args=("fresh", False)),
+            Event(after=0, kind="deepcopy", args=None),
+            Event(after=0, kind="scale_param", args=0),
+        ),
+        backend="triton",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
+    # Adam foreach over a float64 and a complex64 param beside a float32 group: the prelude
+    # (view_as_real's ops) computed the float64 param's bias corrections in float32.
+    Case(
+        optimizer="Adam",
+        groups=(
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                    Param(
+                        shape=(3,), dtype="float64", layout="contiguous", grad_layout="contiguous"
+                    ),
+                    Param(
+                        shape=(3,), dtype="complex64", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+        ),
+        defaults={
+            "betas": (0.9, 0.999),
+            "eps": 1e-08,
+            "weight_decay": 0.0,
+            "amsgrad": False,
+            "lr": N(value=0.01),
+            "foreach": True,
+            "differentiable": False,
+        },
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=True,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler="StepLR",
+        scheduler_first=False,
+        events=(Event(after=0, kind="deepcopy", args=None),),
+        backend="cpu",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
+    # RAdam with Tensor betas over a float64 param (its capturable path, the step count seen
+    # in float64): eager's beta ** step with a Tensor beta is a float32 op.
+    Case(
+        optimizer="RAdam",
+        groups=(
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float64", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+        ),
+        defaults={
+            "betas": (T(value=0.9), T(value=0.999)),
+            "eps": 1e-08,
+            "weight_decay": 0.0,
+            "lr": T(value=0.01),
+            "differentiable": False,
+        },
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=True,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler=None,
+        scheduler_first=False,
+        events=(
+            Event(after=0, kind="round_trip", args=("fresh", False)),
+            Event(after=0, kind="deepcopy", args=None),
+            Event(after=0, kind="scale_param", args=0),
+        ),
+        backend="torch",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
+    # NAdam foreach over a float64 param after a round trip (mu_product float64), Triton's
+    # host mode: a widened prelude handed the kernels its step count in float64 (4% off).
+    Case(
+        optimizer="NAdam",
+        groups=(
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float64", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+        ),
+        defaults={
+            "eps": 1e-08,
+            "weight_decay": 0.0,
+            "lr": N(value=0.01),
+            "foreach": True,
+            "differentiable": False,
+        },
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=True,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler="StepLR",
+        scheduler_first=False,
+        events=(
+            Event(after=0, kind="set", args=(0, "betas", (0.9, 0.999))),
+            Event(after=0, kind="round_trip", args=("fresh", False)),
+            Event(after=0, kind="deepcopy", args=None),
+            Event(after=0, kind="scale_param", args=0),
+        ),
+        backend="triton",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
 ]
 
 

@@ -301,7 +301,8 @@ class CpuPlan:
                 except (NotLanes, KernelError):
                     self.parts = []
                 else:
-                    self.split, self.prelude = split, TorchPlan(split.prelude)
+                    prelude = _python_floats_in_double(split.prelude, outputs_as_recorded=True)
+                    self.split, self.prelude = split, TorchPlan(prelude)
         if not self.parts:
             # (step counts read in float64, as the host computes them for the loop nests
             # and eager's Python floats are: the capturable path's float32 counts would

@@ -6,6 +6,7 @@ kernels, where every op computing from them takes the wider dtype (checked on me
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Collection
 from typing import Any
 
@@ -13,13 +14,17 @@ import torch
 from torch import fx
 
 
-def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
+def _python_floats_in_double(
+    gm: fx.GraphModule, outputs_as_recorded: bool = False
+) -> fx.GraphModule:
     """``gm`` for the torch backend when the kernels do not take it: the 0-dim inputs eager
     reads as Python floats (placeholder meta ``python_float``: step counts) read in float64,
     as the host computes them for the kernels (a copy of the graph; ``gm`` where there are
     none). Written back in their dtype by the graph's copy_, as before. The ops computing
     from them run once on meta tensors first: ``gm`` where one refuses the wider dtype (a
-    ``lerp`` whose weight is computed from a step count)."""
+    ``lerp`` whose weight is computed from a step count). ``outputs_as_recorded``: the
+    graph's results keep the dtypes the trace recorded (a split's prelude: the kernels read
+    them as such)."""
     marked = [
         n
         for n in gm.graph.nodes
@@ -44,6 +49,8 @@ def _python_floats_in_double(gm: fx.GraphModule) -> fx.GraphModule:
     if not _takes_double(gm, graph, names):
         return gm
     _round_what_states_take(graph, names)
+    if outputs_as_recorded and not _outputs_as_recorded(graph, names):
+        return gm
     return fx.GraphModule(gm, graph)
 
 
@@ -53,12 +60,8 @@ def _round_what_states_take(graph: fx.Graph, names: Collection[str]) -> None:
     capturable=False path rounds its Python float there (ASGD's ``eta.copy_(
     torch.as_tensor(lr / ...))``: the default dtype; a float64 param's eta after
     load_state_dict keeps that rounding). The host does the same for the kernels."""
-    cone = {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
+    cone = _cone(graph, names)
     for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if any(a in cone for a in node.all_input_nodes):
-            cone.add(node)
         if node.target is not torch.ops.aten.copy.default or len(node.args) < 2:
             continue
         dst, src = node.args[0], node.args[1]
@@ -77,6 +80,52 @@ def _round_what_states_take(graph: fx.Graph, names: Collection[str]) -> None:
         node.replace_input_with(src, narrow)
 
 
+def _cone(graph: fx.Graph, names: Collection[str]) -> set[fx.Node]:
+    """The placeholders ``names`` and every call computing from them."""
+    cone = {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in cone for a in node.all_input_nodes):
+            cone.add(node)
+    return cone
+
+
+def _outputs_as_recorded(graph: fx.Graph, names: Collection[str]) -> bool:
+    """Each result computed from the widened inputs cast back to the dtype it was traced in;
+    False (nothing changed) where one's is not known."""
+    cone = _cone(graph, names)
+    output = next(n for n in graph.nodes if n.op == "output")
+    results: list[fx.Node] = []
+    fx.node.map_arg(output.args, results.append)
+    dtypes = {n: _recorded_dtype(n) for n in results if n in cone}
+    if any(d is None for d in dtypes.values()):
+        return False
+    narrowed: dict[fx.Node, fx.Node] = {}
+    for node, dtype in dtypes.items():
+        if dtype is torch.float64 or node in narrowed:
+            continue
+        with graph.inserting_before(output):
+            cast = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": dtype})
+        cast.meta["val"] = node.meta.get("val")
+        narrowed[node] = cast
+    output.args = fx.node.map_arg(output.args, lambda n: narrowed.get(n, n))
+    return True
+
+
+def _recorded_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype the trace recorded for ``node`` (an item of a list-valued op: that item's)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    source = node.args[0] if node.target is operator.getitem and node.args else None
+    if isinstance(source, fx.Node) and isinstance(node.args[1], int):
+        vals = source.meta.get("val")
+        item = vals[node.args[1]] if isinstance(vals, list | tuple) else None
+        if isinstance(item, torch.Tensor):
+            dtype: torch.dtype = item.dtype
+            return dtype
+    return None
+
+
 def _takes_double(gm: fx.GraphModule, graph: fx.Graph, names: Collection[str]) -> bool:
     """Whether every op computing from the placeholders ``names`` of ``graph`` (a copy of
     ``gm``'s) takes their widened values. Those ops alone run, on meta tensors; the values
@@ -88,10 +137,7 @@ def _takes_double(gm: fx.GraphModule, graph: fx.Graph, names: Collection[str]) -
     Python floats from float32 step counts: RAdam's for-loop 1e-6 relative off eager on an
     H100). An ``.item()`` gives 1.0 (its value does not matter here, but Python arithmetic
     on it must not divide by zero), and so does the arithmetic computing from it."""
-    cone = {n for n in graph.nodes if n.op == "placeholder" and n.name in names}
-    for node in graph.nodes:
-        if node.op == "call_function" and any(a in cone for a in node.all_input_nodes):
-            cone.add(node)
+    cone = _cone(graph, names)
     computed: dict[fx.Node, Any] = {}
 
     def value(node: fx.Node) -> Any:

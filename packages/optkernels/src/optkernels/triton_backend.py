@@ -101,7 +101,8 @@ class TritonPlan:
                 except (NotLanes, KernelError):
                     self.parts = []  # the whole graph stays on the torch backend
                 else:
-                    self.split, self.prelude = split, TorchPlan(split.prelude)
+                    prelude = _python_floats_in_double(split.prelude, outputs_as_recorded=True)
+                    self.split, self.prelude = split, TorchPlan(prelude)
                     self.capture = PreludeCapture(self.prelude, self.layouts, self.num_inputs)
             if not self.parts and _reads_numbers(gm):
                 self.reason = (
