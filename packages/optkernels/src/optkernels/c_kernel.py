@@ -127,7 +127,7 @@ def c_emitter(program: LaneProgram) -> Emitter:
     written as ``fma``)."""
     load = "    const double {name} = scalars[{slot}];"
     narrow = "    const float {narrow} = (float){name};"
-    return Emitter(Scalars(program, load, narrow, suffix="_f"), _CODE)
+    return Emitter(Scalars(program, load, narrow, suffix="_f"), _CODE, alpha_in_dtype=True)
 
 
 def _code(compute: torch.dtype) -> Code:

@@ -119,6 +119,9 @@ class Emitter:
 
     scalars: Scalars
     code: Mapping[torch.dtype, Code]
+    # Whether an add's or sub's alpha is rounded to a float16/bfloat16 operand's dtype first,
+    # as ATen's CPU kernels take it (its CUDA kernels compute with it in float32)
+    alpha_in_dtype: bool = False
 
     def __call__(self, compute: torch.dtype, primitive: str, *operands: Any) -> str:
         """``primitive`` of ``operands`` for an op computing in ``compute``."""
@@ -184,6 +187,14 @@ def _ref(arg: Any, refs: dict[int, str], compute: torch.dtype, emit: Emitter) ->
     raise KernelError(f"argument {arg!r}")
 
 
+def _alpha_in(dtype: torch.dtype, a: list[str], kw: dict[str, str], emit: Emitter) -> None:
+    """An add's or sub's alpha (in ``kw`` or third in ``a``) rounded to ``dtype`` in place."""
+    if "alpha" in kw:
+        kw["alpha"] = emit(torch.float32, "round", kw["alpha"], dtype)
+    elif len(a) > 2:
+        a[2] = emit(torch.float32, "round", a[2], dtype)
+
+
 def constant(arg: Any) -> float | None:
     """The number ``arg`` stands for when it is a literal, else None."""
     if arg[0] == "const" and isinstance(arg[1], int | float) and not isinstance(arg[1], bool):
@@ -209,6 +220,8 @@ def expression(
         raise KernelError(f"constant None as an operand of {name}")
     # ATen's functors compute ``a + b * c`` as one fused multiply-add (nvcc contracts them,
     # and so does Triton on a GPU): written as an explicit fma, every target rounds once.
+    if name in ("add", "sub", "rsub") and emit.alpha_in_dtype and common in NARROW:
+        _alpha_in(common, a, kw, emit)
     if name in ("add", "sub"):  # self + alpha * other
         alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
         if alpha is None:
