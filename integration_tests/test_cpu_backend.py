@@ -615,11 +615,14 @@ def test_radam_with_tensor_betas_computes_them_in_their_dtype_over_a_float64_par
     reference = [torch.nn.Parameter(params[0].detach().clone())]
 
     def make(ps):
-        return optim.RAdam(ps, lr=0.01, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+        betas = (torch.tensor(0.9), torch.tensor(0.999))  # (foreach: eager refuses on CUDA)
+        return optim.RAdam(ps, lr=0.01, betas=betas, foreach=False)
 
     opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
     _step_both(params, opt, reference, eager, 4, gen, dtype=torch.float64)
-    assert torch.equal(params[0], reference[0])
+    if device == "cpu":  # (eager's own ops; on a GPU, the kernels' within float64's ulps)
+        assert torch.equal(params[0], reference[0])
+    assert_within_ulps(params[0], reference[0], ULPS[torch.float64])
 
 
 @pytest.mark.parametrize("backend", BOTH)
