@@ -851,6 +851,50 @@ FOUND = [
         recompile_limit=None,
         seed=0,
     ),
+    # SGD over a 0-dim complex64 param beside a float32 one with a Tensor lr: the host was asked
+    # to round a complex value (a KeyError while lowering); such a step is no lane program.
+    Case(
+        optimizer="SGD",
+        groups=(
+            Group(
+                params=(
+                    Param(
+                        shape=(), dtype="complex64", layout="contiguous", grad_layout="contiguous"
+                    ),
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+        ),
+        defaults={
+            "momentum": 0.0,
+            "dampening": 0.0,
+            "weight_decay": 0.0,
+            "nesterov": False,
+            "lr": T(value=0.01),
+            "differentiable": False,
+        },
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=True,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler=None,
+        scheduler_first=False,
+        events=(
+            Event(after=0, kind="round_trip", args=("fresh", False)),
+            Event(after=0, kind="deepcopy", args=None),
+            Event(after=0, kind="scale_param", args=0),
+        ),
+        backend="cpu",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
 ]
 
 

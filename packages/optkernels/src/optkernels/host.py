@@ -151,6 +151,8 @@ def host_dtypes(program: LaneProgram, order: Sequence[int]) -> dict[int, OpDtype
                 f"({', '.join(sorted(str(d.result) for d in found))})"
             )
         out[var] = found.pop()
+        if any(d is not None and d.is_complex for d in (out[var].result, out[var].common)):
+            raise NotLanes("a 0-dim complex value the host would compute (it computes reals)")
     return out
 
 
