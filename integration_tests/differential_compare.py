@@ -50,8 +50,9 @@ def assert_close(
     The relative part is taken of the largest magnitude the value has had (``before``):
     rounding errors scale with the operands, and an update that cancels most of a param (or
     ASGD's ``ax + (p - ax)``) leaves a small result with the operands' error. In float16
-    and bfloat16 the relative part grows by half an ulp per step taken (``steps``): a
-    rounding a step makes otherwise than eager is carried into the steps after it."""
+    and bfloat16 the relative part grows by half an ulp per step taken (``steps``; two on
+    the C loops): a rounding a step makes otherwise than eager is carried into the steps
+    after it."""
     if isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor), f"{what}: {type(actual)} is not a tensor"
         assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} != {expected.dtype}"
@@ -66,7 +67,11 @@ def assert_close(
             return
         rtol, atol = TOLERANCES.get(expected.dtype, (0.0, 0.0))
         if expected.dtype in (torch.float16, torch.bfloat16):
-            rtol = max(rtol, steps * torch.finfo(expected.dtype).eps / 2)
+            # (two ulps a step on the C loops, as docs/cpu_backend.md says: ATen's CPU kernels
+            # round some float16/bfloat16 elements otherwise, e.g. 2 of Adagrad's 63 sums
+            # with weight decay after one step)
+            per_step = 2.0 if case.backend == "cpu" else 0.5
+            rtol = max(rtol, steps * per_step * torch.finfo(expected.dtype).eps)
         a, e = actual.detach().double(), expected.detach().double()
         scale = e.abs()
         if isinstance(before, torch.Tensor) and before.shape == expected.shape:

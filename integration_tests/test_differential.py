@@ -895,6 +895,56 @@ FOUND = [
         recompile_limit=None,
         seed=0,
     ),
+    # ASGD with Tensor lambd, alpha and lr, one group switched to foreach (so its for-loop
+    # group traced on the capturable path, the step count seen in float64): eager's
+    # arithmetic with the Tensors is float32, the trace's was float64 (eta an ulp off).
+    Case(
+        optimizer="ASGD",
+        groups=(
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="float32", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={},
+            ),
+        ),
+        defaults={
+            "lambd": T(value=0.0001),
+            "alpha": T(value=0.75),
+            "weight_decay": 0.0,
+            "maximize": False,
+            "lr": T(value=0.01),
+            "differentiable": False,
+        },
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=True,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler=None,
+        scheduler_first=False,
+        events=(
+            Event(after=0, kind="set", args=(0, "foreach", True)),
+            Event(after=0, kind="round_trip", args=("fresh", False)),
+            Event(after=0, kind="deepcopy", args=None),
+        ),
+        backend="torch",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
 ]
 
 

@@ -115,9 +115,14 @@ def capturable_for_loop(
         step_t += 1
         if weight_decay != 0:
             grad = grad.add(param, alpha=weight_decay)
-        param.mul_(1 - lambd * eta)
+        # (Tensor hyperparameters: eager's arithmetic with them is in their dtype, its eta
+        # and step count Python floats; eta and step_t may be seen in float64 here)
+        param.mul_(1 - lambd * (eta.to(lambd.dtype) if isinstance(lambd, Tensor) else eta))
         param.addcmul_(grad, eta, value=-1)
         # eager: ``ax.copy_(param) if mu.item() == 1 else ax.add_(param.sub(ax).mul_(mu))``
         ax.copy_(torch.where(mu == 1, param, ax.add(param.sub(ax).mul_(mu))))
-        eta.copy_(lr / ((1 + lambd * lr * step_t) ** alpha))
-        mu.copy_(1 / torch.maximum(step_t - t0, torch.ones_like(step_t)))
+        given = [v for v in (lr, lambd, alpha) if isinstance(v, Tensor)]
+        step = step_t.to(given[0].dtype) if given else step_t
+        eta.copy_(lr / ((1 + lambd * lr * step) ** alpha))
+        step = step_t.to(t0.dtype) if isinstance(t0, Tensor) else step_t
+        mu.copy_(1 / torch.maximum(step - t0, torch.ones_like(step)))
