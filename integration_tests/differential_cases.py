@@ -17,12 +17,13 @@ from hypothesis import reject
 from hypothesis import strategies as st
 from optkernels.c_kernel import find_compiler
 from step_optimizers import ClippedAdam, ForeachLamb, SophiaLike
+from triton_setup import TRITON_RUNS
 
 LONG_EXAMPLES = int(os.environ.get("OPTCOMPILE_FUZZ_EXAMPLES", "0"))
 LONG = LONG_EXAMPLES > 0
 WITH_KNOWN_BUGS = os.environ.get("OPTCOMPILE_FUZZ_KNOWN_BUGS") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_OK = TRITON_RUNS
 # backend "cpu" (generated C loop nests: what "auto" picks for CPU params) where a C
 # compiler builds them; OPTCOMPILE_FUZZ_BACKEND=cpu draws it alone (a campaign over it)
 CPU_OK = DEVICE == "cpu" and not isinstance(find_compiler(), str)

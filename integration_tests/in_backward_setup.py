@@ -7,7 +7,6 @@ trained beside an eager one that steps after backward.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -15,9 +14,10 @@ import optcompile
 import pytest
 import torch
 from optcompile.testing import assert_same
+from triton_setup import TRITON_RUNS
 
 VOCAB, WIDTH, SEQ = 37, 16, 6
-HAS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = TRITON_RUNS
 needs_triton = pytest.mark.skipif(
     not HAS_TRITON, reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
 )

@@ -12,7 +12,6 @@ computes what depends on step counts in float64, as eager's Python floats do.
 from __future__ import annotations
 
 import copy
-import os
 
 import optcompile
 import pytest
@@ -21,6 +20,7 @@ from optcompile.api import _OPTIMIZERS
 from optcompile.testing import assert_within_ulps
 from optkernels.c_kernel import find_compiler
 from optkernels.cpu_backend import BLOCK, CpuPlan
+from triton_setup import needs_triton
 
 optim = torch.optim
 pytestmark = pytest.mark.skipif(
@@ -103,6 +103,29 @@ def _step_sharing_a_grad(params, opt, reference, eager, gen, steps=3):
             group[0].grad, group[1].grad, group[2].grad = shared, shared, own.clone()
         opt.step()
         eager.step()
+
+
+def _compiled_and_eager(make, params, reference, backend):
+    """``make``'s optimizer over ``params`` compiled on ``backend``, and over ``reference``."""
+    return optcompile.compile(make(params), backend=backend), make(reference)
+
+
+def _reloaded(make, params, reference, backend, opt, eager):
+    """Fresh optimizers of both sides, each loading the other's state dict (torch.optim
+    casts what it loads to the params' dtypes)."""
+    saved, eager_saved = opt.state_dict(), eager.state_dict()
+    opt, eager = _compiled_and_eager(make, params, reference, backend)
+    opt.load_state_dict(eager_saved)
+    eager.load_state_dict(saved)
+    return opt, eager
+
+
+def _steps_as_eager(make, params, reference, backend, steps, gen):
+    """``steps`` steps of both sides, compiled (no fallback) and matching eager."""
+    opt, eager = _compiled_and_eager(make, params, reference, backend)
+    _step_both(params, opt, reference, eager, steps, gen)
+    assert optcompile.explain(opt).fallback_reason is None
+    _assert_matches_eager(params, opt, reference, eager, torch.float32)
 
 
 def _assert_matches_eager(params, opt, reference, eager, dtype, ulps=None):
@@ -381,10 +404,9 @@ def test_a_graph_the_loops_do_not_take_reads_step_counts_in_float64(name):
     _assert_matches_eager(params, opt, reference, eager, torch.float64)
 
 
-_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 # The host values are shared by both backends: these cases run on each (Triton's on CUDA
 # where there is one, else under TRITON_INTERPRET=1)
-BOTH = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not _TRITON, reason="no Triton"))]
+BOTH = ["cpu", pytest.param("triton", marks=needs_triton)]
 
 
 def _device(backend: str) -> str:
@@ -405,10 +427,7 @@ def test_rprop_in_two_groups_takes_each_lanes_etas(backend, etas):
     def make(ps):
         return optim.Rprop([{"params": ps[:2]}, {"params": ps[2:], "etas": etas}], lr=1e-2)
 
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
-    _step_both(params, opt, reference, eager, 4, gen)
-    assert optcompile.explain(opt).fallback_reason is None
-    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    _steps_as_eager(make, params, reference, backend, 4, gen)
 
 
 @pytest.mark.parametrize("backend", BOTH)
@@ -446,7 +465,7 @@ def test_a_tensor_lr_an_lr_scheduler_changes_in_place_reaches_every_lane(name, b
     def make(ps):
         return getattr(optim, name)(ps, lr=torch.tensor(0.01), foreach=True)
 
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    opt, eager = _compiled_and_eager(make, params, reference, backend)
     schedulers = [optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, eager)]
     _step_both(params, opt, reference, eager, 4, gen, after=lambda: [s.step() for s in schedulers])
     _assert_matches_eager(params, opt, reference, eager, torch.float32)
@@ -504,15 +523,12 @@ def test_asgd_after_load_state_dict_over_float32_and_float64_params_matches_eage
     def make(ps):
         return optim.ASGD([{"params": [p]} for p in ps], lr=0.01, t0=1.0)
 
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    opt, eager = _compiled_and_eager(make, params, reference, backend)
     for p, q in zip(params, reference, strict=True):
         p.grad = q.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device)
     opt.step()
     eager.step()
-    saved, eager_saved = opt.state_dict(), eager.state_dict()
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
-    opt.load_state_dict(eager_saved)
-    eager.load_state_dict(saved)
+    opt, eager = _reloaded(make, params, reference, backend, opt, eager)
     assert opt.state[params[1]]["eta"].dtype == torch.float64
     for step in range(3):
         for p, q in zip(params, reference, strict=True):
@@ -543,7 +559,7 @@ def test_adafactor_over_float32_and_bfloat16_params_in_one_group_clamps_at_each_
     def make(ps):
         return optim.Adafactor(ps, lr=0.01, foreach=True)
 
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    opt, eager = _compiled_and_eager(make, params, reference, backend)
     for _ in range(3):
         for p, q in zip(params, reference, strict=True):
             grad = torch.randn(p.shape, generator=gen).to(device, p.dtype)
@@ -568,10 +584,7 @@ def test_0_dim_params_in_two_groups_take_each_groups_numbers_on_the_host(name, b
     def make(ps):
         return getattr(optim, name)([{"params": [p]} for p in ps], lr=0.01)
 
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
-    _step_both(params, opt, reference, eager, 3, gen)
-    assert optcompile.explain(opt).fallback_reason is None
-    _assert_matches_eager(params, opt, reference, eager, torch.float32)
+    _steps_as_eager(make, params, reference, backend, 3, gen)
 
 
 @pytest.mark.parametrize("backend", BOTH)
@@ -591,7 +604,7 @@ def test_a_prelude_computes_a_float64_params_bias_corrections_in_double(backend)
     def make(ps):
         return optim.Adam([{"params": ps[:1]}, {"params": ps[1:]}], lr=0.01, foreach=True)
 
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    opt, eager = _compiled_and_eager(make, params, reference, backend)
     for _ in range(3):
         for p, q in zip(params, reference, strict=True):
             grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device)
@@ -618,7 +631,7 @@ def test_radam_with_tensor_betas_computes_them_in_their_dtype_over_a_float64_par
         betas = (torch.tensor(0.9), torch.tensor(0.999))  # (foreach: eager refuses on CUDA)
         return optim.RAdam(ps, lr=0.01, betas=betas, foreach=False)
 
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    opt, eager = _compiled_and_eager(make, params, reference, backend)
     _step_both(params, opt, reference, eager, 4, gen, dtype=torch.float64)
     if device == "cpu":  # (eager's own ops; on a GPU, the kernels' within float64's ulps)
         assert torch.equal(params[0], reference[0])
@@ -639,12 +652,9 @@ def test_nadam_after_load_state_dict_over_a_float64_param_matches_eager(backend)
     def make(ps):
         return optim.NAdam(ps, lr=0.01, foreach=True)
 
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
+    opt, eager = _compiled_and_eager(make, params, reference, backend)
     _step_both(params, opt, reference, eager, 1, gen, dtype=torch.float64)
-    saved, eager_saved = opt.state_dict(), eager.state_dict()
-    opt, eager = optcompile.compile(make(params), backend=backend), make(reference)
-    opt.load_state_dict(eager_saved)
-    eager.load_state_dict(saved)
+    opt, eager = _reloaded(make, params, reference, backend, opt, eager)
     assert opt.state[params[0]]["mu_product"].dtype == torch.float64
     _step_both(params, opt, reference, eager, 3, gen, dtype=torch.float64)
     # (within 1e-6, not eager's bits: 5e-10 relative off on the C loops, 4e-7 on Triton's

@@ -14,9 +14,9 @@ from optkernels.triton_backend import TritonPlan
 
 optim = torch.optim
 # The kernels run on a CUDA device, or on the CPU under Triton's interpreter.
+TRITON_RUNS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
+    not TRITON_RUNS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1,), (7,), (1000,), (4097,), (), (3, 5)]
