@@ -945,6 +945,51 @@ FOUND = [
         recompile_limit=None,
         seed=0,
     ),
+    # NAdam foreach over a complex64 param with a Tensor momentum_decay on Triton's host mode:
+    # a part of the split graph with no tensor input (an IndexError while checking devices).
+    Case(
+        optimizer="NAdam",
+        groups=(
+            Group(
+                params=(
+                    Param(
+                        shape=(3,), dtype="complex64", layout="contiguous", grad_layout="contiguous"
+                    ),
+                ),
+                options={
+                    "eps": 1e-08,
+                    "weight_decay": 0.0,
+                    "momentum_decay": 0.004,
+                    "foreach": True,
+                },
+            ),
+        ),
+        defaults={
+            "eps": 1e-08,
+            "momentum_decay": T(value=0.004),
+            "lr": T(value=0.01),
+            "differentiable": False,
+        },
+        steps=2,
+        none_grads=((), ()),
+        grads_in_place=False,
+        share_grads=True,
+        zero_grad=None,
+        closure=True,
+        hooks=True,
+        scheduler="StepLR",
+        scheduler_first=False,
+        events=(
+            Event(after=0, kind="set", args=(0, "betas", (0.9, 0.999))),
+            Event(after=0, kind="round_trip", args=("fresh", False)),
+            Event(after=0, kind="deepcopy", args=None),
+            Event(after=0, kind="scale_param", args=0),
+        ),
+        backend="triton",
+        cudagraphs=False,
+        recompile_limit=None,
+        seed=0,
+    ),
 ]
 
 

@@ -132,6 +132,8 @@ class _Part:
         program = self.program
         tensors = [[inputs[self.index[n]] for n in nodes] for nodes in program.inputs]
         big_inputs = [k for k, small in enumerate(program.input_small) if not small] or [0]
+        if not tensors or not tensors[big_inputs[0]]:
+            return "its lane program reads no tensor"
         device = tensors[big_inputs[0]][0].device
         big = {
             t.device for k, lane in enumerate(tensors) for t in lane if not program.input_small[k]
