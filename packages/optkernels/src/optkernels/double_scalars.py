@@ -1,6 +1,8 @@
-"""The torch backend's graph where the kernels do not take a step: the 0-dim inputs eager
-reads as Python floats (step counts) read in float64, as the host computes them for the
-kernels, where every op computing from them takes the wider dtype (checked on meta tensors).
+"""The torch backend's graph where the kernels do not take a step (or a split's prelude,
+which runs before them): the 0-dim inputs eager reads as Python floats (step counts) read in
+float64, as the host computes them for the kernels, where every op computing from them takes
+the wider dtype (checked on meta tensors); what such a value writes into a 0-dim state, and a
+prelude's results, in the dtypes the trace recorded.
 """
 
 from __future__ import annotations
@@ -68,9 +70,7 @@ def _round_what_states_take(graph: fx.Graph, names: Collection[str]) -> None:
         if not (isinstance(dst, fx.Node) and isinstance(src, fx.Node)) or src not in cone:
             continue
         recorded, taken = getattr(src.meta.get("val"), "dtype", None), dst.meta.get("val")
-        if recorded in (None, torch.float64) or not isinstance(taken, torch.Tensor):
-            continue
-        if taken.dim() != 0:
+        if recorded in (None, torch.float64) or not isinstance(taken, torch.Tensor) or taken.dim():
             continue
         with graph.inserting_before(node):
             narrow = graph.call_function(
