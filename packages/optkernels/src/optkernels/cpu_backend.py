@@ -137,8 +137,7 @@ class _Part:
             if program.input_small[k]
         }
         self.small = AddressCheck([i for s in self.small_slots.values() for i in s])
-        self.small_views: dict[int, np.ndarray] = {}
-        self.columns = Columns()
+        self.columns = Columns()  # (their numpy views: what the host reads and writes)
         width = len(self.host_read)
         self.host_vals = np.zeros(HOST_ROWS + max(program.lanes * width, 1), dtype=np.float64)
         self.scalars = np.zeros(max(len(program.scalar_inputs) + len(program.scalar_nodes), 1))
@@ -201,13 +200,12 @@ class _Part:
         to alias one CPU buffer per column (small_columns: the same tensor objects, values,
         dtype and shape; a tensor re-pointed since is aliased again), read and written
         through numpy views of it; and the rows the kernels read, in ``host_vals``."""
-        if not self.small_views or not self.small.equal(inputs):
+        if not self.columns.views or not self.small.equal(inputs):
             self.columns = alias(self.small_slots, inputs)
-            self.small_views = self.columns.views
             self.small.record(inputs)
         else:
             self.columns.refresh()
-        self._uniform_or_rows(self.small_views, list(self.scalars))
+        self._uniform_or_rows(self.columns.views, list(self.scalars))
 
     def _uniform_or_rows(self, views: dict[int, np.ndarray], scalars: list[float]) -> None:
         program = self.program

@@ -113,10 +113,17 @@ class _Group:
         self.table_uploads = 0  # times an address table was (re)built
         # Host mode: per 0-dim input column, one CPU buffer the lanes' tensors alias (see
         # _Part._host_values), and the addresses that aliasing gives them.
-        self.small_buffers: dict[int, torch.Tensor] = {}
-        self.small_views: dict[int, np.ndarray] = {}  # numpy views of small_buffers
         self.small_columns = Columns()  # (their slots shared by lanes, refreshed each call)
         self.small = AddressCheck([i for slots in self.small_slots.values() for i in slots])
+
+    @property
+    def small_buffers(self) -> dict[int, torch.Tensor]:
+        return self.small_columns.buffers
+
+    @property
+    def small_views(self) -> dict[int, np.ndarray]:
+        """Numpy views of ``small_buffers`` (those on the CPU)."""
+        return self.small_columns.views
 
     def guard(self, guarded: frozenset[int]) -> None:
         """Stop comparing the addresses of the inputs at ``guarded`` (their caller does)."""

@@ -436,8 +436,7 @@ class _Part:
 
     @staticmethod
     def _alias_small(group: _Group, inputs: Sequence[Any]) -> None:
-        columns = group.small_columns = alias(group.small_slots, inputs)
-        group.small_buffers, group.small_views = columns.buffers, columns.views
+        group.small_columns = alias(group.small_slots, inputs)
         group.small.record(inputs)
 
     def _group_tables(
