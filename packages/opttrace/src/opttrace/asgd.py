@@ -115,14 +115,22 @@ def capturable_for_loop(
         step_t += 1
         if weight_decay != 0:
             grad = grad.add(param, alpha=weight_decay)
-        # (Tensor hyperparameters: eager's arithmetic with them is in their dtype, its eta
-        # and step count Python floats; eta and step_t may be seen in float64 here)
-        param.mul_(1 - lambd * (eta.to(lambd.dtype) if isinstance(lambd, Tensor) else eta))
+        param.mul_(1 - lambd * in_given_dtype(eta, lambd))
         param.addcmul_(grad, eta, value=-1)
         # eager: ``ax.copy_(param) if mu.item() == 1 else ax.add_(param.sub(ax).mul_(mu))``
         ax.copy_(torch.where(mu == 1, param, ax.add(param.sub(ax).mul_(mu))))
-        given = [v for v in (lr, lambd, alpha) if isinstance(v, Tensor)]
-        step = step_t.to(given[0].dtype) if given else step_t
+        step = in_given_dtype(step_t, lr, lambd, alpha)
         eta.copy_(lr / ((1 + lambd * lr * step) ** alpha))
-        step = step_t.to(t0.dtype) if isinstance(t0, Tensor) else step_t
+        step = in_given_dtype(step_t, t0)
         mu.copy_(1 / torch.maximum(step - t0, torch.ones_like(step)))
+
+
+def in_given_dtype(value: Tensor, *hyperparameters: Any) -> Tensor:
+    """``value`` (a step count or eta, which a capturable for-loop may see in float64 where
+    eager reads a Python float) in the dtype of the first Tensor among ``hyperparameters``:
+    eager's arithmetic of its Python float with a Tensor hyperparameter is an op in that
+    tensor's dtype. ``value`` itself where they are all numbers."""
+    for hyperparameter in hyperparameters:
+        if isinstance(hyperparameter, Tensor):
+            return value.to(hyperparameter.dtype)
+    return value

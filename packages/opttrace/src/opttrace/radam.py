@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from opttrace.asgd import in_given_dtype
+
 
 def for_loop(
     params: list[Tensor],
@@ -116,9 +118,7 @@ def capturable_for_loop(
             exp_avg = torch.view_as_real(exp_avg)
             exp_avg_sq = torch.view_as_real(exp_avg_sq)
         step_t += 1
-        # (Tensor betas: eager's ``beta ** step`` and the rest with them are ops in the
-        # betas' dtype, its step a Python float; step_t may be seen in float64 here)
-        step = step_t.to(beta2.dtype) if isinstance(beta2, Tensor) else step_t
+        step = in_given_dtype(step_t, beta2)  # (Tensor betas: eager's ``beta ** step``)
         if weight_decay != 0:
             if decoupled_weight_decay:
                 param.mul_(1 - lr * weight_decay)
