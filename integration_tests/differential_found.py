@@ -597,4 +597,29 @@ FOUND = [
         recompile_limit=None,
         seed=0,
     ),
+    # ASGD's for-loop over a 0-dim float32 param, a bfloat16 one, with a foreach group beside
+    # them, on the torch backend: the foreach path's mu (``as_tensor(1 / max(1, step.item()
+    # - t0))``) made the eager-path trace fail, so every group was traced on the capturable
+    # path, where the for-loop's ops on a 0-dim or bfloat16 param are not eager's (an ulp off).
+    Case(
+        "ASGD",
+        (
+            Group((Param(shape=(3,)), Param(shape=()))),
+            Group((Param(shape=(3,)),), {"lambd": T(0.0001), "alpha": T(0.75), "foreach": True}),
+        ),
+        defaults={"alpha": T(0.75), "lr": T(0.01)},
+        steps=2,
+        events=(Event(after=0, kind="round_trip", args=("fresh", False)),),
+        backend="torch",
+    ),
+    Case(
+        "ASGD",
+        (
+            Group((Param(shape=(37,), dtype="bfloat16"), Param(shape=(), dtype="float16"))),
+            Group((Param(shape=(5,)),), {"foreach": True}),
+        ),
+        defaults={"lr": T(0.01), "t0": 1.0},
+        steps=4,
+        backend="torch",
+    ),
 ]

@@ -160,3 +160,22 @@ def test_a_zero_dim_params_state_is_not_marked_as_python_floats():
     assert _python_float_sources(traced) == {
         "L['opt'].state[L['opt'].param_groups[0]['params'][0]]['step']"
     }
+
+
+def test_asgd_with_a_foreach_group_beside_its_for_loop_traces_eagers_path_on_the_cpu():
+    """ASGD's foreach path makes mu from a step count read as a Python float
+    (``as_tensor(1 / max(1, step.item() - t0))``): traced as a 0-dim tensor of it, so the
+    trace keeps eager's path for every group (its for-loop groups' ops are eager's, not the
+    capturable path's) and computes eager's mu."""
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(()))]
+    params.append(torch.nn.Parameter(torch.randn(4)))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    groups = [{"params": params[:2]}, {"params": params[2:], "foreach": True}]
+    opt = torch.optim.ASGD(groups, lr=0.01, t0=1.0)
+    for _ in range(3):
+        opt.step()
+    traced = trace_step(opt)
+    assert not traced.capturable
+    targets = {str(n.target) for n in traced.graph_module.graph.nodes}
+    assert "aten.scalar_tensor.default" in targets  # (mu, made from the step count)

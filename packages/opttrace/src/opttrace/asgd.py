@@ -19,15 +19,23 @@ select is one compare per element in a kernel that reads ``param`` and ``ax`` an
   still fuses into one launch; the step counts, eta and mu are read in float64 as eager's
   Python floats, opttrace.optimizer).
 
-Eager's foreach path averages by the formula whatever mu is: it is traced as it stands.
+Eager's foreach path averages by the formula whatever mu is, and computes mu from a step
+count read as a Python float (``torch.as_tensor(1 / max(1, step.item() - t0))``): it is traced
+as it stands, that ``as_tensor`` of a number read from a tensor recorded as a 0-dim tensor of
+it (:func:`numbers_as_tensors`) where the eager path is traced.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from opttrace.patches import patched
+from opttrace.symbolic import node_of
 
 
 def for_loop(
@@ -82,6 +90,29 @@ def _as_tensor(value: Any) -> Tensor:
     if isinstance(value, Tensor):
         return value
     return torch.scalar_tensor(value, dtype=torch.get_default_dtype())
+
+
+_AS_TENSOR = torch.as_tensor
+
+
+def _as_tensor_of_symbolic(data: Any, dtype: Any = None, device: Any = None) -> Tensor:
+    """``torch.as_tensor`` that records a 0-dim tensor of a symbolic number (in the dtype
+    as_tensor gives that Python type) instead of reading its value."""
+    node = node_of(data)
+    if node is None:
+        return _AS_TENSOR(data, dtype=dtype, device=device)
+    if dtype is None:
+        kinds: dict[type, torch.dtype] = {float: torch.get_default_dtype(), bool: torch.bool}
+        dtype = kinds.get(node.pytype, torch.int64)
+    return torch.scalar_tensor(data, dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def numbers_as_tensors() -> Iterator[None]:
+    """While tracing eager's path: ``torch.as_tensor`` of a number read from a tensor (ASGD's
+    foreach mu) records it as a 0-dim tensor, as eager makes one of the Python float."""
+    with patched(torch, "as_tensor", _as_tensor_of_symbolic):
+        yield
 
 
 def capturable_for_loop(

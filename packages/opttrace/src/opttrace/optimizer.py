@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -140,14 +141,23 @@ def _eager_path(opt: torch.optim.Optimizer) -> contextlib.AbstractContextManager
     """In a trace of the path eager takes: RAdam's and ASGD's for-loop groups without
     ``capturable`` traced as eager's own path, its Python decision an exact select
     (opttrace.radam, opttrace.asgd: ``for_loop``); ASGD's where its state lives on the CPU
-    (with the params: eager reads the step counts, eta and mu by value on the host; on a GPU
-    that would be a device sync per param, and the capturable path is traced instead)."""
+    (with the params: eager reads the step counts, eta and mu by value on the host, its foreach
+    groups their step counts; on a GPU that would be a device sync per param, and the
+    capturable path is traced instead)."""
     on_cpu = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
     if on_cpu and isinstance(opt, torch.optim.ASGD):
-        return _own_for_loop(opt, "asgd", asgd.for_loop)
+        return _asgd_eager_path(opt)
     if isinstance(opt, torch.optim.RAdam):  # (its step counts live on the CPU)
         return _own_for_loop(opt, "radam", radam.for_loop)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _asgd_eager_path(opt: torch.optim.ASGD) -> Iterator[None]:
+    """ASGD's for-loop groups as ``for_loop``, its foreach groups' mu from a step count read
+    as a Python float recorded (opttrace.asgd.numbers_as_tensors)."""
+    with _own_for_loop(opt, "asgd", asgd.for_loop), asgd.numbers_as_tensors():
+        yield
 
 
 def _own_for_loop(
