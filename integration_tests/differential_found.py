@@ -622,4 +622,15 @@ FOUND = [
         steps=4,
         backend="torch",
     ),
+    # RAdam's for-loop with Tensor betas under OneCycleLR (which sets beta1 to a float): its
+    # eager-path trace took Python's max of a tensor rho_t and failed, so the torch backend
+    # ran the capturable path, an ulp off eager.
+    Case(
+        "RAdam",
+        (Group((Param(shape=(3,)),)),),
+        defaults={"betas": (T(0.9), T(0.999)), "lr": T(0.01)},
+        steps=2,
+        scheduler="OneCycleLR",
+        backend="torch",
+    ),
 ]

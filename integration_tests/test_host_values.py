@@ -240,7 +240,7 @@ def test_a_prelude_computes_a_float64_params_bias_corrections_in_double(backend)
 @pytest.mark.parametrize("backend", ["torch", *BOTH])
 def test_radam_with_tensor_betas_computes_them_in_their_dtype_over_a_float64_param(backend):
     """RAdam with Tensor betas and capturable=False decides on its rectification in Python
-    (traced on its capturable path, the step counts seen in float64 there): eager's
+    (the kernels trace its capturable path, the step counts seen in float64 there): eager's
     ``beta ** step`` with a Tensor beta is a float32 op, which the trace made a float64 one
     (a float64 param 5e-10 relative off eager from the second step)."""
     device = _device(backend) if backend != "torch" else "cpu"
@@ -257,6 +257,31 @@ def test_radam_with_tensor_betas_computes_them_in_their_dtype_over_a_float64_par
     if device == "cpu":  # (eager's own ops; on a GPU, the kernels' within float64's ulps)
         assert torch.equal(params[0], reference[0])
     assert_within_ulps(params[0], reference[0], ULPS[torch.float64])
+
+
+@pytest.mark.parametrize("betas", ["float, Tensor", "Tensor, Tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_radam_for_loop_with_a_tensor_beta2_keeps_eagers_path_across_its_rectification(
+    betas, dtype
+):
+    """RAdam's for-loop with a Tensor beta2 (OneCycleLR sets beta1 to a float beside it)
+    computes ``rho_t`` and the rectification term as tensors: its eager path is traced (the
+    rectification an exact select, the term's root a tensor's, no Python ``max`` on a
+    tensor), so the torch backend keeps eager's bits through the rectification's start (at
+    the 6th step with beta2=0.999); it took the capturable path, an ulp off, before."""
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(37, generator=gen, dtype=dtype))]
+    reference = [torch.nn.Parameter(params[0].detach().clone())]
+
+    def make(ps):
+        beta1 = 0.95 if betas.startswith("float") else torch.tensor(0.95)
+        return optim.RAdam(ps, lr=0.01, betas=(beta1, torch.tensor(0.999)), foreach=False)
+
+    opt, eager = compiled_and_eager(make, params, reference, "torch")
+    for step in range(8):
+        step_both(params, opt, reference, eager, 1, gen, dtype=dtype)
+        assert torch.equal(params[0], reference[0]), f"step {step + 1}"
+    assert optcompile.explain(opt).traces == 1
 
 
 @pytest.mark.parametrize("backend", BOTH)

@@ -73,18 +73,21 @@ def for_loop(
         bias_corrected_exp_avg = exp_avg / bias_correction1
         rho_inf = 2 / (1 - beta2) - 1
         rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
-        # (negative while rho_t < 4, where the unrectified update is taken: 0 there)
-        rect = (
-            max((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t), 0.0)
-            ** 0.5
-        )
+        ratio = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+        # (a Python float's negative ratio while rho_t < 4, where the unrectified update is
+        # taken, has a complex root: 0 there; a tensor's is NaN, which the select drops)
+        rect = (ratio if isinstance(ratio, Tensor) else max(ratio, 0.0)) ** 0.5
         sqrt = exp_avg_sq.sqrt()
         exp_avg_sq_sqrt = sqrt.add(eps) if differentiable else sqrt.add_(eps)
         adaptive_lr = (bias_correction2**0.5) / exp_avg_sq_sqrt
         unrectified = bias_corrected_exp_avg * lr
         rectified = unrectified * adaptive_lr * rect
-        # eager: ``rectified if rho_t > 5.0 else unrectified`` (x - 5 > 0 exactly when x > 5)
-        rectifies = torch.scalar_tensor(rho_t - 5.0, dtype=torch.float64) > 0
+        # eager: ``rectified if rho_t > 5.0 else unrectified`` (x - 5 > 0 exactly when x > 5;
+        # rho_t a tensor with a Tensor beta2: compared in its dtype, as eager's ``bool()``)
+        if isinstance(rho_t, Tensor):
+            rectifies = rho_t > 5.0
+        else:
+            rectifies = torch.scalar_tensor(rho_t - 5.0, dtype=torch.float64) > 0
         param.add_(torch.where(rectifies, rectified, unrectified), alpha=-1.0)
 
 
