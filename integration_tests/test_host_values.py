@@ -259,6 +259,32 @@ def test_radam_with_tensor_betas_computes_them_in_their_dtype_over_a_float64_par
     assert_within_ulps(params[0], reference[0], ULPS[torch.float64])
 
 
+@pytest.mark.parametrize("backend", BOTH)
+def test_asgd_for_loop_with_tensor_hyperparameters_stays_fused(backend):
+    """ASGD's for-loop with Tensor lambd, alpha and t0 (capturable=False): the kernels trace
+    its capturable path, mu's decision an exact select; eager's path (what the torch backend
+    traces on the CPU) reads the step counts with ``.item()`` and takes Python's ``max`` of
+    them, which no kernel runs (the whole step ran on the torch backend). (Its foreach path
+    reads such a Tensor per lane with ``.item()``: not fused either way.)"""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, generator=gen).to(device)) for _ in range(2)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        tensors = {
+            "lambd": torch.tensor(1e-4),
+            "alpha": torch.tensor(0.75),
+            "t0": torch.tensor(2.0),
+        }
+        return optim.ASGD(ps, lr=0.01, foreach=False, **tensors)
+
+    opt, eager = compiled_and_eager(make, params, reference, backend)
+    step_both(params, opt, reference, eager, 5, gen)
+    assert_matches_eager(params, opt, reference, eager, torch.float32)
+    assert "not fused" not in optcompile.explain(opt).graph_code.splitlines()[0]
+
+
 @pytest.mark.parametrize("betas", ["float, Tensor", "Tensor, Tensor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_radam_for_loop_with_a_tensor_beta2_keeps_eagers_path_across_its_rectification(

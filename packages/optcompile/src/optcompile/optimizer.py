@@ -185,6 +185,12 @@ def _eps_by_dtype(opt: torch.optim.Optimizer) -> bool:
     )
 
 
+# ASGD decides on its step counts in Python without ``capturable`` (its mu): the kernels take
+# its capturable path (opttrace.asgd), where eager's reads them with ``.item()`` and Python's
+# ``max``, which no kernel takes (the torch backend on the CPU traces that, eager's bits).
+_DECIDE_ON_STEPS = (torch.optim.ASGD,)
+
+
 def _tensor_step_arithmetic(opt: torch.optim.Optimizer) -> bool:
     """Whether a group of torch.optim's ``opt`` without ``capturable`` has a 0-dim Tensor
     hyperparameter that its step combines with the step counts (Tensor betas, lr, NAdam's
@@ -192,10 +198,10 @@ def _tensor_step_arithmetic(opt: torch.optim.Optimizer) -> bool:
     bias corrections as float32 tensor ops on the CPU (``1 - beta2 ** step``, where an ulp
     of ``beta2 ** 3`` is 2e-5 of the result); the capturable path's graph has other ops,
     which the host computes in double. Eager's own path is traced instead, and the host
-    computes its 0-dim ops as ATen does (optkernels.host; RAdam and ASGD, which decide on
-    the step counts in Python, are traced on their capturable path all the same)."""
+    computes its 0-dim ops as ATen does (optkernels.host; ASGD, which decides on the step
+    counts in Python, is traced on its capturable path all the same)."""
     base = type(opt).__dict__.get("_optcompile_base", type(opt))
-    if not base.__module__.startswith("torch.optim."):
+    if not base.__module__.startswith("torch.optim.") or issubclass(base, _DECIDE_ON_STEPS):
         return False
     for group in opt.param_groups:
         if group.get("capturable", False):
