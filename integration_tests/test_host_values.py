@@ -315,10 +315,13 @@ def test_nadam_after_load_state_dict_over_a_float64_param_matches_eager(backend)
     """load_state_dict makes a float64 param's mu_product float64 (its step count stays
     float32): NAdam's foreach step then computes its momentum terms before the kernels (a
     prelude), from the step count read in double, and hands the kernels that step count in
-    the float32 they read (handed as float64, the kernels misread it: 4% off eager)."""
+    the float32 they read (handed as float64, the kernels misread it: 4% off eager), marked
+    as what eager reads as a Python float: the kernels' host computes the bias corrections
+    from it in double (computed in float32 by the kernel, ``1 - beta2 ** step`` put the
+    params 4e-5 of an lr-sized update off eager on Triton's host mode)."""
     device = _device(backend)
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(3, generator=gen, dtype=torch.float64).to(device))]
+    params = [torch.nn.Parameter(torch.randn(64, generator=gen, dtype=torch.float64).to(device))]
     reference = [torch.nn.Parameter(params[0].detach().clone())]
 
     def make(ps):
@@ -329,8 +332,8 @@ def test_nadam_after_load_state_dict_over_a_float64_param_matches_eager(backend)
     opt, eager = reloaded(make, params, reference, backend, opt, eager)
     assert opt.state[params[0]]["mu_product"].dtype == torch.float64
     step_both(params, opt, reference, eager, 3, gen, dtype=torch.float64)
-    # (within 1e-6, not eager's bits: 5e-10 relative off on the C loops, 4e-7 on Triton's
-    # host mode; a float32 value in the traced path, left for later)
-    assert torch.allclose(params[0], reference[0], rtol=1e-6, atol=0)
+    # (not eager's bits: the step sizes are float32 in the traced capturable path, which
+    # computes them in place in float32 tensors; 1e-7 of an update of lr's size measured)
+    assert (params[0] - reference[0]).abs().max().item() <= 3e-7 * 0.01
     for key, value in eager.state[reference[0]].items():
         assert torch.allclose(opt.state[params[0]][key], value, rtol=1e-6, atol=0), key

@@ -94,6 +94,7 @@ def split_unfused(gm: fx.GraphModule) -> Split | None:
         )
     )
 
+    steps = _python_float_writes(deferred)
     second = fx.Graph()
     env = {}
     for node in placeholders:
@@ -109,6 +110,8 @@ def split_unfused(gm: fx.GraphModule) -> Split | None:
         else:
             env[node] = extra
         extra.meta["static_address"] = False  # a new tensor every call
+        if (node, i) in steps:  # (a step count's new value: what eager reads as a float)
+            extra.meta["python_float"] = True
     for node in rest:
         env[node] = second.node_copy(node, env.__getitem__)
 
@@ -117,6 +120,28 @@ def split_unfused(gm: fx.GraphModule) -> Split | None:
     for made in (first, second):  # (their constants, ``get_attr``, read from ``gm`` until
         made.owning_module = gm  # their own module is made)
     return Split(first, second, writes, unfused, gm)
+
+
+def _python_float_writes(deferred: list[fx.Node]) -> set[tuple[fx.Node, int | None]]:
+    """The prelude results written back into inputs eager reads as Python floats (placeholder
+    meta ``python_float``: a step count's ``step + 1``, NAdam's float64 ``mu_product``), as
+    (node, item) and, for an item of a list, also (list node, item): the value such a step
+    reads after its write is the input's new value, which the main graph's host then reads
+    in double as eager does (a bias correction ``1 - beta2 ** step`` computed by the kernel
+    in float32 from it was 2e-5 relative off eager's: NAdam over a float64 param after
+    load_state_dict, whose float64 ``mu_product`` puts its step sizes in the prelude)."""
+    found: set[tuple[fx.Node, int | None]] = set()
+    for write in deferred:
+        target, value = write.args[0], write.args[1]
+        if not (isinstance(target, fx.Node) and target.meta.get("python_float") is True):
+            continue
+        assert isinstance(value, fx.Node)
+        found.add((value, None))
+        if value.target is operator.getitem and isinstance(value.args[1], int):
+            source = value.args[0]
+            assert isinstance(source, fx.Node)
+            found.add((source, value.args[1]))
+    return found
 
 
 def _shared_from(prelude: set[fx.Node], graph: fx.Graph) -> set[fx.Node]:
