@@ -63,7 +63,7 @@ from optcompile.backward_buckets import Bucket as Bucket
 from optcompile.backward_hooks import InBackward as InBackward
 from optcompile.backward_hooks import _arrived as _arrived
 from optcompile.backward_refusals import _install_refusals
-from optcompile.errors import CompileError
+from optcompile.errors import CompileError, warn_user
 from optcompile.options import Options
 
 _STATES: weakref.WeakKeyDictionary[torch.optim.Optimizer, InBackward] = weakref.WeakKeyDictionary()
@@ -121,6 +121,25 @@ def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> None:
             state.flush()
     for hook in _torch_compat.step_post_hooks(opt):
         hook(opt, args, kwargs)
+
+
+def zeros_not_held(opt: torch.optim.Optimizer) -> None:
+    """``opt.zero_grad(set_to_none=False)``: say once that no zero gradient is held (each
+    update inside backward set its gradients to None), so a parameter that gets no gradient
+    in a later backward is skipped where eager would step it with its zero gradient."""
+    state = _STATES.get(opt)
+    if state is None or state.warned_zeros:
+        return
+    state.warned_zeros = True
+    warn_user(
+        f"optcompile: {type(opt).__name__}.zero_grad(set_to_none=False) on an optimizer "
+        "compiled with in_backward=True: each update inside backward sets its gradients to "
+        "None, so no zero gradient is held, and a parameter that gets no gradient in a later "
+        "backward (frozen, unused) is skipped, where eager would step it with its held zero "
+        "gradient (weight decay, momentum, step count). Call zero_grad() (set_to_none=True), "
+        "or compile without in_backward=True to keep eager's zero gradients",
+        UserWarning,
+    )
 
 
 @contextlib.contextmanager

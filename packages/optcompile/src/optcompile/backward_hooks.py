@@ -106,6 +106,7 @@ class InBackward:
         # one stage at the first hook (~400 µs for 4 buckets) cost what the updates saved
         # (iterations alternated in one process: 0.1 and 0.8 ms slower with it).
         self.ahead_enabled = False
+        self.warned_zeros = False  # (backward.zeros_not_held)
         self.refresh(opt)
 
     # -- params and hooks --

@@ -320,6 +320,8 @@ def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     None`` for each param without a Python loop: a training loop calls it every iteration,
     and after an in-backward backward (every gradient already None) it is all it does."""
     zero_grad = type(self).__dict__["_optcompile_base"].zero_grad
+    if not set_to_none and self.__dict__[OPTIONS_ATTR].in_backward:
+        backward.zeros_not_held(self)
     if (
         torch.compiler.is_compiling()  # (first: torch's is dynamo-disabled, a graph break)
         or not set_to_none
