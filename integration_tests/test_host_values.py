@@ -259,6 +259,30 @@ def test_radam_with_tensor_betas_computes_them_in_their_dtype_over_a_float64_par
     assert_within_ulps(params[0], reference[0], ULPS[torch.float64])
 
 
+@pytest.mark.parametrize("name", ["Adam", "SGD", "ASGD", "RMSprop", "NAdam", "Adagrad"])
+@pytest.mark.parametrize("backend", BOTH)
+def test_for_loop_and_foreach_groups_side_by_side_fuse_and_match_eager(backend, name):
+    """A for-loop group beside a foreach one: the for-loop group's per-tensor ops are a part
+    of their own (a for-loop program) beside the foreach group's, one launch each (the
+    whole step ran on the torch backend before: "the graph has no foreach ops")."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 3), (5,), (4, 4), (6,), ()]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        options = {"momentum": 0.9} if name == "SGD" else {}
+        groups = [{"params": ps[:2], "foreach": False}, {"params": ps[2:], "foreach": True}]
+        return getattr(optim, name)(groups, lr=0.01, **options)
+
+    opt, eager = compiled_and_eager(make, params, reference, backend)
+    step_both(params, opt, reference, eager, 3, gen)
+    assert_matches_eager(params, opt, reference, eager, torch.float32)
+    first = optcompile.explain(opt).graph_code.splitlines()[0]
+    assert "not fused" not in first and "2 + 3 lanes" in first, first
+
+
 @pytest.mark.parametrize("backend", BOTH)
 def test_asgd_for_loop_with_tensor_hyperparameters_stays_fused(backend):
     """ASGD's for-loop with Tensor lambd, alpha and t0 (capturable=False): the kernels trace

@@ -15,6 +15,7 @@ Its parts: ``lane_program`` (the program), ``lane_scan`` (one pass over the grap
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch
 from torch import fx
@@ -81,13 +82,20 @@ def analyze(graph: fx.Graph) -> LaneProgram:
 
 def analyze_parts(graph: fx.Graph) -> list[LaneProgram]:
     """One LaneProgram per independent part of ``graph``: a foreach step over several param
-    groups runs one set of foreach ops per group, with lists of different lengths."""
+    groups runs one set of foreach ops per group, with lists of different lengths; the
+    per-tensor ops of its for-loop groups (``foreach=False`` beside ``True``) are one more
+    part, a for-loop program."""
     graph_scan = scan(graph)
     if not graph_scan.foreach:
         return [analyze_per_tensor(graph, graph_scan)]
     numbers = graph_scan.numbers
     programs = []
-    for count, part in parts(graph_scan).items():
+    by_lanes = parts(graph_scan)
+    loose = by_lanes.pop(-1, None)  # (no foreach op: the for-loop groups beside foreach ones)
+    if loose is not None:
+        components = [c for c in graph_scan.components if c[0] in loose]
+        programs.append(analyze_per_tensor(graph, replace(graph_scan, components=components)))
+    for count, part in by_lanes.items():
         builder = Builder(count, numbers)
         for node in graph.nodes:
             if (
