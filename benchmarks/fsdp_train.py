@@ -16,11 +16,12 @@ the optimizer steps fp32 shards, grads and state. Per model:
 2. Checkpoint: the compiled run's model and optimizer saved with ``torch.distributed.checkpoint``
    and loaded into a fresh eager model and optimizer: equal to the compiled run's, bitwise;
    both then take two more steps on the same gradients and stay equal.
-3. Time, per variant (optcompile, fused, foreach; a fresh optimizer each over the same model):
-   the whole training step (forward, backward, step, zero_grad) and the optimizer step alone
-   (gradients kept), CUDA events around each step, the median over ``--steps``; the floor is
-   the bytes the step moves over the rank's shards (28 per fp32 parameter element) over the
-   copy bandwidth measured on that rank in the same run.
+3. Time, per variant (optcompile, fused, foreach; an optimizer each over one model): the
+   whole training step (forward, backward, step, zero_grad), the variants taking turns
+   iteration by iteration, its synchronized wall time and the host time of its phases; then
+   the optimizer step alone (gradients kept), CUDA events around each step; medians over
+   ``--steps``. The floor is the bytes the step moves over the rank's shards (28 per fp32
+   parameter element) over the copy bandwidth measured on that rank in the same run.
 
 Rank 0 gathers every rank's figures, prints a markdown table, writes it and the JSON.
 
@@ -167,41 +168,74 @@ def parity(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
 
 
 def timings(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every variant's optimizer over one model: the whole training steps alternated variant
+    by variant (``alternated``), then each variant's step alone (``time_variant``)."""
     import optcompile
 
     model = sharded_model(args)
-    rows = []
-    for variant in args.variants.split(","):
-        row: dict[str, Any] = {"variant": variant}
+    variants = args.variants.split(",")
+    opts: dict[str, torch.optim.Optimizer] = {}
+    rows = {v: {"variant": v} for v in variants}
+    for variant in variants:
         try:
-            row.update(time_variant(variant, model, args))
+            start = time.perf_counter()
+            opts[variant] = optimizer(variant, model)
+            train_step(model, opts[variant], tokens(args, 0))
+            sync(args.device)
+            rows[variant]["first_call_s"] = time.perf_counter() - start
         except Exception as exc:
             if args.smoke:
                 raise
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-        optcompile.reset()
-        rows.append(row)
-    return rows
+            rows[variant]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    for variant, row in alternated(model, opts, args).items():
+        rows[variant].update(row)
+    for variant, opt in opts.items():
+        rows[variant].update(time_variant(variant, model, opt, args))
+    optcompile.reset()
+    return [rows[v] for v in variants]
 
 
-def time_variant(variant: str, model: torch.nn.Module, args: argparse.Namespace) -> dict:
-    """Seconds of a whole training step and of the optimizer step alone (median)."""
+def alternated(
+    model: torch.nn.Module, opts: dict[str, torch.optim.Optimizer], args: argparse.Namespace
+) -> dict[str, dict[str, float]]:
+    """Whole training steps, the variants taking turns iteration by iteration (fresh
+    processes and back-to-back steps of one variant at a time spread more than the
+    variants differ): per variant the medians of the synchronized wall time of a step and of
+    the host time of its phases (forward and backward; ``opt.step()``; ``zero_grad()``)."""
+    phases: dict[str, dict[str, list[float]]] = {
+        v: {"train_step_s": [], "host_fwd_bwd_s": [], "host_step_s": [], "host_zero_s": []}
+        for v in opts
+    }
+    counter = 1
+    for iteration in range(args.warmup + args.steps):
+        for variant, opt in opts.items():
+            counter += 1
+            sync(args.device)
+            t0 = time.perf_counter()
+            gpt.loss(model, tokens(args, counter)).backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            opt.zero_grad()
+            t3 = time.perf_counter()
+            sync(args.device)
+            t4 = time.perf_counter()
+            if iteration >= args.warmup:
+                got = phases[variant]
+                got["train_step_s"].append(t4 - t0)
+                got["host_fwd_bwd_s"].append(t1 - t0)
+                got["host_step_s"].append(t2 - t1)
+                got["host_zero_s"].append(t3 - t2)
+    return {v: {k: statistics.median(x) for k, x in got.items()} for v, got in phases.items()}
+
+
+def time_variant(
+    variant: str, model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Seconds of the optimizer step alone (median; gradients kept)."""
     import optcompile
 
-    opt = optimizer(variant, model)
-    counter = iter(range(10**9))
-
-    def whole() -> None:
-        train_step(model, opt, tokens(args, next(counter)))
-
     row: dict[str, Any] = {}
-    start = time.perf_counter()
-    whole()
-    sync(args.device)
-    row["first_call_s"] = time.perf_counter() - start
-    for _ in range(args.warmup):
-        whole()
-    row["train_step_s"] = statistics.median(step_times(whole, args.device, args.steps, False))
     gpt.loss(model, tokens(args, 0)).backward()  # gradients kept for the step alone
     for _ in range(args.warmup):
         opt.step()
@@ -239,28 +273,35 @@ def table(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "tokens per rank.",
         "",
         "Floor = 28 bytes per fp32 element of the rank's shards / the copy bandwidth measured on "
-        f"that rank. Times: median over the steps of {meta['timer']} around each step. Parity: the "
-        "largest loss gap between the compiled and the eager twin over the parity steps "
-        "(params and state equal within fp32 tolerance; checkpoint round trip bitwise).",
+        f"that rank. Optimizer step: median over the steps of {meta['timer']} around each step "
+        "alone (gradients kept). Training step: forward, backward, step, zero_grad, the "
+        "variants taking turns iteration by iteration over one model; the median of its "
+        "synchronized wall time, and of the host time of its step and of forward + backward "
+        "(no synchronization inside). Parity: the largest loss gap between the compiled and "
+        "the eager twin over the parity steps (params and state equal within fp32 tolerance; "
+        "checkpoint round trip bitwise).",
         "",
         "| model | rank | variant | optimizer step µs | x floor | training step ms | "
-        "launches | first call (s) |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "host: its step ms | host: fwd + bwd ms | launches | first call (s) |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in runs:
         lines.append(
             f"| {r['model']} | {r['rank']} | floor ({r['local_numel']:,} elements) | "
-            f"{r['floor_s'] * 1e6:,.0f} | 1.00 | | | |"
+            f"{r['floor_s'] * 1e6:,.0f} | 1.00 | | | | | |"
         )
         for row in r["rows"]:
             if "error" in row:
                 error = f"n/a ({row['error']})"
-                lines.append(f"| {r['model']} | {r['rank']} | {row['variant']} | {error} | | | | |")
+                lines.append(
+                    f"| {r['model']} | {r['rank']} | {row['variant']} | {error} | | | | | | |"
+                )
                 continue
             lines.append(
                 f"| {r['model']} | {r['rank']} | {row['variant']} | "
                 f"{row['opt_step_s'] * 1e6:,.0f} | "
                 f"{row['opt_step_s'] / r['floor_s']:.2f} | {row['train_step_s'] * 1e3:,.2f} | "
+                f"{row['host_step_s'] * 1e3:,.2f} | {row['host_fwd_bwd_s'] * 1e3:,.2f} | "
                 f"{row.get('launches', '')} | {row['first_call_s']:.2f} |"
             )
     lines += [
