@@ -1,8 +1,8 @@
 """The step inside backward against eager stepping after backward, on drawn cases: an
 optimizer of torch.optim over drawn param groups of a small model, updated in buckets of a
 drawn size inside each ``loss.backward()``, with drawn changes between iterations (an lr
-set, an LR scheduler, a state_dict round trip, gradient accumulation, a param frozen or
-unused for a backward, a param group added, a ``zero_grad()``, or one with
+set, an LR scheduler, a state_dict round trip, eager's state loaded, gradient accumulation,
+a param frozen or unused for a backward, a param group added, a ``zero_grad()``, or one with
 ``set_to_none=False``, which warns once). After each iteration the params and every state
 entry must match eager's within ``ULPS`` of each tensor's largest value (float64: 1e-7 of
 it, as torch's test_optim allows; the buckets' foreach groups are not eager's; the kernels
@@ -64,8 +64,8 @@ OPTIONS: dict[str, dict[str, list[Any]]] = {
 }
 CAPTURABLE = {"Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adadelta", "RMSprop", "Rprop", "ASGD"}
 LRS = {"SGD": 0.05, "Adadelta": 1.0, "Rprop": 0.01, "ASGD": 0.05}
-EVENTS = ["set_lr", "scheduler", "round_trip", "accumulate", "freeze", "unused", "add_group",
-          "zero_grad", "zero_grad_to_zeros"]  # fmt: skip
+EVENTS = ["set_lr", "scheduler", "round_trip", "from_eager", "accumulate", "freeze", "unused",
+          "add_group", "zero_grad", "zero_grad_to_zeros"]  # fmt: skip
 
 
 class Net(torch.nn.Module):
@@ -177,6 +177,10 @@ def run_case(case: Case) -> None:
                 saved = copy.deepcopy(eager.state_dict())
                 opt.load_state_dict(copy.deepcopy(opt.state_dict()))
                 eager.load_state_dict(saved)
+            elif event == "from_eager":  # (both load eager's: the same state after)
+                saved = eager.state_dict()
+                opt.load_state_dict(copy.deepcopy(saved))
+                eager.load_state_dict(copy.deepcopy(saved))
             elif event == "accumulate":
                 accumulate = True
             elif event == "freeze":
