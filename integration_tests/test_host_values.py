@@ -71,7 +71,7 @@ def test_a_0_dim_lane_the_host_computes_takes_a_sign(backend):
 
 
 @pytest.mark.parametrize("backend", BOTH)
-@pytest.mark.parametrize("name", ["Adamax", "NAdam", "Adagrad", "ASGD"])
+@pytest.mark.parametrize("name", ["Adamax", "NAdam", "Adagrad", "ASGD", "SGD", "RMSprop"])
 def test_a_tensor_lr_an_lr_scheduler_changes_in_place_reaches_every_lane(name, backend):
     """A group's tensor lr is an input of each of its lanes; an LR scheduler ``fill_``s it.
     Each lane's 0-dim inputs are aliased into one buffer, where one tensor of several lanes
@@ -257,6 +257,43 @@ def test_radam_with_tensor_betas_computes_them_in_their_dtype_over_a_float64_par
     if device == "cpu":  # (eager's own ops; on a GPU, the kernels' within float64's ulps)
         assert torch.equal(params[0], reference[0])
     assert_within_ulps(params[0], reference[0], ULPS[torch.float64])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+        {"momentum": 0.9, "dampening": 0.1, "maximize": True},
+        {},
+    ],
+    ids=["nesterov", "dampening-maximize", "plain"],
+)
+@pytest.mark.parametrize("backend", BOTH)
+def test_sgd_and_rmsprop_foreach_with_a_tensor_lr_fuse_and_match_eager(backend, options):
+    """SGD's and RMSprop's foreach paths scale by ``-lr`` of a Tensor lr, one tensor every
+    lane reads (``_foreach_mul(grads, -lr)``): each lane computes it from the same input
+    (its step ran on the torch backend before, and on eager's path, which reads the lr with
+    ``.item()`` though no step count meets it)."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 3), (5,), ()]
+    for name in ("SGD", "RMSprop"):
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+        reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        mine = dict(options) if name == "SGD" else {"momentum": options.get("momentum", 0.0)}
+
+        def make(ps, name=name, mine=mine):
+            lr = torch.tensor(0.01, device=device)
+            return getattr(optim, name)(ps, lr=lr, foreach=True, **mine)
+
+        opt, eager = compiled_and_eager(make, params, reference, backend)
+        schedulers = [optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, eager)]
+        step_both(
+            params, opt, reference, eager, 4, gen, after=lambda s=schedulers: [x.step() for x in s]
+        )
+        assert_matches_eager(params, opt, reference, eager, torch.float32)
+        first = optcompile.explain(opt).graph_code.splitlines()[0]
+        assert "not fused" not in first, (name, first)
 
 
 @pytest.mark.parametrize("name", ["Adam", "SGD", "ASGD", "RMSprop", "NAdam", "Adagrad"])

@@ -191,22 +191,42 @@ def _eps_by_dtype(opt: torch.optim.Optimizer) -> bool:
 _DECIDE_ON_STEPS = (torch.optim.ASGD,)
 
 
+# The hyperparameters each torch.optim step combines with its step counts (bias corrections,
+# step sizes); a class not listed is taken to combine all of _STEP_KEYS with them.
+_STEP_KEYS = ("betas", "lr", "momentum_decay", "lr_decay", "lambd", "alpha", "t0")
+_STEP_KEYS_OF: dict[type, tuple[str, ...]] = {
+    torch.optim.Adam: ("betas", "lr"),
+    torch.optim.AdamW: ("betas", "lr"),
+    torch.optim.Adamax: ("betas", "lr"),
+    torch.optim.RAdam: ("betas", "lr"),
+    torch.optim.NAdam: ("betas", "lr", "momentum_decay"),
+    torch.optim.Adagrad: ("lr", "lr_decay"),
+    torch.optim.SGD: (),  # (no step counts)
+    torch.optim.RMSprop: (),  # (its step counts are only counted)
+    torch.optim.Adadelta: (),
+    torch.optim.Rprop: (),
+}
+
+
 def _tensor_step_arithmetic(opt: torch.optim.Optimizer) -> bool:
     """Whether a group of torch.optim's ``opt`` without ``capturable`` has a 0-dim Tensor
-    hyperparameter that its step combines with the step counts (Tensor betas, lr, NAdam's
-    momentum_decay, Adagrad's lr_decay, ASGD's lambd/alpha/t0). Eager's path computes those
-    bias corrections as float32 tensor ops on the CPU (``1 - beta2 ** step``, where an ulp
-    of ``beta2 ** 3`` is 2e-5 of the result); the capturable path's graph has other ops,
-    which the host computes in double. Eager's own path is traced instead, and the host
-    computes its 0-dim ops as ATen does (optkernels.host; ASGD, which decides on the step
-    counts in Python, is traced on its capturable path all the same)."""
+    hyperparameter that its step combines with the step counts (Tensor betas or lr in
+    Adam's, NAdam's momentum_decay, Adagrad's lr_decay: ``_STEP_KEYS_OF``). Eager's path
+    computes those bias corrections as float32 tensor ops on the CPU (``1 - beta2 ** step``,
+    where an ulp of ``beta2 ** 3`` is 2e-5 of the result); the capturable path's graph has
+    other ops, which the host computes in double. Eager's own path is traced instead, and
+    the host computes its 0-dim ops as ATen does (optkernels.host; ASGD, which decides on
+    the step counts in Python, is traced on its capturable path all the same). A Tensor lr
+    that meets no step count (SGD's, RMSprop's) keeps the capturable path: eager's reads it
+    with ``.item()`` per param, which no kernel takes (its step ran on the torch backend)."""
     base = type(opt).__dict__.get("_optcompile_base", type(opt))
     if not base.__module__.startswith("torch.optim.") or issubclass(base, _DECIDE_ON_STEPS):
         return False
+    keys = next((k for c, k in _STEP_KEYS_OF.items() if issubclass(base, c)), _STEP_KEYS)
     for group in opt.param_groups:
         if group.get("capturable", False):
             continue
-        for key in ("betas", "lr", "momentum_decay", "lr_decay", "lambd", "alpha", "t0"):
+        for key in keys:
             value = group.get(key)
             values = value if isinstance(value, tuple | list) else (value,)
             if any(isinstance(v, torch.Tensor) for v in values):

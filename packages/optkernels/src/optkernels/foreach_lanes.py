@@ -23,6 +23,7 @@ from optkernels.lane_program import (
     lane_vars,
     result_dtypes,
 )
+from optkernels.lane_scan import is_foreach
 from optkernels.numbers import ASSERT, PYTHON_OPS, is_assert, scalar_constant
 
 aten = torch.ops.aten
@@ -186,6 +187,13 @@ class Builder:
         key = (op, overload, args, kwargs)
         if not index and not tensors:  # same for every lane (a constant: scalar_tensor(0.0))
             self.value[node] = ("free", key, result_dtypes(node))
+            return
+        if not index and self.lanes is not None and _shared(node, tensors):
+            # (``-lr`` of a Tensor lr, the one tensor argument of ``_foreach_mul(grads, -lr)``:
+            # each lane computes it from the same input)
+            shared = [("lane", self._input((t,) * self.lanes)) for t in tensors]
+            key = _with_shared(key, shared)
+            self.value[node] = ("lanes", self._emit(key, result_dtypes(node)))
             return
         if len(index) > 1:
             raise NotLanes(f"{node.name} mixes items of different lanes")
@@ -363,3 +371,27 @@ def _with_columns(key: Any, column_vars: list[int]) -> Any:
 
     op, overload, args, kwargs = key
     return op, overload, tuple(fill(a) for a in args), tuple((k, fill(v)) for k, v in kwargs)
+
+
+def _shared(node: fx.Node, tensors: list[fx.Node]) -> bool:
+    """Whether a single-tensor op on 0-dim graph inputs alone makes the one tensor argument of
+    foreach ops (every user takes it as such, not as a list item): a value every lane shares,
+    not the first of a per-item group (``[n.pow(0.5) for n in norms]``, whose nodes each a
+    lane's list item or per-item op reads)."""
+    if not tensors or not node.users:
+        return False
+    if any(getattr(t.meta.get("val"), "dim", lambda: 1)() != 0 for t in tensors):
+        return False
+    return all(is_foreach(user) and node in user.args for user in node.users)
+
+
+def _with_shared(key: Any, shared: list[Any]) -> Any:
+    """``key`` with its ("column", j) arguments replaced by ``shared[j]``."""
+
+    def put(a: Any) -> Any:
+        if isinstance(a, tuple) and len(a) == 2 and a[0] == "column":
+            return shared[a[1]]
+        return a
+
+    op, overload, args, kwargs = key
+    return (op, overload, tuple(put(a) for a in args), tuple((k, put(v)) for k, v in kwargs))
