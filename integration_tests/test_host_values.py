@@ -259,6 +259,40 @@ def test_radam_with_tensor_betas_computes_them_in_their_dtype_over_a_float64_par
     assert_within_ulps(params[0], reference[0], ULPS[torch.float64])
 
 
+@pytest.mark.parametrize("backend", BOTH)
+def test_asgd_float64_after_load_state_dict_with_params_at_different_step_counts(backend):
+    """After load_state_dict a float64 param's eta and mu are float64: the host reads their
+    columns without a copy. With the lanes at different step counts (a param without a grad
+    in one step) each lane's values are computed apart; the C loops wrote the new eta into
+    its column before filling the rows the kernel reads, where the old one was that column
+    itself: every param updated with the next step's eta (2e-7 relative off eager)."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 6), (8,), (5,)]
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(device))
+        for s in shapes
+    ]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps):
+        return optim.ASGD(ps, lr=0.05, t0=2.0, foreach=False)
+
+    opt, eager = compiled_and_eager(make, params, reference, backend)
+    step_both(params, opt, reference, eager, 1, gen, dtype=torch.float64)
+    params[1].grad = reference[1].grad = None  # (it lags a step behind the others)
+    for p, q in [(params[0], reference[0]), (params[2], reference[2])]:
+        grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device)
+        p.grad, q.grad = grad, grad.clone()
+    opt.step()
+    eager.step()
+    opt, eager = reloaded(make, params, reference, backend, opt, eager)
+    assert opt.state[params[0]]["eta"].dtype == torch.float64
+    step_both(params, opt, reference, eager, 2, gen, dtype=torch.float64)
+    for p, q in zip(params, reference, strict=True):
+        assert torch.allclose(p, q, rtol=1e-13, atol=0)
+
+
 @pytest.mark.parametrize(
     "options",
     [

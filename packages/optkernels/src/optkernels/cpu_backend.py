@@ -230,14 +230,18 @@ class _Part:
             return
         with np.errstate(all="ignore"):
             values = self._host_fn(views, scalars, program.lanes)
-        for var, k in program.writes:
-            if program.input_small[k]:
-                np.copyto(views[k], values[var], casting="unsafe")
+        # The rows first: an input's value may be its column's view itself (a float64 one,
+        # which the host reads without a copy), which the writes below change (ASGD's old
+        # eta, read by the kernel, was its new one for float64 params after load_state_dict
+        # with lanes at different step counts).
         width = len(self.host_read)
         block[0] = width
         rows = block[HOST_ROWS : HOST_ROWS + program.lanes * width].reshape(program.lanes, width)
         for j, var in enumerate(self.host_read):
             rows[:, j] = values[var]
+        for var, k in program.writes:
+            if program.input_small[k]:
+                np.copyto(views[k], values[var], casting="unsafe")
 
 
 def _torch_plan(gm: fx.GraphModule, compiler: Compiler) -> Plan:
