@@ -31,6 +31,8 @@ def exact(case: Case) -> bool:
     if case.optimizer != "RAdam" or case.defaults.get("capturable"):
         return True
     options = [{**case.defaults, **g.options} for g in case.group_specs()]
+    if any(e.kind == "set" and e.args[1] == "foreach" for e in case.events):
+        return False  # (a group switched to foreach between steps)
     return not any(is_foreach("RAdam", o.get("foreach")) for o in options)
 
 

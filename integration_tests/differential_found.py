@@ -633,4 +633,15 @@ FOUND = [
         scheduler="OneCycleLR",
         backend="torch",
     ),
+    # RAdam's for-loop switched to foreach after a step, float64, torch backend: the test
+    # asked eager's bits of it (its exactness read the groups' options before the switch);
+    # RAdam's foreach path is traced on its capturable path (within 1e-7 in float64).
+    Case(
+        "RAdam",
+        (Group((Param(shape=(3,), dtype="float64"),)),),
+        defaults={"lr": N(0.01)},
+        steps=2,
+        events=(Event(after=0, kind="set", args=(0, "foreach", True)),),
+        backend="torch",
+    ),
 ]
