@@ -14,6 +14,7 @@ import pytest
 import torch
 from optcompile.api import _OPTIMIZERS
 from optkernels.host import scalar_function
+from optkernels.host_rows import uniform_values
 from optkernels.triton_backend import TritonPlan
 from triton_setup import DEVICE, FUSED, SHAPES, _assert_close, needs_triton
 
@@ -124,16 +125,16 @@ def test_uniform_host_arithmetic_agrees_with_per_lane_and_refuses_what_python_ca
     uniform = one_fn(one, scalars, 1)
     for var in part.host_order:  # float32's 1 - 0.999 ** step loses ~1e-5 to cancellation
         np.testing.assert_allclose(per_lane[var], np.full(lanes, uniform[var]), rtol=5e-5)
-    assert part._uniform_host_values(one_fn, views, scalars) == uniform  # what a call takes
+    assert uniform_values(one_fn, views, scalars) == uniform  # what a call takes
     uneven = {k: v.copy() for k, v in views.items()}
     for v in uneven.values():
         v[1] += 1
-    assert part._uniform_host_values(one_fn, uneven, scalars) is None  # lanes differ: per lane
+    assert uniform_values(one_fn, uneven, scalars) is None  # lanes differ: per lane
     opt.param_groups[0]["betas"] = (1.0, 0.999)
     scalars = scalar_function(part.program, part.index)(entry.gather({"opt": opt}))
     with pytest.raises(ZeroDivisionError):
         one_fn(one, scalars, 1)
-    assert part._uniform_host_values(one_fn, views, scalars) is None
+    assert uniform_values(one_fn, views, scalars) is None
     with np.errstate(all="ignore"):
         per_lane = every(views, scalars, lanes)
     assert any(np.isinf(per_lane[var]).all() for var in part.host_order)

@@ -48,6 +48,7 @@ from optkernels.host import (
     picks_differ,
     scalar_function,
 )
+from optkernels.host_rows import fill_rows, write_results
 from optkernels.lanes import LaneProgram, NotLanes, analyze_parts
 from optkernels.layouts import layouts, relaid, with_prelude, write_back
 from optkernels.reference import PAGE_VALUES, TorchBackend, TorchPlan, node_by_node, values_per_op
@@ -209,39 +210,12 @@ class _Part:
 
     def _uniform_or_rows(self, views: dict[int, np.ndarray], scalars: list[float]) -> None:
         program = self.program
-        values = None
-        first: dict[int, Any] = {}
-        one = self._host_fn_uniform
-        if one is not None and all(v.tobytes() == v[:1].tobytes() * len(v) for v in views.values()):
-            first = {k: v[:1].item() for k, v in views.items()}
-            try:
-                values = one(first, scalars, 1)
-            except (ArithmeticError, ValueError):
-                values = None
-        block = self.host_vals
-        if values is not None:  # one row for every lane
-            for var, k in program.writes:
-                if program.input_small[k]:
-                    views[k].fill(values[var])
-            block[0] = 0
-            block[HOST_ROWS : HOST_ROWS + len(self.host_read)] = [
-                values[var] for var in self.host_read
-            ]
-            return
-        with np.errstate(all="ignore"):
-            values = self._host_fn(views, scalars, program.lanes)
-        # The rows first: an input's value may be its column's view itself (a float64 one,
-        # which the host reads without a copy), which the writes below change (ASGD's old
-        # eta, read by the kernel, was its new one for float64 params after load_state_dict
-        # with lanes at different step counts).
-        width = len(self.host_read)
-        block[0] = width
-        rows = block[HOST_ROWS : HOST_ROWS + program.lanes * width].reshape(program.lanes, width)
-        for j, var in enumerate(self.host_read):
-            rows[:, j] = values[var]
-        for var, k in program.writes:
-            if program.input_small[k]:
-                np.copyto(views[k], values[var], casting="unsafe")
+        small = [(var, k) for var, k in program.writes if program.input_small[k]]
+        one, lanes = self._host_fn_uniform, program.lanes
+        rows = fill_rows(
+            one, self._host_fn, views, scalars, lanes, self.host_read, small, self.host_vals
+        )
+        write_results(views, rows)
 
 
 def _torch_plan(gm: fx.GraphModule, compiler: Compiler) -> Plan:

@@ -31,6 +31,7 @@ from optkernels.host import (
     python_floats,
     scalar_function,
 )
+from optkernels.host_rows import Write, fill_rows, write_results
 from optkernels.lanes import LaneProgram, NotLanes
 from optkernels.numbers import HOST_ONLY, PICK
 from optkernels.small_columns import alias
@@ -309,7 +310,7 @@ class _Part:
         scalar_values: list[float],
         block: np.ndarray,
         uniform_allowed: bool = True,
-    ) -> list[tuple[int, Any, bool]]:
+    ) -> list[Write]:
         """Put the values the group's kernel reads into ``block`` and return the 0-dim
         results to write back (column, value, whether one number stands for every lane),
         in program order, without writing them: computed from ``views`` (the lanes' 0-dim
@@ -317,35 +318,20 @@ class _Part:
         program = self.program
         assert group.host_fns is not None, "host values of a group built without host mode"
         every, one = group.host_fns
-        values = self._uniform_host_values(one, views, scalar_values) if uniform_allowed else None
         small = [(var, k) for var, k in program.writes if program.input_small[k]]
-        if values is not None:  # one number per var: every lane's row is the same
-            # a row stride of 0: one row for every lane (one write with the unused values)
-            block[: HOST_ROWS + len(self.host_read)] = [
-                *_UNIFORM_HEAD,
-                *[values[var] for var in self.host_read],
-            ]
-            return [(k, values[var], True) for var, k in small]
-        with np.errstate(all="ignore"):
-            values = every(views, scalar_values, len(group.lanes))
-        width = len(self.host_read)
-        block[0] = width
-        rows = block[HOST_ROWS:].reshape(len(group.lanes), width)
-        for j, var in enumerate(self.host_read):
-            rows[:, j] = values[var]
-        return [(k, values[var], False) for var, k in small]
+        lanes = len(group.lanes)
+        one = one if uniform_allowed else None
+        return fill_rows(one, every, views, scalar_values, lanes, self.host_read, small, block)
 
     @staticmethod
-    def _write_small(
-        group: _Group, views: dict[int, np.ndarray], writes: list[tuple[int, Any, bool]]
-    ) -> None:
+    def _write_small(group: _Group, views: dict[int, np.ndarray], writes: list[Write]) -> None:
         """Write the 0-dim results (``_host_rows``) into the lanes' tensors."""
-        on_cpu = views is group.small_views
+        if views is group.small_views:  # (on the CPU)
+            write_results(views, writes)
+            return
         for k, value, uniform in writes:
             if uniform:
                 views[k].fill(value)
-            elif on_cpu:
-                np.copyto(views[k], value, casting="unsafe")
             else:
                 new = np.array(np.broadcast_to(value, views[k].shape), views[k].dtype)
                 group.small_buffers[k].copy_(torch.from_numpy(new))
@@ -413,28 +399,6 @@ class _Part:
         return True
 
     @staticmethod
-    def _uniform_host_values(
-        one: HostFunction | None, views: dict[int, np.ndarray], scalar_values: list[float]
-    ) -> dict[int, Any] | None:
-        """The host vars as one Python number each, when every lane holds the same values
-        (the lanes' step counts advance together unless a param joined later or a state was
-        loaded), computed once with Python floats (``one``, host_function). None when the
-        lanes differ (``one`` is None where they read different numbers by construction)
-        or that arithmetic raised; the caller then computes every lane."""
-        if one is None:
-            return None
-        first: dict[int, Any] = {}
-        for k, view in views.items():
-            head = view[:1]
-            if view.tobytes() != head.tobytes() * len(view):  # bitwise: cheap, NaN-safe
-                return None
-            first[k] = head.item()
-        try:
-            return one(first, scalar_values, 1)
-        except (ArithmeticError, ValueError):
-            return None
-
-    @staticmethod
     def _alias_small(group: _Group, inputs: Sequence[Any]) -> None:
         group.small_columns = alias(group.small_slots, inputs)
         group.small.record(inputs)
@@ -462,9 +426,6 @@ class _Part:
         return tables
 
 
-_UNIFORM_HEAD = [0.0] * HOST_ROWS  # host_vals' head when every lane has the same row
-
-
 @dataclasses.dataclass(frozen=True)
 class _Ahead:
     """A part's next call's values, sent ahead (``_Part.stage_ahead``): into which buffer,
@@ -475,7 +436,7 @@ class _Ahead:
     scalars: bytes
     stream: Any
     seen: list[list[bytes]]
-    writes: list[list[tuple[int, Any, bool]]]
+    writes: list[list[Write]]
 
 
 def _column_bytes(views: dict[int, np.ndarray]) -> list[bytes]:
