@@ -185,12 +185,6 @@ def _eps_by_dtype(opt: torch.optim.Optimizer) -> bool:
     )
 
 
-# ASGD decides on its step counts in Python without ``capturable`` (its mu): the kernels take
-# its capturable path (opttrace.asgd), where eager's reads them with ``.item()`` and Python's
-# ``max``, which no kernel takes (the torch backend on the CPU traces that, eager's bits).
-_DECIDE_ON_STEPS = (torch.optim.ASGD,)
-
-
 # The hyperparameters each torch.optim step combines with its step counts (bias corrections,
 # step sizes); a class not listed is taken to combine all of _STEP_KEYS with them.
 _STEP_KEYS = ("betas", "lr", "momentum_decay", "lr_decay", "lambd", "alpha", "t0")
@@ -205,6 +199,10 @@ _STEP_KEYS_OF: dict[type, tuple[str, ...]] = {
     torch.optim.RMSprop: (),  # (its step counts are only counted)
     torch.optim.Adadelta: (),
     torch.optim.Rprop: (),
+    # ASGD decides on its step counts in Python (its mu): the kernels take its capturable
+    # path whatever its Tensors (opttrace.asgd), where eager's reads them with ``.item()`` and
+    # Python's ``max``, which no kernel takes (the torch backend on the CPU traces that)
+    torch.optim.ASGD: (),
 }
 
 
@@ -220,7 +218,7 @@ def _tensor_step_arithmetic(opt: torch.optim.Optimizer) -> bool:
     that meets no step count (SGD's, RMSprop's) keeps the capturable path: eager's reads it
     with ``.item()`` per param, which no kernel takes (its step ran on the torch backend)."""
     base = type(opt).__dict__.get("_optcompile_base", type(opt))
-    if not base.__module__.startswith("torch.optim.") or issubclass(base, _DECIDE_ON_STEPS):
+    if not base.__module__.startswith("torch.optim."):
         return False
     keys = next((k for c, k in _STEP_KEYS_OF.items() if issubclass(base, c)), _STEP_KEYS)
     for group in opt.param_groups:
