@@ -236,7 +236,12 @@ def main() -> None:
         return
     result["iterations"] = iterations(setup, args)
     if args.only_iterations:
+        for name, (_, variant) in setup["variants"].items():
+            if name != "after":
+                result.setdefault("direct", {})[name] = backward.direct_status(variant)
         print("\n".join(iterations_table(result)), flush=True)
+        for name, lines in result.get("direct", {}).items():
+            print(f"{name}: buckets replayed from their hooks:", *lines, sep="\n  ", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return

@@ -97,6 +97,19 @@ def autograd_hook(fn: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor]
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 
+def graph_exec(graph: Any) -> int | None:
+    """The ``cudaGraphExec_t`` of a recorded ``torch.cuda.CUDAGraph`` (an int), or None
+    where this torch does not expose it (``raw_cuda_graph_exec``, torch >= 2.9)."""
+    found = getattr(graph, "raw_cuda_graph_exec", None)
+    if found is None:
+        return None
+    try:
+        value = found()
+    except RuntimeError:
+        return None
+    return int(value) if value else None
+
+
 def in_compiled_autograd() -> bool:
     """Whether the running backward is torch's compiled autograd's graph."""
     from torch._dynamo import compiled_autograd

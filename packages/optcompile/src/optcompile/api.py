@@ -225,7 +225,7 @@ def explain(obj: Any, verbose: bool = False) -> Explanation:
 def _explain_object(obj: Any, compiled: Compiled, verbose: bool) -> Explanation:
     learned = backward.buckets(obj) if isinstance(obj, torch.optim.Optimizer) else []
     if learned:
-        return _explain_buckets(compiled, learned, verbose)
+        return _explain_buckets(compiled, learned, verbose, obj)
     if is_compiled(obj) and obj.__dict__[OPTIONS_ATTR].in_backward:
         return dataclasses.replace(
             _explain(compiled, verbose),
@@ -235,12 +235,16 @@ def _explain_object(obj: Any, compiled: Compiled, verbose: bool) -> Explanation:
 
 
 def _explain_buckets(
-    compiled: Compiled, learned: list[tuple[list[torch.Tensor], Compiled | None]], verbose: bool
+    compiled: Compiled,
+    learned: list[tuple[list[torch.Tensor], Compiled | None]],
+    verbose: bool,
+    opt: torch.optim.Optimizer | None = None,
 ) -> Explanation:
     """An in-backward optimizer: the newest bucket's report, counts over every bucket."""
     ran = [c for _, c in learned if c is not None]
     base = _explain(ran[-1] if ran else compiled, verbose)
     lines = []
+    directs = backward.direct_status(opt) if opt is not None else []
     for number, (params, bucket) in enumerate(learned):
         mib = sum(p.numel() * p.element_size() for p in params) / 2**20
         what = f"bucket {number}: {len(params)} params, {mib:.2f} MiB of gradients"
@@ -252,6 +256,8 @@ def _explain_buckets(
                 what += f", CUDA graph: {entry.plan.status()}"
             if bucket.stats.fallback_reason:
                 what += f", runs eagerly: {bucket.stats.fallback_reason}"
+            if entry is not None and isinstance(entry.plan, GraphedPlan) and number < len(directs):
+                what += f"; {directs[number]}"
         lines.append(what)
     return dataclasses.replace(
         base,

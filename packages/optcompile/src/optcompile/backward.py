@@ -191,3 +191,28 @@ def buckets(opt: torch.optim.Optimizer) -> list[tuple[list[torch.Tensor], Any]]:
     return [
         (list(b.params), registered(b.view) if b.view is not None else None) for b in state.buckets
     ]
+
+
+def direct_status(opt: torch.optim.Optimizer) -> list[str]:
+    """Per learned bucket, whether its update is replayed natively from its trigger's hook
+    (``backward_direct``): its replays and fallbacks, or why it runs in Python."""
+    from optcompile.backward_direct import Directs
+
+    state = _STATES.get(opt)
+    if state is None:
+        return []
+    lines = []
+    for b in state.buckets:
+        replays, fallbacks = Directs.stats(b)
+        if b.direct_reason is None or replays:
+            line = f"replayed from its hook without Python: {replays} time(s)"
+            if fallbacks:
+                line += "; left to Python: " + "; ".join(
+                    f"{n}x {why}" for why, n in fallbacks.items()
+                )
+            if b.direct_reason is not None:
+                line += f"; not armed now: {b.direct_reason}"
+        else:
+            line = f"updated in Python: {b.direct_reason}"
+        lines.append(line)
+    return lines

@@ -47,3 +47,9 @@ class Bucket:
     ahead: (
         tuple[Any, tuple[Any, list[int], Callable[[dict[str, Any]], list[Any]]] | None] | None
     ) = None
+    # Its direct update (optcompile.backward_direct): the native object (None: never armed),
+    # the param whose hooks it wraps, why it is not armed, its replays already folded
+    direct: Any = None
+    direct_on: torch.Tensor | None = None
+    direct_reason: str | None = "not armed yet"
+    direct_folded: int = 0

@@ -23,6 +23,7 @@ from optkernels.ahead import Ahead
 
 from optcompile import _torch_compat
 from optcompile.backward_buckets import _HOOK_DICTS, _NOT_SHARED, Bucket
+from optcompile.backward_direct import Directs
 from optcompile.backward_refusals import _OWNED
 from optcompile.options import Options
 
@@ -107,6 +108,8 @@ class InBackward:
         # (iterations alternated in one process: 0.1 and 0.8 ms slower with it).
         self.ahead_enabled = False
         self.warned_zeros = False  # (backward.zeros_not_held)
+        # Buckets replayed from their trigger's hook natively (optcompile.backward_direct)
+        self.directs = Directs()
         self.refresh(opt)
 
     # -- params and hooks --
@@ -155,6 +158,7 @@ class InBackward:
     def thicken(self) -> None:
         """Every hooked param gets its hook back (torch's compiled autograd was seen)."""
         assert self.hook is not None
+        self.directs.uninstall(self.buckets)
         for p in self.params:
             if id(p) not in self.handles:
                 self.handles[id(p)] = p.register_post_accumulate_grad_hook(self.hook)  # type: ignore[no-untyped-call]
@@ -162,6 +166,7 @@ class InBackward:
 
     def detach(self) -> None:
         """Remove the hooks and the ownership marks (also when the optimizer is gone)."""
+        self.directs.uninstall(self.buckets)
         for handle in self.handles.values():
             handle.remove()
         for key, owned in self.owned:
@@ -233,6 +238,7 @@ class InBackward:
         if p is self.first:
             clean = task >= 0 and _hook_count(self.others) == 0
             self.clean_task = task if clean else None
+            self.directs.open(task if clean else -1)
             if clean and self.ahead_enabled:
                 self.stage_ahead()
         bucket = self.trigger_of.get(id(p))
@@ -314,6 +320,7 @@ class InBackward:
         if opt is None:
             return
         self.clean_task = None
+        self.directs.fold(self.buckets)
         if self.thin and self.compiled_autograd:
             self.thicken()
         self.refresh(opt)
@@ -390,10 +397,12 @@ class InBackward:
                         state[p] = entry  # (state the step created)
             bucket.entries = held
             bucket.tags = (version(state), version(own_state))
-        _clear_grads(params)
         for synced in bucket.groups:  # what the step wrote into its group
             if version(synced.own) != synced.own_tag:
                 synced.push(live_groups[synced.index])
+        if self.thin and params[0].is_cuda:
+            self.directs.arm(self, bucket)  # (before the grads it records are cleared)
+        _clear_grads(params)
 
     def make_view(self, opt: torch.optim.Optimizer, bucket: Bucket) -> torch.optim.Optimizer:
         """An optimizer of ``opt``'s class over the bucket's params, compiled on its own."""

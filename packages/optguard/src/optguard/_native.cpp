@@ -61,6 +61,12 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <dlfcn.h>
 
@@ -78,6 +84,8 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 // ma_version_tag (PEP 509): deprecated in 3.12, gone in 3.14. A dict's tag changes whenever
@@ -912,13 +920,8 @@ PyObject* held(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyCapsule_New(out, kHeld, drop_held);
 }
 
-PyObject* held_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs < 1) {
-    PyErr_SetString(PyExc_TypeError, "held_match(held, *ignored)");
-    return nullptr;
-  }
-  auto* h = static_cast<Held*>(PyCapsule_GetPointer(args[0], kHeld));
-  if (h == nullptr) return nullptr;
+// Whether every held tensor keeps its data pointer (where checked) and metadata.
+bool held_ok(const Held* h) {
   try {
     // Tens of thousands of tensors outgrow the caches: each check waits on memory three
     // times (the Python object, its impl, its storage). Those of later tensors are
@@ -941,7 +944,7 @@ PyObject* held_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       const at::Tensor& t = THPVariable_Unpack(e.tensor);
       const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
       if (impl != e.impl || reinterpret_cast<PyObject*>(Py_TYPE(e.tensor)) != e.type)
-        Py_RETURN_FALSE;  // swap_tensors, __class__ assigned
+        return false;  // swap_tensors, __class__ assigned
       const int64_t* expected = h->dims.data() + e.offset;
       const int64_t dim = expected[0];
       // (requires_grad: no autograd meta, none asked for; the layout, with the device's
@@ -950,17 +953,28 @@ PyObject* held_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
           impl->key_set() != e.keys || impl->device() != e.device ||
           (impl->autograd_meta() == nullptr ? e.requires_grad
                                             : impl->requires_grad() != e.requires_grad))
-        Py_RETURN_FALSE;
+        return false;
       c10::IntArrayRef sizes = impl->sizes();
       c10::IntArrayRef strides = impl->strides();
       for (int64_t d = 0; d < dim; ++d)
-        if (sizes[d] != expected[1 + d] || strides[d] != expected[1 + dim + d]) Py_RETURN_FALSE;
-      if (e.check_ptr && t.const_data_ptr() != e.ptr) Py_RETURN_FALSE;
+        if (sizes[d] != expected[1 + d] || strides[d] != expected[1 + dim + d]) return false;
+      if (e.check_ptr && t.const_data_ptr() != e.ptr) return false;
     }
   } catch (const std::exception&) {  // a tensor without storage: not the expected address
-    Py_RETURN_FALSE;
+    return false;
   }
-  Py_RETURN_TRUE;
+  return true;
+}
+
+PyObject* held_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "held_match(held, *ignored)");
+    return nullptr;
+  }
+  auto* h = static_cast<Held*>(PyCapsule_GetPointer(args[0], kHeld));
+  if (h == nullptr) return nullptr;
+  if (held_ok(h)) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
 }
 
 #ifdef OPT_DICT_VERSIONS
@@ -1044,7 +1058,9 @@ struct Driver {
   using Current = int (*)(void**);                                        // cuCtxGetCurrent
   using DeviceGet = int (*)(int*, int);                                   // cuDeviceGet
   using Retain = int (*)(void**, int);  // cuDevicePrimaryCtxRetain
+  using Launch = int (*)(void*, void*);  // cuGraphLaunch (a cudaGraphExec_t, a stream)
   bool tried = false;
+  Launch launch = nullptr;
   Copy copy = nullptr;
   Current current = nullptr;
   DeviceGet device_get = nullptr;
@@ -1064,6 +1080,7 @@ bool driver_loaded() {
     d.current = reinterpret_cast<Driver::Current>(dlsym(lib, "cuCtxGetCurrent"));
     d.device_get = reinterpret_cast<Driver::DeviceGet>(dlsym(lib, "cuDeviceGet"));
     d.retain = reinterpret_cast<Driver::Retain>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    d.launch = reinterpret_cast<Driver::Launch>(dlsym(lib, "cuGraphLaunch"));
   }
   return d.copy != nullptr && d.current != nullptr && d.device_get != nullptr &&
          d.retain != nullptr;
@@ -1103,6 +1120,375 @@ PyObject* h2d(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// -- a bucket's update replayed from its trigger's hook (optcompile.backward_direct) ----
+//
+// An in-backward bucket whose update is one CUDA graph's replay and nothing else (no host
+// value to compute, no side effect to replay) is updated here, in autograd's engine thread,
+// when its trigger parameter's gradient is accumulated: no Python frame runs. The hook
+// wraps the trigger's post-accumulate-grad hooks (the Python dict's, which runs instead
+// whenever a check fails). Armed from Python after an update that ran in Python, with:
+// the dicts whose version tags must stand, the lists whose items must stay, attributes
+// that must still be given objects (the compiled entry, its graph's node), the held
+// tensors (params, state: pointers and metadata), the bucket's params, whose grads must
+// all be there with the metadata and data pointers of that update (the graph's address
+// tables hold those), the graph's executable, device and stream. A replay then clears the
+// grads (as ``p.grad = None`` does) and counts itself; Python folds the counts into the
+// graph's.
+//
+//   direct_gate() -> capsule                  the graph task a backward's first hook found
+//   gate_open(gate, task)                     clean (no gradient held): the hooks of that
+//                                             task may replay; -1: none may
+//   direct_new(gate) -> capsule               an unarmed Direct
+//   direct_arm(direct, dicts, lists, attrs, hooks, held, params, exec, device, stream_id,
+//              stream) -> bool                armed (False: a grad missing or not plain)
+//   direct_disarm(direct)
+//   direct_install(direct, param) -> bool     wrap param's post-accumulate-grad hooks
+//   direct_uninstall(direct, param) -> bool   unwrap them (if this Direct's wrapper is there)
+//   direct_stats(direct) -> (replays, [fallbacks per reason])
+
+struct Gate {
+  int64_t task = -2;
+};
+
+const char* kGate = "optguard.native.Gate";
+const char* kDirect = "optguard.native.Direct";
+
+enum Reason {
+  kNotArmed,
+  kTask,
+  kAutocast,
+  kObjects,
+  kTensors,
+  kGrads,
+  kDevice,
+  kLaunch,
+  kReasons
+};
+
+struct Direct {
+  std::shared_ptr<Gate> gate;
+  bool armed = false;
+  std::vector<std::pair<PyObject*, uint64_t>> dicts;                 // owned, their tags
+  std::vector<std::pair<PyObject*, std::vector<PyObject*>>> lists;  // owned; items by address
+  std::vector<std::tuple<PyObject*, PyObject*, PyObject*>> attrs;   // owned (obj, name, is)
+  PyObject* held = nullptr;                                          // owned Held capsule
+  std::vector<PyObject*> params;                                     // owned
+  std::vector<Meta> grads;
+  void* exec = nullptr;
+  int device = -1;
+  int64_t stream_id = 0;
+  void* stream = nullptr;
+  c10::DispatchKeySet autocast;  // the autocast keys excluded when armed (all: none on)
+  int64_t replays = 0;
+  int64_t fallbacks[kReasons] = {};
+
+  void clear() {
+    armed = false;
+    for (auto& d : dicts) Py_DECREF(d.first);
+    for (auto& l : lists) Py_DECREF(l.first);
+    for (auto& a : attrs) {
+      Py_DECREF(std::get<0>(a));
+      Py_DECREF(std::get<1>(a));
+      Py_DECREF(std::get<2>(a));
+    }
+    for (PyObject* p : params) Py_DECREF(p);
+    Py_CLEAR(held);
+    dicts.clear();
+    lists.clear();
+    attrs.clear();
+    params.clear();
+    grads.clear();
+    exec = nullptr;
+  }
+  ~Direct() {
+    if (Py_IsInitialized()) {
+      PyGILState_STATE g = PyGILState_Ensure();
+      clear();
+      PyGILState_Release(g);
+    }
+  }
+
+  bool fail(Reason r) {
+    ++fallbacks[r];
+    return false;
+  }
+
+  // With the GIL held: every check, then the replay and the grads cleared.
+  bool fire_locked() {
+    if (!armed || exec == nullptr) return fail(kNotArmed);
+    if (static_cast<int64_t>(torch::autograd::get_current_graph_task_id()) != gate->task)
+      return fail(kTask);
+    if ((c10::impl::tls_local_dispatch_key_set().excluded_ & c10::autocast_dispatch_keyset) !=
+        autocast)
+      return fail(kAutocast);
+    if (at::impl::torch_function_mode_enabled()) return fail(kObjects);
+#ifdef OPT_DICT_VERSIONS
+    for (auto& d : dicts)
+      if (tag(d.first) != d.second) return fail(kObjects);
+#else
+    return fail(kObjects);
+#endif
+    for (auto& l : lists) {
+      const std::vector<PyObject*>& items = l.second;
+      if (PyList_GET_SIZE(l.first) != static_cast<Py_ssize_t>(items.size()))
+        return fail(kObjects);
+      for (size_t i = 0; i < items.size(); ++i)
+        if (PyList_GET_ITEM(l.first, i) != items[i]) return fail(kObjects);
+    }
+    for (auto& a : attrs) {
+      PyObject* v = PyObject_GetAttr(std::get<0>(a), std::get<1>(a));
+      if (v == nullptr) {
+        PyErr_Clear();
+        return fail(kObjects);
+      }
+      Py_DECREF(v);
+      if (v != std::get<2>(a)) return fail(kObjects);
+    }
+    if (!held_ok(static_cast<Held*>(PyCapsule_GetPointer(held, kHeld)))) return fail(kTensors);
+    try {
+      for (size_t i = 0; i < params.size(); ++i)
+        if (!grad_matches(grads[i], THPVariable_Unpack(params[i]).grad())) return fail(kGrads);
+      void* expected = primary_context(device);
+      void* current = nullptr;
+      if (!driver_loaded() || g_driver.launch == nullptr || expected == nullptr ||
+          g_driver.current(&current) != 0 || current != expected)
+        return fail(kDevice);
+      c10::Device where(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+      if (c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(where).id() !=
+          stream_id)
+        return fail(kDevice);
+      if (g_driver.launch(exec, stream) != 0) return fail(kLaunch);
+      for (PyObject* p : params) THPVariable_Unpack(p).mutable_grad().reset();
+    } catch (const std::exception&) {
+      return fail(kDevice);
+    }
+    ++replays;
+    return true;
+  }
+
+  bool fire() {
+    PyGILState_STATE g = PyGILState_Ensure();
+    bool done = fire_locked();
+    PyGILState_Release(g);
+    return done;
+  }
+};
+
+struct DirectHook final : torch::autograd::PostAccumulateGradHook {
+  std::unique_ptr<torch::autograd::PostAccumulateGradHook> inner;
+  std::shared_ptr<Direct> direct;
+  DirectHook(std::unique_ptr<torch::autograd::PostAccumulateGradHook> inner,
+             std::shared_ptr<Direct> direct)
+      : inner(std::move(inner)), direct(std::move(direct)) {}
+  void operator()(const at::Tensor& tensor) override {
+    if (direct->fire()) return;
+    (*inner)(tensor);
+  }
+  // Under compiled autograd the Python hooks are captured as they would be unwrapped.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    inner->compiled_args(args);
+  }
+  void apply_with_saved(at::Tensor& tensor,
+                        torch::dynamo::autograd::SwapSavedVariables& saved) override {
+    inner->apply_with_saved(tensor, saved);
+  }
+};
+
+void drop_gate(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<Gate>*>(PyCapsule_GetPointer(capsule, kGate));
+}
+
+void drop_direct(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<Direct>*>(PyCapsule_GetPointer(capsule, kDirect));
+}
+
+std::shared_ptr<Direct>* direct_of(PyObject* capsule) {
+  return static_cast<std::shared_ptr<Direct>*>(PyCapsule_GetPointer(capsule, kDirect));
+}
+
+PyObject* direct_gate(PyObject*, PyObject*) {
+  return PyCapsule_New(new std::shared_ptr<Gate>(std::make_shared<Gate>()), kGate, drop_gate);
+}
+
+PyObject* gate_open(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "gate_open(gate, task: int)");
+    return nullptr;
+  }
+  auto* gate = static_cast<std::shared_ptr<Gate>*>(PyCapsule_GetPointer(args[0], kGate));
+  long long task = PyLong_AsLongLong(args[1]);
+  if (gate == nullptr || PyErr_Occurred()) return nullptr;
+  (*gate)->task = task;
+  Py_RETURN_NONE;
+}
+
+PyObject* direct_new(PyObject*, PyObject* gate_capsule) {
+  auto* gate = static_cast<std::shared_ptr<Gate>*>(PyCapsule_GetPointer(gate_capsule, kGate));
+  if (gate == nullptr) return nullptr;
+  auto direct = std::make_shared<Direct>();
+  direct->gate = *gate;
+  return PyCapsule_New(new std::shared_ptr<Direct>(std::move(direct)), kDirect, drop_direct);
+}
+
+PyObject* direct_arm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 11 || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
+      !PyList_Check(args[3]) || !PyList_Check(args[6])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "direct_arm(direct, dicts, lists, attrs, hooks, held, params: list, exec, "
+                    "device, stream_id, stream)");
+    return nullptr;
+  }
+  auto* found = direct_of(args[0]);
+  if (found == nullptr || PyCapsule_GetPointer(args[5], kHeld) == nullptr) return nullptr;
+  void* exec = PyLong_AsVoidPtr(args[7]);
+  long device = PyLong_AsLong(args[8]);
+  long long stream_id = PyLong_AsLongLong(args[9]);
+  void* stream = PyLong_AsVoidPtr(args[10]);
+  if (PyErr_Occurred()) return nullptr;
+  Direct& d = **found;
+  d.clear();
+#ifndef OPT_DICT_VERSIONS
+  Py_RETURN_FALSE;
+#else
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[1]); ++i) {
+    PyObject* v = PyList_GET_ITEM(args[1], i);
+    if (!PyDict_Check(v)) {
+      PyErr_SetString(PyExc_TypeError, "direct_arm: dicts holds a non-dict");
+      return nullptr;
+    }
+    Py_INCREF(v);
+    d.dicts.emplace_back(v, tag(v));
+  }
+  PyObject* hooks = args[4];
+  if (!PyDict_Check(hooks)) {
+    PyErr_SetString(PyExc_TypeError, "direct_arm: hooks is not a dict");
+    return nullptr;
+  }
+  Py_INCREF(hooks);
+  d.dicts.emplace_back(hooks, tag(hooks));
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[2]); ++i) {
+    PyObject* v = PyList_GET_ITEM(args[2], i);
+    if (!PyList_Check(v)) {
+      d.clear();
+      PyErr_SetString(PyExc_TypeError, "direct_arm: lists holds a non-list");
+      return nullptr;
+    }
+    std::vector<PyObject*> items(PyList_GET_SIZE(v));
+    for (size_t k = 0; k < items.size(); ++k) items[k] = PyList_GET_ITEM(v, k);
+    Py_INCREF(v);
+    d.lists.emplace_back(v, std::move(items));
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[3]); ++i) {
+    PyObject* a = PyList_GET_ITEM(args[3], i);
+    if (!PyTuple_Check(a) || PyTuple_GET_SIZE(a) != 3 || !PyUnicode_Check(PyTuple_GET_ITEM(a, 1))) {
+      d.clear();
+      PyErr_SetString(PyExc_TypeError, "direct_arm: attrs holds no (obj, name, value)");
+      return nullptr;
+    }
+    PyObject* obj = PyTuple_GET_ITEM(a, 0);
+    PyObject* name = PyTuple_GET_ITEM(a, 1);
+    PyObject* value = PyTuple_GET_ITEM(a, 2);
+    Py_INCREF(obj);
+    Py_INCREF(name);
+    Py_INCREF(value);
+    d.attrs.emplace_back(obj, name, value);
+  }
+  Py_INCREF(args[5]);
+  d.held = args[5];
+  try {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[6]); ++i) {
+      PyObject* p = PyList_GET_ITEM(args[6], i);
+      if (!is_plain(p)) {
+        d.clear();
+        Py_RETURN_FALSE;
+      }
+      const at::Tensor grad = THPVariable_Unpack(p).grad();
+      if (!grad.defined() || grad.layout() != c10::kStrided) {
+        d.clear();
+        Py_RETURN_FALSE;
+      }
+      Meta m;
+      m.index = i;
+      m.id = nullptr;
+      m.none = false;
+      m.type = nullptr;
+      m.dtype = grad.scalar_type();
+      m.device = grad.device();
+      m.layout = grad.layout();
+      m.requires_grad = grad.requires_grad();
+      m.check_ptr = true;
+      m.ptr = grad.const_data_ptr();
+      m.set_dims(grad.sizes(), grad.strides());
+      Py_INCREF(p);
+      d.params.push_back(p);
+      d.grads.push_back(std::move(m));
+    }
+  } catch (const std::exception& e) {
+    d.clear();
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  d.exec = exec;
+  d.device = static_cast<int>(device);
+  d.stream_id = stream_id;
+  d.stream = stream;
+  d.autocast = c10::impl::tls_local_dispatch_key_set().excluded_ & c10::autocast_dispatch_keyset;
+  d.armed = true;
+  Py_RETURN_TRUE;
+#endif
+}
+
+PyObject* direct_disarm(PyObject*, PyObject* capsule) {
+  auto* found = direct_of(capsule);
+  if (found == nullptr) return nullptr;
+  (*found)->clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* direct_install(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !THPVariable_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "direct_install(direct, param: Tensor)");
+    return nullptr;
+  }
+  auto* found = direct_of(args[0]);
+  if (found == nullptr) return nullptr;
+  const at::Tensor& param = THPVariable_Unpack(args[1]);
+  auto& slot = torch::autograd::impl::post_acc_grad_hooks(param);
+  if (slot == nullptr) Py_RETURN_FALSE;  // no Python hook to fall back on
+  if (auto* mine = dynamic_cast<DirectHook*>(slot.get())) {
+    if (mine->direct == *found) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;  // another Direct's
+  }
+  slot = std::make_unique<DirectHook>(std::move(slot), *found);
+  Py_RETURN_TRUE;
+}
+
+PyObject* direct_uninstall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !THPVariable_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "direct_uninstall(direct, param: Tensor)");
+    return nullptr;
+  }
+  auto* found = direct_of(args[0]);
+  if (found == nullptr) return nullptr;
+  const at::Tensor& param = THPVariable_Unpack(args[1]);
+  auto& slot = torch::autograd::impl::post_acc_grad_hooks(param);
+  auto* mine = dynamic_cast<DirectHook*>(slot.get());
+  if (mine == nullptr || mine->direct != *found) Py_RETURN_FALSE;
+  std::unique_ptr<torch::autograd::PostAccumulateGradHook> inner = std::move(mine->inner);
+  slot = std::move(inner);
+  Py_RETURN_TRUE;
+}
+
+PyObject* direct_stats(PyObject*, PyObject* capsule) {
+  auto* found = direct_of(capsule);
+  if (found == nullptr) return nullptr;
+  const Direct& d = **found;
+  PyObject* fallbacks = PyList_New(kReasons);
+  if (fallbacks == nullptr) return nullptr;
+  for (int r = 0; r < kReasons; ++r) PyList_SET_ITEM(fallbacks, r, PyLong_FromLongLong(d.fallbacks[r]));
+  return Py_BuildValue("(LN)", static_cast<long long>(d.replays), fallbacks);
+}
+
 PyMethodDef kMethods[] = {
     {"plain", plain, METH_O, "Set the types whose .grad is read in C++."},
     {"spec", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(spec)), METH_FASTCALL,
@@ -1140,6 +1526,20 @@ PyMethodDef kMethods[] = {
 #endif
     {"h2d", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(h2d)), METH_FASTCALL,
      "Queue a host-to-device copy through the CUDA driver (False: not queued)."},
+    {"direct_gate", direct_gate, METH_NOARGS, "A gate: the graph task whose hooks may replay."},
+    {"gate_open", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(gate_open)),
+     METH_FASTCALL, "Let the hooks of one graph task replay (-1: none)."},
+    {"direct_new", direct_new, METH_O, "An unarmed direct update behind a gate."},
+    {"direct_arm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_arm)),
+     METH_FASTCALL, "Arm a direct update with what must stand and the graph it replays."},
+    {"direct_disarm", direct_disarm, METH_O, "Disarm a direct update."},
+    {"direct_install",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_install)), METH_FASTCALL,
+     "Wrap a param's post-accumulate-grad hooks with a direct update."},
+    {"direct_uninstall",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_uninstall)),
+     METH_FASTCALL, "Unwrap a param's post-accumulate-grad hooks."},
+    {"direct_stats", direct_stats, METH_O, "(replays, fallbacks per reason) of a direct update."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define OPT_STR2(x) #x

@@ -324,6 +324,20 @@ class TritonPlan:
             capture.inputs = []
             self._call_inputs = ()
 
+    def replays_alone(self) -> bool:
+        """Whether, once called, a call with the same input objects (Python numbers
+        unchanged, tensors at the same addresses with the same metadata, their values free
+        to change on the device) needs nothing but ``launch``'s device work: no prelude, no
+        value the host computes or reads from a CPU tensor, every scalar and table already
+        in its buffer (a recorded graph's replay alone then does the call)."""
+        return (
+            self._checked_devices
+            and bool(self.parts)
+            and self.capture is None
+            and self.split is None
+            and all(not part.host and not part.small_on_cpu for part in self.parts)
+        )
+
     def address_only_inputs(self) -> frozenset[int]:
         """The inputs this plan reads only for their data pointers, in its address tables
         (grads): after its first call, a caller may leave them None and hand their pointers

@@ -70,6 +70,7 @@ class _Part:
         self.staging = staging  # the plan's: one round per call for all its parts
         self.launches = 0
         self.device = torch.device("cpu")  # where the kernels run; set by check_devices
+        self.small_on_cpu = False  # some 0-dim input lives on the CPU (set by check_devices)
         # (Python arithmetic on .item() values is computed on the host only: numbers.py)
         self.host = needs_host(program)
         self.host_order: list[int] = []  # the vars computed on the host (host mode)
@@ -140,6 +141,7 @@ class _Part:
             t.device for k, lane in enumerate(tensors) for t in lane if not program.input_small[k]
         }
         small = {t.device for k, lane in enumerate(tensors) for t in lane if program.input_small[k]}
+        self.small_on_cpu = torch.device("cpu") in small
         if len(big) > 1 or (small and small != {device} and small != {torch.device("cpu")}):
             return f"its tensors live on several devices ({', '.join(map(str, big | small))})"
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

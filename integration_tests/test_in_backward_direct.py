@@ -1,0 +1,165 @@
+"""A bucket update replayed from its trigger's hook without Python (optcompile.backward_direct,
+optguard's native direct update): the same results as eager, a fallback to the Python update
+whenever something it read changed, and nothing native under compiled autograd.
+
+The hook wrapper itself (install, fallback to the Python hooks, compiled autograd) runs on
+any machine; the replays need a CUDA device (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import optcompile
+import pytest
+import torch
+from in_backward_setup import TinyTransformer, batch, groups, needs_cuda
+from optcompile import backward
+from optcompile.testing import assert_same
+from optguard import native
+
+_NATIVE = native.start()
+needs_native = pytest.mark.skipif(
+    _NATIVE is None or not hasattr(_NATIVE, "direct_arm"),
+    reason=f"optguard's native module is not loaded ({native.status()})",
+)
+
+
+@needs_native
+def test_unarmed_wrapper_runs_the_python_hooks_and_unwraps():
+    module = native.module()
+    p = torch.nn.Parameter(torch.randn(3))
+    seen: list[torch.Tensor] = []
+    p.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.clone()))
+    direct = module.direct_new(module.direct_gate())
+    assert module.direct_install(direct, p) and module.direct_install(direct, p)
+    (p * 2).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
+    replays, fallbacks = module.direct_stats(direct)
+    assert replays == 0 and fallbacks[0] == 1  # "not armed": the Python hooks ran
+    assert module.direct_uninstall(direct, p) and not module.direct_uninstall(direct, p)
+    (p * 2).sum().backward()
+    assert len(seen) == 2 and module.direct_stats(direct)[1][0] == 1  # unwrapped: not asked
+
+
+@needs_native
+def test_a_param_without_python_hooks_is_not_wrapped():
+    module = native.module()
+    direct = module.direct_new(module.direct_gate())
+    assert not module.direct_install(direct, torch.nn.Parameter(torch.randn(2)))
+
+
+@needs_native
+def test_under_compiled_autograd_the_wrapped_hooks_are_captured_unwrapped():
+    module = native.module()
+    p = torch.nn.Parameter(torch.randn(3))
+    seen: list[int] = []
+    p.register_post_accumulate_grad_hook(lambda t: seen.append(1))
+    direct = module.direct_new(module.direct_gate())
+    assert module.direct_install(direct, p)
+    from torch._dynamo import compiled_autograd
+
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        (p * 3).sum().backward()
+    assert seen == [1]
+    assert torch.equal(p.grad, torch.full((3,), 3.0))
+    assert module.direct_stats(direct) == (0, [0] * 8)  # compiled autograd never called it
+
+
+# -- on a GPU: the replays --
+
+
+def _pair(capturable: bool = True) -> tuple:
+    torch.manual_seed(0)
+    model = TinyTransformer().cuda()
+    reference = copy.deepcopy(model)
+
+    def make(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups(m, weight_decay=0.1), lr=3e-3, capturable=capturable)
+
+    opt = optcompile.compile(make(model), in_backward=True, bucket_bytes=8192)
+    return model, opt, reference, make(reference)
+
+
+def _iteration(model, opt, reference, eager, step: int) -> None:
+    model(batch(step)).backward()
+    assert all(p.grad is None for p in model.parameters()), f"grads left at step {step}"
+    opt.step()
+    opt.zero_grad()
+    reference(batch(step)).backward()
+    eager.step()
+    eager.zero_grad()
+    assert_same(model, opt, reference, eager)
+
+
+def _replays(opt: torch.optim.Optimizer) -> int:
+    lines = backward.direct_status(opt)
+    return sum(int(line.split(": ")[1].split(" ")[0]) for line in lines if "without Python" in line)
+
+
+@needs_native
+@needs_cuda
+def test_capturable_buckets_replay_from_their_hooks_and_match_eager():
+    model, opt, reference, eager = _pair()
+    for step in range(8):
+        _iteration(model, opt, reference, eager, step)
+    lines = backward.direct_status(opt)
+    assert len(lines) > 2, lines
+    # Learned in the first backward, thinned out at its end, armed by the second's Python
+    # updates: the third on replays natively (but a bucket whose trigger is the first
+    # param, whose hook checks the backward)
+    replayed = [line for line in lines if line.startswith("replayed")]
+    assert len(replayed) >= len(lines) - 1, lines
+    assert all(" 6 time(s)" in line for line in replayed), lines
+    assert all("left to Python" not in line for line in replayed), lines
+    report = optcompile.explain(opt)
+    assert any("replayed from its hook without Python" in b for b in report.buckets)
+
+
+@needs_native
+@needs_cuda
+def test_what_the_update_reads_changing_falls_back_to_python_and_matches_eager():
+    model, opt, reference, eager = _pair()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    eager_sched = torch.optim.lr_scheduler.StepLR(eager, step_size=2, gamma=0.5)
+    for step in range(10):
+        if step == 5:  # state loaded: new state tensors (other addresses)
+            opt.load_state_dict(copy.deepcopy(eager.state_dict()))
+            eager.load_state_dict(copy.deepcopy(eager.state_dict()))
+        if step == 7:
+            for group in (*opt.param_groups, *eager.param_groups):
+                group["betas"] = (0.8, 0.99)
+        _iteration(model, opt, reference, eager, step)
+        sched.step()
+        eager_sched.step()
+    lines = backward.direct_status(opt)
+    assert any("left to Python" in line and "changed" in line for line in lines), lines
+    assert _replays(opt) > 0, lines
+
+
+@needs_native
+@needs_cuda
+def test_a_hook_added_on_a_trigger_param_runs_every_backward():
+    model, opt, reference, eager = _pair()
+    for step in range(3):
+        _iteration(model, opt, reference, eager, step)
+    before = _replays(opt)
+    assert before > 0
+    state = backward._STATES[opt]
+    trigger = next(b.direct_on for b in state.buckets if b.direct_on is not None)
+    calls: list[int] = []
+    trigger.register_post_accumulate_grad_hook(lambda t: calls.append(1))
+    for step in range(3, 6):
+        _iteration(model, opt, reference, eager, step)
+    assert calls == [1, 1, 1]
+
+
+@needs_native
+@needs_cuda
+def test_step_counts_on_the_cpu_keep_the_update_in_python():
+    model, opt, reference, eager = _pair(capturable=False)
+    for step in range(4):
+        _iteration(model, opt, reference, eager, step)
+    lines = backward.direct_status(opt)
+    assert lines and all(line.startswith("updated in Python") for line in lines), lines
+    assert _replays(opt) == 0

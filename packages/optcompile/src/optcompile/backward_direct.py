@@ -1,0 +1,265 @@
+"""Bucket updates replayed by autograd's engine itself, without entering Python.
+
+Inside a busy backward each bucket update that runs in Python costs ~170 µs of host time
+on an H200 host (its objects, the interpreter's and the driver's code are out of the core's
+caches after autograd's work since the last hook), against ~30 µs alone. For a bucket
+whose update is one CUDA graph's replay and nothing else, that is almost all checks: this
+module arms optguard's native *direct update* (``_native.cpp``) so that the next backward
+replays the graph from the trigger param's hook in C++.
+
+Armed after an update that ran in Python (its prologue checked every guard, its plan
+prepared every buffer) when:
+
+- the update is the graph's replay alone: a recorded CUDA graph, no ops beside it, no value
+  the host computes per call (``replays_alone`` of the plan: no step count on the CPU, no
+  0-dim CPU tensor read), no side effect to replay after it;
+- everything its guards and inputs reach is rooted in the view (``L['opt']``): dicts (their
+  version tags), lists (their items), tensors (pointers and metadata) and other objects'
+  ``__dict__``; what the view syncs from the optimizer (its param groups, its state) too.
+  Gradients are checked apart: each of the bucket's params must hold one with the metadata
+  and data pointer of that update (the graph's address tables hold those pointers);
+- the trigger param carries no post-accumulate-grad hook but ours, and the backward's first
+  hook found no gradient held (the gate: ``InBackward.arrived_thin``).
+
+The native hook wraps the trigger's Python hooks: any check that fails (an LR scheduler's new
+lr, a state loaded, a gradient at a new address, the graph re-recorded) lets the Python hook
+run the update as before, which arms the bucket again. Replays are counted natively and
+folded into the graph's counters at the end of the backward (``fold``). Under torch's
+compiled autograd the wrapper hands its hooks over unwrapped (nothing native runs).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from optguard import native
+from optguard.guard import guard_sources
+from optguard.sources import AttrSource, AutocastSource, ItemSource, KeyedSource, LocalSource
+from optsidefx.ledger import Const, Return, TensorWrite
+
+from optcompile import _torch_compat
+
+if TYPE_CHECKING:
+    from optcompile.backward_buckets import Bucket
+    from optcompile.backward_hooks import InBackward
+
+# Why the native hook left an update to Python, by the index _native.cpp counts it under
+FALLBACKS = (
+    "not armed",
+    "another backward (its first hook found a gradient held)",
+    "autocast state",
+    "an object the update reads changed",
+    "a param or state tensor changed",
+    "a gradient missing or at another address",
+    "device context or stream",
+    "graph launch failed",
+)
+
+# Values the walk needs no snapshot of (their containers' tags cover them)
+_IMMUTABLE = (int, float, bool, str, bytes, complex, type(None), tuple, torch.dtype, torch.device)
+
+
+class NotDirect(Exception):
+    """Why a bucket's update is not replayed natively (its message)."""
+
+
+def _module() -> Any:
+    found = native.module()
+    return found if found is not None and hasattr(found, "direct_arm") else None
+
+
+class Directs:
+    """One in-backward optimizer's direct updates: its gate and each armed bucket's hook."""
+
+    def __init__(self) -> None:
+        self.gate: Any = None
+
+    def open(self, task: int) -> None:
+        """The backward's first hook: ``task`` found no gradient held (-1: it did)."""
+        if self.gate is not None:
+            _module().gate_open(self.gate, task)
+
+    def arm(self, inb: InBackward, bucket: Bucket) -> None:
+        """After ``bucket``'s update ran in Python, its grads still held: arm its direct
+        update, or say why not (``bucket.direct_reason``)."""
+        try:
+            self._arm(inb, bucket)
+            bucket.direct_reason = None
+        except NotDirect as exc:
+            bucket.direct_reason = str(exc)
+            if bucket.direct is not None:
+                _module().direct_disarm(bucket.direct)
+
+    def _arm(self, inb: InBackward, bucket: Bucket) -> None:
+        module = _module()
+        if module is None:
+            raise NotDirect(f"optguard's native module is not loaded ({native.status()})")
+        if not inb.thin or inb.compiled_autograd:
+            raise NotDirect("the hooks are not thinned out (buckets learning, compiled autograd)")
+        trigger = bucket.params[-1]
+        if trigger is inb.first:
+            raise NotDirect("its last parameter is the backward's first (its hook checks it)")
+        entry = getattr(bucket.step, "last", None)
+        graphed = getattr(getattr(entry, "plan", None), "graphed", None)
+        node = getattr(graphed, "node", None)
+        if entry is None or graphed is None or node is None or graphed.fallback_reason:
+            raise NotDirect("its update is not a recorded CUDA graph")
+        alone = getattr(entry.plan.plan, "replays_alone", None)
+        if alone is None or not alone():
+            raise NotDirect(
+                "its plan does more than the graph's replay each call (host values from "
+                "CPU tensors, ops beside the graph)"
+            )
+        if not all(_no_effect(e) for e in entry.replay.effects):
+            raise NotDirect("its step has side effects to replay after the graph")
+        exec_ = _torch_compat.graph_exec(node.graph)
+        if exec_ is None:
+            raise NotDirect("this torch does not expose a CUDA graph's executable")
+        hooks = getattr(trigger, "_post_accumulate_grad_hooks", None)
+        if not isinstance(hooks, dict) or len(hooks) != 1:  # (an OrderedDict)
+            raise NotDirect("its last parameter has other post-accumulate-grad hooks")
+        opt = inb.ref()
+        if opt is None:
+            raise NotDirect("the optimizer is gone")
+        dicts, lists, tensors = _reached(entry, bucket.L)
+        live_groups, live_state = opt.param_groups, opt.state
+        dicts += [live_groups[s.index] for s in bucket.groups]
+        dicts.append(live_state)
+        lists.append(live_groups)
+        attrs = [
+            (bucket.step, "last", entry),
+            (graphed, "node", node),
+            (graphed, "fallback_reason", None),
+            (opt, "param_groups", live_groups),
+            (opt, "state", live_state),
+        ]
+        device = trigger.device
+        if device.type != "cuda":
+            raise NotDirect(f"its params live on {device}")
+        stream = torch.cuda.current_stream(device)
+        held = module.held(tensors, [t.data_ptr() for t in tensors])
+        if bucket.direct is None:
+            if self.gate is None:
+                self.gate = module.direct_gate()
+            bucket.direct = module.direct_new(self.gate)
+        armed = module.direct_arm(
+            bucket.direct,
+            dicts,
+            lists,
+            attrs,
+            hooks,
+            held,
+            list(bucket.params),
+            exec_,
+            device.index,
+            stream.stream_id,
+            stream.cuda_stream,
+        )
+        if not armed:
+            raise NotDirect("a gradient of the bucket is missing or not a plain tensor's")
+        if not module.direct_install(bucket.direct, trigger):
+            raise NotDirect("its last parameter's hooks could not be wrapped")
+        bucket.direct_on = trigger
+
+    def uninstall(self, buckets: Sequence[Bucket]) -> None:
+        """Unwrap every armed bucket's trigger hooks (the hooks change, compiled autograd)."""
+        module = _module()
+        for bucket in buckets:
+            if bucket.direct is not None and module is not None:
+                module.direct_disarm(bucket.direct)
+                if bucket.direct_on is not None:
+                    module.direct_uninstall(bucket.direct, bucket.direct_on)
+            bucket.direct_on = None
+
+    def fold(self, buckets: Sequence[Bucket]) -> None:
+        """Add the replays the native hooks made since the last fold to the graphs' counts
+        (what explain() and the graph's status show)."""
+        module = _module()
+        if module is None:
+            return
+        for bucket in buckets:
+            if bucket.direct is None:
+                continue
+            replays, _ = module.direct_stats(bucket.direct)
+            new = replays - bucket.direct_folded
+            if new:
+                bucket.direct_folded = replays
+                entry = getattr(bucket.step, "last", None)
+                graphed = getattr(getattr(entry, "plan", None), "graphed", None)
+                if graphed is not None:
+                    graphed.replays += new
+                    graphed.manager.replays += new
+                    if graphed.node is not None:
+                        graphed.node.replays += new
+
+    @staticmethod
+    def stats(bucket: Bucket) -> tuple[int, dict[str, int]]:
+        """The bucket's native replays and fallbacks by reason (none: (0, {}))."""
+        module = _module()
+        if module is None or bucket.direct is None:
+            return 0, {}
+        replays, fallbacks = module.direct_stats(bucket.direct)
+        return replays, {FALLBACKS[i]: n for i, n in enumerate(fallbacks) if n}
+
+
+def _no_effect(effect: Any) -> bool:
+    """Whether a ledger effect is done by the graph itself (an in-place write of an input)
+    or is the step's ``return None``."""
+    if isinstance(effect, TensorWrite):
+        return True
+    value = effect.value if isinstance(effect, Return) else None
+    return isinstance(value, Const) and value.value is None
+
+
+def _reached(entry: Any, L: dict[str, Any]) -> tuple[list[Any], list[Any], list[torch.Tensor]]:
+    """The dicts, lists and tensors (not grads) on the paths of the entry's guards and
+    inputs from ``L``; an object of another type contributes its ``__dict__``."""
+    sources = list(entry.traced.input_sources)
+    for on_guard in guard_sources(entry.traced.guards.guards):
+        sources.extend(on_guard)
+    seen: set[int] = set()
+    dicts: list[Any] = []
+    lists: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    visited: set[Any] = set()
+    stack = list(sources)
+    while stack:
+        source = stack.pop()
+        if source in visited:
+            continue
+        visited.add(source)
+        if isinstance(source, AutocastSource):
+            continue  # (the native hook compares the autocast state)
+        if isinstance(source, AttrSource):
+            stack.append(source.base)
+            if source.attr == "grad":
+                continue  # gradients are checked apart
+        elif isinstance(source, ItemSource):
+            stack.append(source.base)
+        elif isinstance(source, KeyedSource):
+            stack.extend((source.base, source.key))
+        elif not isinstance(source, LocalSource):
+            raise NotDirect(f"its step reads {source.name()}, outside the optimizer")
+        value = source.fetch(L)
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):  # (the optimizer's state is a defaultdict)
+            dicts.append(value)
+        elif isinstance(value, list):
+            lists.append(value)
+        elif isinstance(value, torch.Tensor):
+            if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.is_sparse:
+                raise NotDirect(f"{source.name()} is a {type(value).__name__}")
+            tensors.append(value)
+        elif isinstance(value, (*_IMMUTABLE, types.FunctionType)):
+            continue
+        else:
+            found = getattr(value, "__dict__", None)
+            if type(found) is not dict:
+                raise NotDirect(f"{source.name()} ({type(value).__name__}) has no __dict__")
+            dicts.append(found)
+    return dicts, lists, tensors
