@@ -48,7 +48,8 @@ GPU (from the repository root; under 3 minutes on an H100):
   PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
       python benchmarks/in_backward_host.py --sweep 1,4,40 --profile 25
 The iterations alone, both optimizers with capturable=True (``--capturable``: no host values
-per update), alternated iteration by iteration:
+per update; ``--schedule``: an LR schedule stepped every iteration), alternated iteration by
+iteration:
   ... python benchmarks/in_backward_host.py --only-iterations --capturable --iters 200
 Only the parts inside backward (about a minute on an H100):
   PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') OPTCOMPILE_NATIVE=sync \\
@@ -108,7 +109,12 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         if buckets:
             options["bucket_bytes"] = -(-grad_bytes // buckets)
         opt = torch.optim.AdamW(in_backward.optimizer_groups(m), **kwargs)
-        return optcompile.compile(opt, **options)
+        compiled_opt = optcompile.compile(opt, **options)
+        if getattr(args, "schedule", False):  # a new lr every step (timed in the step phase)
+            compiled_opt.bench_schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
+                compiled_opt, T_max=100_000
+            )
+        return compiled_opt
 
     after_model = copy.deepcopy(model)
     variants = {"after": (after_model, compiled(after_model, None, False))}
@@ -208,6 +214,11 @@ def main() -> None:
         action="store_true",
         help="AdamW(capturable=True) everywhere: step counts on the device, no host values",
     )
+    parser.add_argument(
+        "--schedule",
+        action="store_true",
+        help="a CosineAnnealingLR stepped after every step: a new lr each iteration",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.capturable and args.device != "cuda":
@@ -273,19 +284,29 @@ def iterations_table(result: dict[str, Any]) -> list[str]:
     a = result["args"]
     device = torch.cuda.get_device_name() if a["device"] == "cuda" else "cpu"
     adamw = "AdamW(capturable=True)" if a.get("capturable") else "AdamW"
+    if a.get("schedule"):
+        adamw += " + CosineAnnealingLR stepped each iteration"
     buckets = f"{result['buckets']} buckets; " if "buckets" in result else ""
     lines = [
         f"{device}; torch {result['torch']}; {a['config']} batch {a['batch']} x {result['tokens']}"
         f" tokens; {adamw}; {buckets}backend {a['backend']}; medians of {a['iters']}",
         "",
-        "| optimizer | buckets | forward | backward | step | iteration (wall) | GC pauses |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| optimizer | buckets | forward | backward | step | iteration (wall) "
+        "| wall - after's, paired: median [quartiles], share faster | GC pauses |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, row in result["iterations"].items():
         cells = " | ".join(f"{row[k]:,.0f} µs" for k in (*PHASES, "wall"))
         gcs = row["gc"]
+        paired = row.get("paired_wall_us")
+        vs = (
+            f"{paired['median']:+,.0f} µs [{paired['q1']:+,.0f}, {paired['q3']:+,.0f}], "
+            f"{paired['faster_share']:.0%}"
+            if paired is not None and name != "after"
+            else ""
+        )
         lines.append(
-            f"| {name} | {row['buckets']} | {cells} "
+            f"| {name} | {row['buckets']} | {cells} | {vs} "
             f"| {gcs['collections']} in {gcs['total_us']:,.0f} µs |"
         )
     return lines

@@ -44,6 +44,9 @@ def phases(
         else:
             opt.step()
             opt.zero_grad(set_to_none=True)
+            schedule = getattr(opt, "bench_schedule", None)  # (in_backward_host --schedule)
+            if schedule is not None:
+                schedule.step()
         times.append(time.perf_counter() - start)
     return times
 
@@ -96,6 +99,17 @@ def iterations(setup: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         out[name]["gc"] = {"collections": len(gcs), "total_us": sum(gcs) * 1e6}
         opt = setup["variants"][name][1]
         out[name]["buckets"] = len(backward.buckets(opt))
+        # Each iteration's wall time less the first variant's of the same round (run just
+        # before it): the host drifts by more than the variants differ, a pair hardly does
+        first = rows[next(iter(rows))]
+        diffs = sorted(s[-1] - f[-1] for s, f in zip(samples, first, strict=True))
+        quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else [diffs[0]] * 3
+        out[name]["paired_wall_us"] = {
+            "median": statistics.median(diffs) * 1e6,
+            "q1": quartiles[0] * 1e6,
+            "q3": quartiles[2] * 1e6,
+            "faster_share": sum(d < 0 for d in diffs) / len(diffs),
+        }
     return out
 
 

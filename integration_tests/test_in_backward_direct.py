@@ -163,3 +163,26 @@ def test_step_counts_on_the_cpu_keep_the_update_in_python():
     lines = backward.direct_status(opt)
     assert lines and all(line.startswith("updated in Python") for line in lines), lines
     assert _replays(opt) == 0
+
+
+@needs_native
+@needs_cuda
+def test_a_schedule_changing_numbers_every_step_keeps_replaying_and_matches_eager():
+    model, opt, reference, eager = _pair()
+    schedules = [
+        torch.optim.lr_scheduler.OneCycleLR(o, max_lr=3e-3, total_steps=20) for o in (opt, eager)
+    ]
+    for step in range(10):
+        if step == 7:  # a flag the trace branched on: the update retraces, in Python
+            for group in (*opt.param_groups, *eager.param_groups):
+                group["maximize"] = True
+        _iteration(model, opt, reference, eager, step)
+        for schedule in schedules:
+            schedule.step()  # a new lr and new betas every step
+    lines = backward.direct_status(opt)
+    replayed = [line for line in lines if line.startswith("replayed")]
+    assert len(replayed) >= len(lines) - 1, lines
+    # steps 2-6 natively (lr and betas sent at each backward's first hook); at step 7 the
+    # flag's guard fails there: the update retraces in Python (its new graph is recorded
+    # by its second call, step 8, which arms it again) and replays natively at step 9
+    assert all(" 6 time(s)" in line for line in replayed), lines

@@ -53,3 +53,4 @@ class Bucket:
     direct_on: torch.Tensor | None = None
     direct_reason: str | None = "not armed yet"
     direct_folded: int = 0
+    direct_numbers: Any = None  # (backward_direct.Numbers: its param groups' numbers)

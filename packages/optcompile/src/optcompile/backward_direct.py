@@ -30,12 +30,13 @@ compiled autograd the wrapper hands its hooks over unwrapped (nothing native run
 
 from __future__ import annotations
 
+import dataclasses
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from optguard import native
+from optguard import GuardSet, compile_check, compile_fetch, native
 from optguard.guard import guard_sources
 from optguard.sources import AttrSource, AutocastSource, ItemSource, KeyedSource, LocalSource
 from optsidefx.ledger import Const, Return, TensorWrite
@@ -163,6 +164,60 @@ class Directs:
         if not module.direct_install(bucket.direct, trigger):
             raise NotDirect("its last parameter's hooks could not be wrapped")
         bucket.direct_on = trigger
+        if bucket.direct_numbers is None or bucket.direct_numbers.entry is not entry:
+            bucket.direct_numbers = _numbers(entry)
+
+    def refresh(self, inb: InBackward, version: Callable[[Any], object]) -> None:
+        """The backward's first hook, finding no gradient held: an armed bucket whose param
+        groups changed since (an LR scheduler's new lr, momentum) is synced, the guards on
+        its groups are tested again, and where they hold its plan's scalars are sent anew
+        and the groups' new tags armed, so that its hook still replays. Anything else
+        changed (a guard fails, the plan's buffers moved) leaves the update to Python."""
+        opt = inb.ref()
+        module = _module()
+        if opt is None or module is None:
+            return
+        live_groups = opt.param_groups
+        for bucket in inb.buckets:
+            numbers = bucket.direct_numbers
+            if bucket.direct is None or bucket.direct_reason is not None or numbers is None:
+                continue
+            synced = [
+                (i, s)
+                for i, s in enumerate(bucket.groups)
+                if version(live_groups[s.index]) != s.live_tag
+            ]
+            if not synced:
+                continue
+            try:
+                checks = []
+                for i, s in synced:
+                    live, own = live_groups[s.index], s.own
+                    if live.keys() != own.keys():
+                        checks += [c for (j, _), c in numbers.checks.items() if j == i]
+                    else:  # (the entries set anew: a schedule's lr, betas)
+                        found = numbers.checks
+                        changed = [k for k, v in live.items() if k != "params" and own[k] is not v]
+                        checks += [found[i, k] for k in changed if (i, k) in found]
+                    s.pull(live)
+                L = bucket.L
+                if not all(check(L) for check in checks):
+                    raise NotDirect("a guard on its param group fails (the update retraces)")
+                plan = numbers.plan
+                moved = plan.buffers_version
+                plan.restage_scalars(numbers.inputs(L))
+                if plan.buffers_version != moved:
+                    raise NotDirect("its plan's buffers moved")
+            except NotDirect as exc:
+                bucket.direct_reason = str(exc)
+                module.direct_disarm(bucket.direct)
+                continue
+            except Exception as exc:  # (the Python update raises it, if it still does)
+                bucket.direct_reason = f"its param group's numbers failed: {exc}"
+                module.direct_disarm(bucket.direct)
+                continue
+            synced_dicts = [live_groups[s.index] for _, s in synced] + [s.own for _, s in synced]
+            module.direct_retag(bucket.direct, synced_dicts)
 
     def uninstall(self, buckets: Sequence[Bucket]) -> None:
         """Unwrap every armed bucket's trigger hooks (the hooks change, compiled autograd)."""
@@ -203,6 +258,64 @@ class Directs:
             return 0, {}
         replays, fallbacks = module.direct_stats(bucket.direct)
         return replays, {FALLBACKS[i]: n for i, n in enumerate(fallbacks) if n}
+
+
+@dataclasses.dataclass
+class Numbers:
+    """What a bucket's first hook needs to send its changed param-group numbers (see
+    ``Directs.refresh``): the entry, its plan, the guards on the view's param groups and
+    their entries but 'params' (one generated check per group index and entry key; None:
+    on the group itself), the plan's scalar inputs' positions and their fetch."""
+
+    entry: Any
+    plan: Any
+    checks: dict[tuple[int, str | None], Any]  # (CompiledCheck: check(L) -> bool)
+    positions: list[int]
+    fetch: Callable[[dict[str, Any]], list[Any]]
+
+    def inputs(self, L: dict[str, Any]) -> list[Any]:
+        inputs: list[Any] = [None] * (max(self.positions, default=-1) + 1)
+        for position, value in zip(self.positions, self.fetch(L), strict=True):
+            inputs[position] = value
+        return inputs
+
+
+def _numbers(entry: Any) -> Numbers:
+    plan = entry.plan.plan
+    guards = entry.traced.guards.guards
+    by_key: dict[tuple[int, str | None], list[Any]] = {}
+    for guard, sources in zip(guards, guard_sources(guards), strict=True):
+        for key in {_group_key(s) for s in sources} - {None}:
+            assert key is not None
+            by_key.setdefault(key, []).append(guard)
+    checks = {key: compile_check(GuardSet(tuple(found))) for key, found in by_key.items()}
+    positions = plan.scalar_positions()
+    scalars = [entry.traced.input_sources[i] for i in positions]
+    fetch = compile_fetch(scalars, "direct")[0] if scalars else _nothing
+    return Numbers(entry, plan, checks, positions, fetch)
+
+
+def _nothing(L: dict[str, Any]) -> list[Any]:
+    return []
+
+
+def _group_key(source: Any) -> tuple[int, str | None] | None:
+    """(i, key) for a source under entry ``key`` of the view's param group i (but
+    'params'), (i, None) for the group itself (``L['opt'].param_groups[i]``), else None."""
+    key: Any = None
+    while isinstance(source, AttrSource | ItemSource):
+        base = source.base
+        if (
+            isinstance(source, ItemSource)
+            and isinstance(base, AttrSource)
+            and base.attr == "param_groups"
+            and isinstance(base.base, LocalSource)
+            and isinstance(source.key, int)
+        ):
+            return None if key == "params" else (source.key, key)
+        key = source.key if isinstance(source, ItemSource) else None
+        source = base
+    return None
 
 
 def _no_effect(effect: Any) -> bool:

@@ -238,6 +238,8 @@ class InBackward:
         if p is self.first:
             clean = task >= 0 and _hook_count(self.others) == 0
             self.clean_task = task if clean else None
+            if clean:
+                self.directs.refresh(self, _dict_version)
             self.directs.open(task if clean else -1)
             if clean and self.ahead_enabled:
                 self.stage_ahead()
@@ -402,6 +404,8 @@ class InBackward:
                 synced.push(live_groups[synced.index])
         if self.thin and params[0].is_cuda:
             self.directs.arm(self, bucket)  # (before the grads it records are cleared)
+        elif self.thin:
+            bucket.direct_reason = "its params are not on a CUDA device (no CUDA graph)"
         _clear_grads(params)
 
     def make_view(self, opt: torch.optim.Optimizer, bucket: Bucket) -> torch.optim.Optimizer:

@@ -1142,6 +1142,8 @@ PyObject* h2d(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 //   direct_arm(direct, dicts, lists, attrs, hooks, held, params, exec, device, stream_id,
 //              stream) -> bool                armed (False: a grad missing or not plain)
 //   direct_disarm(direct)
+//   direct_retag(direct, dicts)               the armed tags of those dicts taken anew (a
+//                                             param group synced and its numbers restaged)
 //   direct_install(direct, param) -> bool     wrap param's post-accumulate-grad hooks
 //   direct_uninstall(direct, param) -> bool   unwrap them (if this Direct's wrapper is there)
 //   direct_stats(direct) -> (replays, [fallbacks per reason])
@@ -1438,6 +1440,21 @@ PyObject* direct_arm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 #endif
 }
 
+PyObject* direct_retag(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "direct_retag(direct, dicts: list)");
+    return nullptr;
+  }
+  auto* found = direct_of(args[0]);
+  if (found == nullptr) return nullptr;
+#ifdef OPT_DICT_VERSIONS
+  for (auto& d : (*found)->dicts)
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[1]); ++i)
+      if (PyList_GET_ITEM(args[1], i) == d.first) d.second = tag(d.first);
+#endif
+  Py_RETURN_NONE;
+}
+
 PyObject* direct_disarm(PyObject*, PyObject* capsule) {
   auto* found = direct_of(capsule);
   if (found == nullptr) return nullptr;
@@ -1533,6 +1550,8 @@ PyMethodDef kMethods[] = {
     {"direct_arm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_arm)),
      METH_FASTCALL, "Arm a direct update with what must stand and the graph it replays."},
     {"direct_disarm", direct_disarm, METH_O, "Disarm a direct update."},
+    {"direct_retag", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_retag)),
+     METH_FASTCALL, "Take the dicts' tags now as the ones a direct update expects."},
     {"direct_install",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_install)), METH_FASTCALL,
      "Wrap a param's post-accumulate-grad hooks with a direct update."},

@@ -338,6 +338,18 @@ class TritonPlan:
             and all(not part.host and not part.small_on_cpu for part in self.parts)
         )
 
+    def scalar_positions(self) -> list[int]:
+        """The input positions of the Python numbers the parts read (``restage_scalars``)."""
+        return sorted({self.index[n] for part in self.parts for n in part.program.scalar_inputs})
+
+    def restage_scalars(self, inputs: Sequence[Any]) -> None:
+        """Send the parts' scalars computed from ``inputs`` (``scalar_positions``; the other
+        positions may be None) into their buffers now, as the next ``prepare`` would, for a
+        replay without ``prepare`` (a plan that ``replays_alone``; the buffers stay)."""
+        with self.staged():
+            for part in self.parts:
+                part.restage_scalars(inputs)
+
     def address_only_inputs(self) -> frozenset[int]:
         """The inputs this plan reads only for their data pointers, in its address tables
         (grads): after its first call, a caller may leave them None and hand their pointers

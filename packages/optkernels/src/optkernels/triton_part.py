@@ -206,6 +206,14 @@ class _Part:
                 )
                 self.changes.count += 1
 
+    def restage_scalars(self, inputs: Sequence[Any]) -> None:
+        """The scalars alone, sent where they changed (a part without host values; inside a
+        staging round of the plan)."""
+        scalar_values = self._scalars(inputs)
+        if scalar_values != self._scalar_values:
+            self._scalar_values = scalar_values
+            self._stage_values(inputs, scalar_values)
+
     def refresh_tables(self, inputs: Sequence[Any]) -> None:
         """The address tables only (``prepare`` ran this call: its host values, which may
         write back step counts, are not computed twice): new addresses of dynamic inputs
