@@ -35,7 +35,7 @@ def test_unarmed_wrapper_runs_the_python_hooks_and_unwraps():
     assert module.direct_install(direct, p) and module.direct_install(direct, p)
     (p * 2).sum().backward()
     assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
-    replays, fallbacks = module.direct_stats(direct)
+    replays, fallbacks, _ = module.direct_stats(direct)
     assert replays == 0 and fallbacks[0] == 1  # "not armed": the Python hooks ran
     assert module.direct_uninstall(direct, p) and not module.direct_uninstall(direct, p)
     (p * 2).sum().backward()
@@ -63,7 +63,7 @@ def test_under_compiled_autograd_the_wrapped_hooks_are_captured_unwrapped():
         (p * 3).sum().backward()
     assert seen == [1]
     assert torch.equal(p.grad, torch.full((3,), 3.0))
-    assert module.direct_stats(direct) == (0, [0] * 8)  # compiled autograd never called it
+    assert module.direct_stats(direct)[:2] == (0, [0] * 9)  # compiled autograd never called it
 
 
 # -- on a GPU: the replays --
@@ -92,6 +92,20 @@ def _iteration(model, opt, reference, eager, step: int) -> None:
     assert_same(model, opt, reference, eager)
 
 
+def _assert_replayed(opt: torch.optim.Optimizer, at_least: int) -> None:
+    """Every bucket but the one whose trigger is the backward's first param replayed from
+    its hook at least ``at_least`` times, left to Python only where a gradient moved (the
+    eager copy's iterations in between shift the allocator's addresses)."""
+    lines = backward.direct_status(opt)
+    replayed = [line for line in lines if line.startswith("replayed")]
+    assert len(lines) > 2 and len(replayed) >= len(lines) - 1, lines
+    for line in replayed:
+        count = int(line.split(": ")[1].split(" ")[0])
+        assert count >= at_least, lines
+        left = line.split("left to Python: ")[1].split("; not armed")[0] if "left" in line else ""
+        assert all("gradient missing" in why for why in left.split("; ") if why), lines
+
+
 def _replays(opt: torch.optim.Optimizer) -> int:
     lines = backward.direct_status(opt)
     return sum(int(line.split(": ")[1].split(" ")[0]) for line in lines if "without Python" in line)
@@ -103,15 +117,7 @@ def test_capturable_buckets_replay_from_their_hooks_and_match_eager():
     model, opt, reference, eager = _pair()
     for step in range(8):
         _iteration(model, opt, reference, eager, step)
-    lines = backward.direct_status(opt)
-    assert len(lines) > 2, lines
-    # Learned in the first backward, thinned out at its end, armed by the second's Python
-    # updates: the third on replays natively (but a bucket whose trigger is the first
-    # param, whose hook checks the backward)
-    replayed = [line for line in lines if line.startswith("replayed")]
-    assert len(replayed) >= len(lines) - 1, lines
-    assert all(" 6 time(s)" in line for line in replayed), lines
-    assert all("left to Python" not in line for line in replayed), lines
+    _assert_replayed(opt, 4)  # (6 where no gradient moved: from the third backward on)
     report = optcompile.explain(opt)
     assert any("replayed from its hook without Python" in b for b in report.buckets)
 
@@ -156,13 +162,23 @@ def test_a_hook_added_on_a_trigger_param_runs_every_backward():
 
 @needs_native
 @needs_cuda
-def test_step_counts_on_the_cpu_keep_the_update_in_python():
+@pytest.mark.parametrize("schedule", [False, True])
+def test_step_counts_on_the_cpu_replay_with_their_host_values_sent_ahead(schedule: bool):
+    """capturable=False: the step counts live on the CPU and the host computes the bias
+    corrections; each backward's first hook computes and sends them for every bucket, the
+    hooks write the step counts' new values and replay."""
     model, opt, reference, eager = _pair(capturable=False)
-    for step in range(4):
-        _iteration(model, opt, reference, eager, step)
-    lines = backward.direct_status(opt)
-    assert lines and all(line.startswith("updated in Python") for line in lines), lines
-    assert _replays(opt) == 0
+    schedules = [
+        torch.optim.lr_scheduler.OneCycleLR(o, max_lr=3e-3, total_steps=20) for o in (opt, eager)
+    ]
+    for step in range(8):
+        _iteration(model, opt, reference, eager, step)  # (step counts compared too)
+        if schedule:
+            for s in schedules:
+                s.step()
+    _assert_replayed(opt, 4)
+    steps = {float(opt.state[p]["step"]) for p in model.parameters()}
+    assert steps == {8.0}, steps
 
 
 @needs_native
@@ -185,4 +201,5 @@ def test_a_schedule_changing_numbers_every_step_keeps_replaying_and_matches_eage
     # steps 2-6 natively (lr and betas sent at each backward's first hook); at step 7 the
     # flag's guard fails there: the update retraces in Python (its new graph is recorded
     # by its second call, step 8, which arms it again) and replays natively at step 9
-    assert all(" 6 time(s)" in line for line in replayed), lines
+    assert all(int(line.split(": ")[1].split(" ")[0]) >= 4 for line in replayed), lines
+    assert all("not armed" in line for line in replayed), lines  # (step 7's fallback)

@@ -54,3 +54,4 @@ class Bucket:
     direct_reason: str | None = "not armed yet"
     direct_folded: int = 0
     direct_numbers: Any = None  # (backward_direct.Numbers: its param groups' numbers)
+    direct_columns: list[torch.Tensor] = dataclasses.field(default_factory=list)

@@ -57,6 +57,7 @@ FALLBACKS = (
     "a gradient missing or at another address",
     "device context or stream",
     "graph launch failed",
+    "host values not sent for this backward (its step counts changed since)",
 )
 
 # Values the walk needs no snapshot of (their containers' tags cover them)
@@ -108,11 +109,17 @@ class Directs:
         node = getattr(graphed, "node", None)
         if entry is None or graphed is None or node is None or graphed.fallback_reason:
             raise NotDirect("its update is not a recorded CUDA graph")
-        alone = getattr(entry.plan.plan, "replays_alone", None)
-        if alone is None or not alone():
+        plan = entry.plan.plan
+        alone = getattr(plan, "replays_alone", None)
+        ahead = getattr(plan, "replays_with_ahead", None)
+        if alone is not None and alone():
+            needs_pending = False
+        elif ahead is not None and ahead():
+            needs_pending = True  # (its host values sent at each backward's first hook)
+        else:
             raise NotDirect(
-                "its plan does more than the graph's replay each call (host values from "
-                "CPU tensors, ops beside the graph)"
+                "its plan does more than the graph's replay and host values sent ahead "
+                "each call (ops beside the graph, 0-dim CPU tensors read on the device)"
             )
         if not all(_no_effect(e) for e in entry.replay.effects):
             raise NotDirect("its step has side effects to replay after the graph")
@@ -158,6 +165,7 @@ class Directs:
             device.index,
             stream.stream_id,
             stream.cuda_stream,
+            needs_pending,
         )
         if not armed:
             raise NotDirect("a gradient of the bucket is missing or not a plain tensor's")
@@ -167,17 +175,22 @@ class Directs:
         if bucket.direct_numbers is None or bucket.direct_numbers.entry is not entry:
             bucket.direct_numbers = _numbers(entry)
 
-    def refresh(self, inb: InBackward, version: Callable[[Any], object]) -> None:
-        """The backward's first hook, finding no gradient held: an armed bucket whose param
-        groups changed since (an LR scheduler's new lr, momentum) is synced, the guards on
-        its groups are tested again, and where they hold its plan's scalars are sent anew
-        and the groups' new tags armed, so that its hook still replays. Anything else
-        changed (a guard fails, the plan's buffers moved) leaves the update to Python."""
+    def refresh(self, inb: InBackward, version: Callable[[Any], object], task: int) -> None:
+        """The backward ``task``'s first hook, finding no gradient held: an armed bucket
+        whose param groups changed since (an LR scheduler's new lr, momentum) is synced,
+        the guards on its groups are tested again, and where they hold its plan's scalars
+        are sent anew and the groups' new tags armed, so that its hook still replays.
+        Anything else changed (a guard fails, the plan's buffers moved) leaves the update
+        to Python. A bucket whose plan computes host values from its CPU step counts gets
+        them computed and sent now, for every such bucket in one copy
+        (``optkernels.ahead``), and its hook the step counts' new values to write."""
         opt = inb.ref()
         module = _module()
         if opt is None or module is None:
             return
         live_groups = opt.param_groups
+        calls: list[tuple[Any, list[Any]]] = []
+        staged: list[Bucket] = []
         for bucket in inb.buckets:
             numbers = bucket.direct_numbers
             if bucket.direct is None or bucket.direct_reason is not None or numbers is None:
@@ -187,7 +200,11 @@ class Directs:
                 for i, s in enumerate(bucket.groups)
                 if version(live_groups[s.index]) != s.live_tag
             ]
+            if numbers.ahead_fetch is not None:
+                staged.append(bucket)
             if not synced:
+                if numbers.ahead_fetch is not None:
+                    calls.append((numbers.plan, numbers.inputs(bucket.L, ahead=True)))
                 continue
             try:
                 checks = []
@@ -208,6 +225,8 @@ class Directs:
                 plan.restage_scalars(numbers.inputs(L))
                 if plan.buffers_version != moved:
                     raise NotDirect("its plan's buffers moved")
+                if numbers.ahead_fetch is not None:
+                    calls.append((plan, numbers.inputs(L, ahead=True)))
             except NotDirect as exc:
                 bucket.direct_reason = str(exc)
                 module.direct_disarm(bucket.direct)
@@ -218,6 +237,20 @@ class Directs:
                 continue
             synced_dicts = [live_groups[s.index] for _, s in synced] + [s.own for _, s in synced]
             module.direct_retag(bucket.direct, synced_dicts)
+        if not calls:
+            return
+        try:
+            inb.ahead.stage(calls)
+        except Exception:  # (each update computes its own: it raises what it still raises)
+            return
+        for bucket in staged:
+            if bucket.direct_reason is not None:
+                continue
+            columns = bucket.direct_numbers.plan.ahead_columns()
+            if columns is not None:
+                bucket.direct_columns = [c for c, _, _ in columns]  # (alive while pending)
+                pending = [(c.data_ptr(), old, new) for c, old, new in columns]
+                module.direct_pending(bucket.direct, task, pending)
 
     def uninstall(self, buckets: Sequence[Bucket]) -> None:
         """Unwrap every armed bucket's trigger hooks (the hooks change, compiled autograd)."""
@@ -238,12 +271,16 @@ class Directs:
         for bucket in buckets:
             if bucket.direct is None:
                 continue
-            replays, _ = module.direct_stats(bucket.direct)
+            replays = module.direct_stats(bucket.direct)[0]
             new = replays - bucket.direct_folded
             if new:
                 bucket.direct_folded = replays
                 entry = getattr(bucket.step, "last", None)
                 graphed = getattr(getattr(entry, "plan", None), "graphed", None)
+                inner = getattr(getattr(entry, "plan", None), "plan", None)
+                forget = getattr(inner, "forget_ahead", None)
+                if forget is not None:
+                    forget()  # (the replays took what was sent; a prepare computes anew)
                 if graphed is not None:
                     graphed.replays += new
                     graphed.manager.replays += new
@@ -251,13 +288,14 @@ class Directs:
                         graphed.node.replays += new
 
     @staticmethod
-    def stats(bucket: Bucket) -> tuple[int, dict[str, int]]:
-        """The bucket's native replays and fallbacks by reason (none: (0, {}))."""
+    def stats(bucket: Bucket) -> tuple[int, dict[str, int], float]:
+        """The bucket's native replays, fallbacks by reason and microseconds its hook spent
+        in C++ (none: (0, {}, 0.0))."""
         module = _module()
         if module is None or bucket.direct is None:
-            return 0, {}
-        replays, fallbacks = module.direct_stats(bucket.direct)
-        return replays, {FALLBACKS[i]: n for i, n in enumerate(fallbacks) if n}
+            return 0, {}, 0.0
+        replays, fallbacks, nanos = module.direct_stats(bucket.direct)
+        return replays, {FALLBACKS[i]: n for i, n in enumerate(fallbacks) if n}, nanos / 1e3
 
 
 @dataclasses.dataclass
@@ -272,10 +310,16 @@ class Numbers:
     checks: dict[tuple[int, str | None], Any]  # (CompiledCheck: check(L) -> bool)
     positions: list[int]
     fetch: Callable[[dict[str, Any]], list[Any]]
+    # A plan with host values (step counts on the CPU): the inputs its stage_ahead reads
+    ahead_positions: list[int] = dataclasses.field(default_factory=list)
+    ahead_fetch: Callable[[dict[str, Any]], list[Any]] | None = None
 
-    def inputs(self, L: dict[str, Any]) -> list[Any]:
-        inputs: list[Any] = [None] * (max(self.positions, default=-1) + 1)
-        for position, value in zip(self.positions, self.fetch(L), strict=True):
+    def inputs(self, L: dict[str, Any], ahead: bool = False) -> list[Any]:
+        positions = self.ahead_positions if ahead else self.positions
+        fetch = self.ahead_fetch if ahead else self.fetch
+        assert fetch is not None
+        inputs: list[Any] = [None] * (max(positions, default=-1) + 1)
+        for position, value in zip(positions, fetch(L), strict=True):
             inputs[position] = value
         return inputs
 
@@ -292,7 +336,13 @@ def _numbers(entry: Any) -> Numbers:
     positions = plan.scalar_positions()
     scalars = [entry.traced.input_sources[i] for i in positions]
     fetch = compile_fetch(scalars, "direct")[0] if scalars else _nothing
-    return Numbers(entry, plan, checks, positions, fetch)
+    numbers = Numbers(entry, plan, checks, positions, fetch)
+    ahead = plan.ahead_inputs() if plan.replays_with_ahead() else None
+    if ahead is not None:
+        numbers.ahead_positions = ahead
+        read = [entry.traced.input_sources[i] for i in ahead]
+        numbers.ahead_fetch = compile_fetch(read, "direct_ahead")[0] if read else _nothing
+    return numbers
 
 
 def _nothing(L: dict[str, Any]) -> list[Any]:

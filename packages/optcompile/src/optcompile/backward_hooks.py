@@ -239,7 +239,7 @@ class InBackward:
             clean = task >= 0 and _hook_count(self.others) == 0
             self.clean_task = task if clean else None
             if clean:
-                self.directs.refresh(self, _dict_version)
+                self.directs.refresh(self, _dict_version, task)
             self.directs.open(task if clean else -1)
             if clean and self.ahead_enabled:
                 self.stage_ahead()
@@ -261,6 +261,9 @@ class InBackward:
         live_groups = opt.param_groups
         calls = []
         for bucket in self.buckets:
+            numbers = bucket.direct_numbers
+            if bucket.direct_reason is None and numbers is not None and numbers.ahead_fetch:
+                continue  # (its direct update's values: sent by directs.refresh)
             found = self.ahead_of(bucket)
             if found is None:
                 continue

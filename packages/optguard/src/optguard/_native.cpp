@@ -81,9 +81,12 @@
 #endif
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <exception>
+#include <cstring>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -1140,13 +1143,18 @@ PyObject* h2d(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 //                                             task may replay; -1: none may
 //   direct_new(gate) -> capsule               an unarmed Direct
 //   direct_arm(direct, dicts, lists, attrs, hooks, held, params, exec, device, stream_id,
-//              stream) -> bool                armed (False: a grad missing or not plain)
+//              stream, needs_pending) -> bool
+//                                             armed (False: a grad missing or not plain)
 //   direct_disarm(direct)
+//   direct_pending(direct, task, columns)     a host-mode bucket (needs_pending): for the
+//                                             backward ``task``, the CPU columns (ptr, the
+//                                             bytes they hold, the bytes to write) its host
+//                                             values were computed from and sent for
 //   direct_retag(direct, dicts)               the armed tags of those dicts taken anew (a
 //                                             param group synced and its numbers restaged)
 //   direct_install(direct, param) -> bool     wrap param's post-accumulate-grad hooks
 //   direct_uninstall(direct, param) -> bool   unwrap them (if this Direct's wrapper is there)
-//   direct_stats(direct) -> (replays, [fallbacks per reason])
+//   direct_stats(direct) -> (replays, [fallbacks per reason], nanoseconds spent firing)
 
 struct Gate {
   int64_t task = -2;
@@ -1164,7 +1172,17 @@ enum Reason {
   kGrads,
   kDevice,
   kLaunch,
+  kPending,
   kReasons
+};
+
+// A CPU column of 0-dim inputs (step counts) a host-mode plan reads: what it must hold when
+// the hook fires and what the update writes into it (the host values computed from those
+// were sent at the backward's first hook).
+struct Column {
+  char* ptr;
+  std::string old_bytes;
+  std::string new_bytes;
 };
 
 struct Direct {
@@ -1181,8 +1199,12 @@ struct Direct {
   int64_t stream_id = 0;
   void* stream = nullptr;
   c10::DispatchKeySet autocast;  // the autocast keys excluded when armed (all: none on)
+  bool needs_pending = false;    // host values: replays only with columns staged for its task
+  int64_t pending_task = -3;
+  std::vector<Column> columns;
   int64_t replays = 0;
   int64_t fallbacks[kReasons] = {};
+  int64_t nanos = 0;  // spent in fire() (the GIL taken, checks, replays, grads cleared)
 
   void clear() {
     armed = false;
@@ -1201,6 +1223,9 @@ struct Direct {
     params.clear();
     grads.clear();
     exec = nullptr;
+    needs_pending = false;
+    pending_task = -3;
+    columns.clear();
   }
   ~Direct() {
     if (Py_IsInitialized()) {
@@ -1259,7 +1284,18 @@ struct Direct {
       if (c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(where).id() !=
           stream_id)
         return fail(kDevice);
-      if (g_driver.launch(exec, stream) != 0) return fail(kLaunch);
+      if (needs_pending) {
+        if (pending_task != gate->task) return fail(kPending);
+        for (const Column& c : columns)
+          if (std::memcmp(c.ptr, c.old_bytes.data(), c.old_bytes.size()) != 0)
+            return fail(kPending);
+        for (const Column& c : columns) std::memcpy(c.ptr, c.new_bytes.data(), c.new_bytes.size());
+      }
+      if (g_driver.launch(exec, stream) != 0) {
+        for (const Column& c : columns) std::memcpy(c.ptr, c.old_bytes.data(), c.old_bytes.size());
+        return fail(kLaunch);
+      }
+      pending_task = -3;
       for (PyObject* p : params) THPVariable_Unpack(p).mutable_grad().reset();
     } catch (const std::exception&) {
       return fail(kDevice);
@@ -1269,8 +1305,12 @@ struct Direct {
   }
 
   bool fire() {
+    const auto start = std::chrono::steady_clock::now();
     PyGILState_STATE g = PyGILState_Ensure();
     bool done = fire_locked();
+    nanos += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now() - start)
+                 .count();
     PyGILState_Release(g);
     return done;
   }
@@ -1333,11 +1373,11 @@ PyObject* direct_new(PyObject*, PyObject* gate_capsule) {
 }
 
 PyObject* direct_arm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 11 || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
+  if (nargs != 12 || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
       !PyList_Check(args[3]) || !PyList_Check(args[6])) {
     PyErr_SetString(PyExc_TypeError,
                     "direct_arm(direct, dicts, lists, attrs, hooks, held, params: list, exec, "
-                    "device, stream_id, stream)");
+                    "device, stream_id, stream, needs_pending)");
     return nullptr;
   }
   auto* found = direct_of(args[0]);
@@ -1346,6 +1386,7 @@ PyObject* direct_arm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   long device = PyLong_AsLong(args[8]);
   long long stream_id = PyLong_AsLongLong(args[9]);
   void* stream = PyLong_AsVoidPtr(args[10]);
+  int needs_pending = PyObject_IsTrue(args[11]);
   if (PyErr_Occurred()) return nullptr;
   Direct& d = **found;
   d.clear();
@@ -1435,9 +1476,43 @@ PyObject* direct_arm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   d.stream_id = stream_id;
   d.stream = stream;
   d.autocast = c10::impl::tls_local_dispatch_key_set().excluded_ & c10::autocast_dispatch_keyset;
+  d.needs_pending = needs_pending != 0;
   d.armed = true;
   Py_RETURN_TRUE;
 #endif
+}
+
+PyObject* direct_pending(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyList_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "direct_pending(direct, task, columns: list)");
+    return nullptr;
+  }
+  auto* found = direct_of(args[0]);
+  long long task = PyLong_AsLongLong(args[1]);
+  if (found == nullptr || PyErr_Occurred()) return nullptr;
+  Direct& d = **found;
+  d.pending_task = -3;
+  d.columns.clear();
+  std::vector<Column> columns;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[2]); ++i) {
+    PyObject* c = PyList_GET_ITEM(args[2], i);
+    if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) != 3 || !PyBytes_Check(PyTuple_GET_ITEM(c, 1)) ||
+        !PyBytes_Check(PyTuple_GET_ITEM(c, 2)) ||
+        PyBytes_GET_SIZE(PyTuple_GET_ITEM(c, 1)) != PyBytes_GET_SIZE(PyTuple_GET_ITEM(c, 2))) {
+      PyErr_SetString(PyExc_TypeError, "direct_pending: a column is no (ptr, old, new) of one size");
+      return nullptr;
+    }
+    void* ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(c, 0));
+    if (PyErr_Occurred()) return nullptr;
+    PyObject* old_bytes = PyTuple_GET_ITEM(c, 1);
+    PyObject* new_bytes = PyTuple_GET_ITEM(c, 2);
+    columns.push_back(Column{static_cast<char*>(ptr),
+                             std::string(PyBytes_AS_STRING(old_bytes), PyBytes_GET_SIZE(old_bytes)),
+                             std::string(PyBytes_AS_STRING(new_bytes), PyBytes_GET_SIZE(new_bytes))});
+  }
+  d.columns = std::move(columns);
+  d.pending_task = task;
+  Py_RETURN_NONE;
 }
 
 PyObject* direct_retag(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -1503,7 +1578,8 @@ PyObject* direct_stats(PyObject*, PyObject* capsule) {
   PyObject* fallbacks = PyList_New(kReasons);
   if (fallbacks == nullptr) return nullptr;
   for (int r = 0; r < kReasons; ++r) PyList_SET_ITEM(fallbacks, r, PyLong_FromLongLong(d.fallbacks[r]));
-  return Py_BuildValue("(LN)", static_cast<long long>(d.replays), fallbacks);
+  return Py_BuildValue("(LNL)", static_cast<long long>(d.replays), fallbacks,
+                       static_cast<long long>(d.nanos));
 }
 
 PyMethodDef kMethods[] = {
@@ -1550,6 +1626,9 @@ PyMethodDef kMethods[] = {
     {"direct_arm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_arm)),
      METH_FASTCALL, "Arm a direct update with what must stand and the graph it replays."},
     {"direct_disarm", direct_disarm, METH_O, "Disarm a direct update."},
+    {"direct_pending",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_pending)), METH_FASTCALL,
+     "The CPU columns a host-mode replay of one backward checks and writes."},
     {"direct_retag", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_retag)),
      METH_FASTCALL, "Take the dicts' tags now as the ones a direct update expects."},
     {"direct_install",

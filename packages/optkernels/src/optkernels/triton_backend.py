@@ -338,17 +338,48 @@ class TritonPlan:
             and all(not part.host and not part.small_on_cpu for part in self.parts)
         )
 
+    def replays_with_ahead(self) -> bool:
+        """Whether a call (as for ``replays_alone``) needs besides ``launch`` only what the
+        host computes from its CPU step counts and scalars, all of it sent ahead by
+        ``stage_ahead`` (its parts' 0-dim CPU inputs aliased into CPU columns: the step
+        counts' new values are ``ahead_columns``)."""
+        if not self._checked_devices or not self.parts or self.capture is not None:
+            return False
+        if self.split is not None or not any(part.host for part in self.parts):
+            return False
+        return all(
+            all(g.small_buffers and len(g.small_views) == len(g.small_buffers) for g in part.groups)
+            if part.host
+            else not part.small_on_cpu
+            for part in self.parts
+        )
+
+    def ahead_columns(self) -> list[tuple[torch.Tensor, bytes, bytes]] | None:
+        """After ``stage_ahead``: each CPU column of its host parts, the bytes the values
+        sent were computed from and the bytes the call writes back (its step counts
+        advanced), for a replay without ``prepare``; None where a part sent nothing."""
+        found: list[tuple[torch.Tensor, bytes, bytes]] = []
+        for part in self.parts:
+            if part.host:
+                columns = part.ahead_columns()
+                if columns is None:
+                    return None
+                found += columns
+        return found
+
     def scalar_positions(self) -> list[int]:
         """The input positions of the Python numbers the parts read (``restage_scalars``)."""
         return sorted({self.index[n] for part in self.parts for n in part.program.scalar_inputs})
 
     def restage_scalars(self, inputs: Sequence[Any]) -> None:
-        """Send the parts' scalars computed from ``inputs`` (``scalar_positions``; the other
-        positions may be None) into their buffers now, as the next ``prepare`` would, for a
-        replay without ``prepare`` (a plan that ``replays_alone``; the buffers stay)."""
+        """Send the scalars of the parts without host values computed from ``inputs``
+        (``scalar_positions``; the other positions may be None) into their buffers now, as
+        the next ``prepare`` would, for a replay without ``prepare`` (the buffers stay; the
+        host parts' values go with ``stage_ahead``)."""
         with self.staged():
             for part in self.parts:
-                part.restage_scalars(inputs)
+                if not part.host:
+                    part.restage_scalars(inputs)
 
     def address_only_inputs(self) -> frozenset[int]:
         """The inputs this plan reads only for their data pointers, in its address tables

@@ -384,6 +384,21 @@ class _Part:
         self.ahead_staged += 1
         return values, host
 
+    def ahead_columns(self) -> list[tuple[torch.Tensor, bytes, bytes]] | None:
+        """The values sent ahead (``stage_ahead``) as CPU columns: each column buffer, the
+        bytes they were computed from, the bytes the call writes into it; None if none."""
+        ahead, layout = self._ahead, self._layout
+        if ahead is None or layout is None:
+            return None
+        found = []
+        for (group, _, _), seen, writes in zip(layout[2], ahead.seen, ahead.writes, strict=True):
+            views = group.small_views
+            after = {k: v.copy() for k, v in views.items()}
+            write_results(after, writes)
+            for k, old in zip(sorted(views), seen, strict=True):
+                found.append((group.small_buffers[k], old, after[k].tobytes()))
+        return found
+
     def _take_ahead(self, inputs: Sequence[Any], scalar_values: list[float]) -> bool:
         """Whether this call's values were sent ahead (``stage_ahead``) and still hold: then
         the 0-dim results are written back and nothing is computed or sent."""
