@@ -203,3 +203,28 @@ def test_a_schedule_changing_numbers_every_step_keeps_replaying_and_matches_eage
     # by its second call, step 8, which arms it again) and replays natively at step 9
     assert all(int(line.split(": ")[1].split(" ")[0]) >= 4 for line in replayed), lines
     assert all("not armed" in line for line in replayed), lines  # (step 7's fallback)
+
+
+@needs_native
+@needs_cuda
+def test_gradients_moving_every_backward_stop_the_arming():
+    model, opt, reference, eager = _pair()
+    state = backward._STATES[opt]
+    for step in range(2):  # (buckets learned and thinned out)
+        _iteration(model, opt, reference, eager, step)
+    bucket = next(b for b in state.buckets if len(b.params) > 1 and b.params[-1] is not state.first)
+    moved = bucket.params[0]
+    spare = [torch.empty_like(moved), torch.empty_like(moved)]
+    turn = [0]
+
+    def elsewhere(p: torch.Tensor) -> None:  # its grad at one of two addresses, in turn
+        turn[0] += 1
+        p.grad = spare[turn[0] % 2].copy_(p.grad)
+
+    moved.register_post_accumulate_grad_hook(elsewhere)
+    for step in range(2, 10):
+        _iteration(model, opt, reference, eager, step)
+    assert bucket.direct_reason is not None and "left to Python for good" in bucket.direct_reason
+    assert "gradient missing or at another address" in bucket.direct_reason
+    others = [b for b in state.buckets if b is not bucket and b.direct_reason is None]
+    assert others, backward.direct_status(opt)

@@ -201,6 +201,7 @@ def direct_status(opt: torch.optim.Optimizer) -> list[str]:
     state = _STATES.get(opt)
     if state is None:
         return []
+    state.directs.fold(state.buckets)
     lines = []
     for b in state.buckets:
         replays, fallbacks, micros = Directs.stats(b)

@@ -55,3 +55,5 @@ class Bucket:
     direct_folded: int = 0
     direct_numbers: Any = None  # (backward_direct.Numbers: its param groups' numbers)
     direct_columns: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    direct_armed_at: int = 0  # its replays when last armed
+    direct_misses: int = 0  # armings in a row not followed by a replay

@@ -60,6 +60,11 @@ FALLBACKS = (
     "host values not sent for this backward (its step counts changed since)",
 )
 
+# Arming costs a walk of what the update reads: a bucket whose hook fell back to Python after
+# this many armings in a row (its gradients move every backward, a hook changes its lr) is
+# not armed again
+MAX_MISSES = 4
+
 # Values the walk needs no snapshot of (their containers' tags cover them)
 _IMMUTABLE = (int, float, bool, str, bytes, complex, type(None), tuple, torch.dtype, torch.device)
 
@@ -99,6 +104,17 @@ class Directs:
         module = _module()
         if module is None:
             raise NotDirect(f"optguard's native module is not loaded ({native.status()})")
+        if bucket.direct is not None:  # (armed before: did its hook replay since?)
+            replays, fallbacks, _ = module.direct_stats(bucket.direct)
+            missed = replays == bucket.direct_armed_at
+            bucket.direct_misses = bucket.direct_misses + 1 if missed else 0
+            bucket.direct_armed_at = replays
+            if bucket.direct_misses >= MAX_MISSES:
+                why = max(range(len(fallbacks)), key=fallbacks.__getitem__)
+                raise NotDirect(
+                    f"armed {MAX_MISSES} times in a row without a replay (most often: "
+                    f"{FALLBACKS[why]}); left to Python for good"
+                )
         if not inb.thin or inb.compiled_autograd:
             raise NotDirect("the hooks are not thinned out (buckets learning, compiled autograd)")
         trigger = bucket.params[-1]
@@ -254,6 +270,7 @@ class Directs:
 
     def uninstall(self, buckets: Sequence[Bucket]) -> None:
         """Unwrap every armed bucket's trigger hooks (the hooks change, compiled autograd)."""
+        self.fold(buckets)
         module = _module()
         for bucket in buckets:
             if bucket.direct is not None and module is not None:
@@ -264,7 +281,10 @@ class Directs:
 
     def fold(self, buckets: Sequence[Bucket]) -> None:
         """Add the replays the native hooks made since the last fold to the graphs' counts
-        (what explain() and the graph's status show)."""
+        (what explain() and the graph's status show; folded when asked, not per backward).
+        A host-mode plan keeps the values it was sent ahead: its next ``prepare`` takes them
+        only if the step-count columns still hold what they were computed from, which a
+        replay advanced."""
         module = _module()
         if module is None:
             return
@@ -277,10 +297,6 @@ class Directs:
                 bucket.direct_folded = replays
                 entry = getattr(bucket.step, "last", None)
                 graphed = getattr(getattr(entry, "plan", None), "graphed", None)
-                inner = getattr(getattr(entry, "plan", None), "plan", None)
-                forget = getattr(inner, "forget_ahead", None)
-                if forget is not None:
-                    forget()  # (the replays took what was sent; a prepare computes anew)
                 if graphed is not None:
                     graphed.replays += new
                     graphed.manager.replays += new

@@ -325,7 +325,6 @@ class InBackward:
         if opt is None:
             return
         self.clean_task = None
-        self.directs.fold(self.buckets)
         if self.thin and self.compiled_autograd:
             self.thicken()
         self.refresh(opt)
