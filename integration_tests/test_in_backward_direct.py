@@ -120,6 +120,9 @@ def test_capturable_buckets_replay_from_their_hooks_and_match_eager():
     _assert_replayed(opt, 4)  # (6 where no gradient moved: from the third backward on)
     report = optcompile.explain(opt)
     assert any("replayed from its hook without Python" in b for b in report.buckets)
+    # the graphs count the native replays too: the first update runs without its graph,
+    # the second records it (and replays it), the other six replay it
+    assert all("1 recording(s), 7 replay(s)" in b for b in report.buckets), report.buckets
 
 
 @needs_native
@@ -226,5 +229,6 @@ def test_gradients_moving_every_backward_stop_the_arming():
         _iteration(model, opt, reference, eager, step)
     assert bucket.direct_reason is not None and "left to Python for good" in bucket.direct_reason
     assert "gradient missing or at another address" in bucket.direct_reason
+    assert bucket.direct_on is None  # its hooks unwrapped
     others = [b for b in state.buckets if b is not bucket and b.direct_reason is None]
     assert others, backward.direct_status(opt)

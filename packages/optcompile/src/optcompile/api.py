@@ -241,10 +241,11 @@ def _explain_buckets(
     opt: torch.optim.Optimizer | None = None,
 ) -> Explanation:
     """An in-backward optimizer: the newest bucket's report, counts over every bucket."""
+    # (first: it folds the replays the hooks made natively into the graphs' counts)
+    directs = backward.direct_status(opt) if opt is not None else []
     ran = [c for _, c in learned if c is not None]
     base = _explain(ran[-1] if ran else compiled, verbose)
     lines = []
-    directs = backward.direct_status(opt) if opt is not None else []
     for number, (params, bucket) in enumerate(learned):
         mib = sum(p.numel() * p.element_size() for p in params) / 2**20
         what = f"bucket {number}: {len(params)} params, {mib:.2f} MiB of gradients"

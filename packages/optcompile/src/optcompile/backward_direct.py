@@ -98,7 +98,11 @@ class Directs:
         except NotDirect as exc:
             bucket.direct_reason = str(exc)
             if bucket.direct is not None:
-                _module().direct_disarm(bucket.direct)
+                module = _module()
+                module.direct_disarm(bucket.direct)
+                if bucket.direct_misses >= MAX_MISSES and bucket.direct_on is not None:
+                    module.direct_uninstall(bucket.direct, bucket.direct_on)  # (for good)
+                    bucket.direct_on = None
 
     def _arm(self, inb: InBackward, bucket: Bucket) -> None:
         module = _module()
@@ -110,7 +114,7 @@ class Directs:
             bucket.direct_misses = bucket.direct_misses + 1 if missed else 0
             bucket.direct_armed_at = replays
             if bucket.direct_misses >= MAX_MISSES:
-                why = max(range(len(fallbacks)), key=fallbacks.__getitem__)
+                why = max(range(1, len(fallbacks)), key=fallbacks.__getitem__)  # (armed ones)
                 raise NotDirect(
                     f"armed {MAX_MISSES} times in a row without a replay (most often: "
                     f"{FALLBACKS[why]}); left to Python for good"
