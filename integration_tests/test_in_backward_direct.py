@@ -232,3 +232,27 @@ def test_gradients_moving_every_backward_stop_the_arming():
     assert bucket.direct_on is None  # its hooks unwrapped
     others = [b for b in state.buckets if b is not bucket and b.direct_reason is None]
     assert others, backward.direct_status(opt)
+
+
+@needs_native
+@needs_cuda
+@pytest.mark.parametrize("capturable", [False, True])
+def test_the_hooks_replays_give_the_bits_of_the_python_updates(capturable: bool):
+    """The same training twice, one copy's updates replayed from its hooks, the other's in
+    Python (``replay_in_hooks(opt, False)``), with a schedule changing lr and betas."""
+    pairs = [_pair(capturable)[:2] for _ in range(2)]
+    backward.replay_in_hooks(pairs[1][1], False)
+    schedules = [
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=20) for _, opt in pairs
+    ]
+    for step in range(8):
+        for (model, opt), schedule in zip(pairs, schedules, strict=True):
+            model(batch(step)).backward()
+            opt.step()
+            schedule.step()
+        (a, first), (b, second) = pairs
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            assert torch.equal(p, q), step
+            for key, value in first.state[p].items():
+                assert torch.equal(value, second.state[q][key]), (step, key)
+    assert _replays(pairs[0][1]) > 0 and _replays(pairs[1][1]) == 0

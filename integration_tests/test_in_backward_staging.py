@@ -90,6 +90,8 @@ class Pair:
             for m in self.models
         ]
         backward.send_ahead(self.opts[0], True)
+        for opt in self.opts:  # (the Python updates' prepare: what they take is counted)
+            backward.replay_in_hooks(opt, False)
         self.scheds = [
             torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 0.9**s, lambda s: 1.0 / (1 + s)])
             for o in self.opts

@@ -167,6 +167,24 @@ def accumulate(opt: torch.optim.Optimizer) -> Iterator[None]:
             state.accumulating -= 1
 
 
+def replay_in_hooks(opt: torch.optim.Optimizer, enabled: bool) -> None:
+    """Whether a bucket whose update is its CUDA graph's replay is updated from its
+    trigger's hook in C++ (``backward_direct``; on by default). Off, every update runs in
+    Python (what tests of that path and comparisons ask for)."""
+    state = _STATES.get(opt)
+    if state is None:
+        raise CompileError(
+            f"replay_in_hooks takes an optimizer compiled with in_backward=True; "
+            f"{type(opt).__name__} is not"
+        )
+    with state.lock:
+        state.directs.enabled = enabled
+        if not enabled:
+            state.directs.uninstall(state.buckets)
+            for bucket in state.buckets:
+                bucket.direct_reason = "replay_in_hooks(opt, False)"
+
+
 def send_ahead(opt: torch.optim.Optimizer, enabled: bool) -> None:
     """Whether a backward's first hook sends every bucket's host values ahead (off by
     default: each update computes and sends its own; on, GPT-2's iterations on an H200 were

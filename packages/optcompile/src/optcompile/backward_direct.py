@@ -83,6 +83,7 @@ class Directs:
 
     def __init__(self) -> None:
         self.gate: Any = None
+        self.enabled = True  # (backward.replay_in_hooks)
 
     def open(self, task: int) -> None:
         """The backward's first hook: ``task`` found no gradient held (-1: it did)."""
@@ -108,6 +109,8 @@ class Directs:
         module = _module()
         if module is None:
             raise NotDirect(f"optguard's native module is not loaded ({native.status()})")
+        if not self.enabled:
+            raise NotDirect("replay_in_hooks(opt, False)")
         if bucket.direct is not None:  # (armed before: did its hook replay since?)
             replays, fallbacks, _ = module.direct_stats(bucket.direct)
             missed = replays == bucket.direct_armed_at
