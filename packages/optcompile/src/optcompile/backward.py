@@ -152,12 +152,7 @@ def accumulate(opt: torch.optim.Optimizer) -> Iterator[None]:
                 model(micro_batch).sum().backward()
         model(batches[-1]).sum().backward()  # updates, frees the gradients
     """
-    state = _STATES.get(opt)
-    if state is None:
-        raise CompileError(
-            f"optcompile.accumulate takes an optimizer compiled with in_backward=True; "
-            f"{type(opt).__name__} is not (optcompile.compile(opt, in_backward=True))"
-        )
+    state = _state_of(opt, "optcompile.accumulate")
     with state.lock:
         state.accumulating += 1
     try:
@@ -171,12 +166,7 @@ def replay_in_hooks(opt: torch.optim.Optimizer, enabled: bool) -> None:
     """Whether a bucket whose update is its CUDA graph's replay is updated from its
     trigger's hook in C++ (``backward_direct``; on by default). Off, every update runs in
     Python (what tests of that path and comparisons ask for)."""
-    state = _STATES.get(opt)
-    if state is None:
-        raise CompileError(
-            f"replay_in_hooks takes an optimizer compiled with in_backward=True; "
-            f"{type(opt).__name__} is not"
-        )
+    state = _state_of(opt, "replay_in_hooks")
     with state.lock:
         state.directs.enabled = enabled
         if not enabled:
@@ -188,14 +178,20 @@ def replay_in_hooks(opt: torch.optim.Optimizer, enabled: bool) -> None:
 def send_ahead(opt: torch.optim.Optimizer, enabled: bool) -> None:
     """Whether a backward's first hook sends every bucket's host values ahead (off by
     default: each update computes and sends its own; on, GPT-2's iterations on an H200 were
-    no faster, the one stage costing what the updates saved)."""
+    no faster, the one stage costing what the updates saved). Buckets replayed from their
+    hooks (``replay_in_hooks``) get theirs sent there either way."""
+    _state_of(opt, "send_ahead").ahead_enabled = enabled
+
+
+def _state_of(opt: torch.optim.Optimizer, what: str) -> InBackward:
+    """The in-backward state of ``opt``; a CompileError naming ``what`` if it has none."""
     state = _STATES.get(opt)
     if state is None:
         raise CompileError(
-            f"send_ahead takes an optimizer compiled with in_backward=True; "
-            f"{type(opt).__name__} is not"
+            f"{what} takes an optimizer compiled with in_backward=True; "
+            f"{type(opt).__name__} is not (optcompile.compile(opt, in_backward=True))"
         )
-    state.ahead_enabled = enabled
+    return state
 
 
 def buckets(opt: torch.optim.Optimizer) -> list[tuple[list[torch.Tensor], Any]]:
