@@ -204,6 +204,10 @@ def test_entering_or_leaving_autocast_retraces_and_each_state_keeps_its_entry():
 
 
 STEP_SCALE = 1.0  # a module global a custom step reads (test below changes it)
+# Module globals holding containers and an object a custom step reads items and attributes of
+SCALES = {"scale": 1.0}
+SCALE_LIST = [1.0, 2.0]
+SETTINGS = types.SimpleNamespace(scale=1.0, name="sgd")
 
 
 @dataclasses.dataclass
@@ -226,7 +230,13 @@ class _ConfiguredSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        if self.config is None:
+        if isinstance(self.config, str):  # which global holds it
+            scale = {
+                "global dict": lambda: SCALES["scale"],
+                "global list": lambda: SCALE_LIST[0],
+                "global object": lambda: SETTINGS.scale,
+            }[self.config]()
+        elif self.config is None:
             scale = STEP_SCALE
         else:
             scale = self.config.scale * (2.0 if getattr(self.config, "double", False) else 1.0)
@@ -239,6 +249,12 @@ def _change_config(kind: str, opt: Any) -> None:
     global STEP_SCALE
     if kind == "global":
         STEP_SCALE = 3.0
+    elif kind == "global dict":
+        SCALES["scale"] = 3.0
+    elif kind == "global list":
+        SCALE_LIST[0] = 3.0
+    elif kind == "global object":
+        SETTINGS.scale = 3.0
     elif kind == "frozen dataclass replaced":
         opt.config = _FrozenConfig(scale=3.0)
     elif kind.endswith("flag"):
@@ -254,6 +270,21 @@ CONFIGS: dict[str, tuple[Callable[[], Any], str | None]] = {
     "dataclass flag": (_Config, "L['opt'].config.double: value changed (False -> True)"),
     "frozen dataclass replaced": (_FrozenConfig, "L['opt'].config: a different object"),
     "global": (lambda: None, f"G['{__name__}'].STEP_SCALE: value changed (1.0 -> 3.0)"),
+    # A container or a plain object held in a global: its contents were baked in unseen
+    # (the old value kept silently); now compared with a copy on each call
+    "global dict": (
+        lambda: "global dict",
+        f"G['{__name__}'].SCALES: value changed ({{'scale': 1.0}} -> {{'scale': 3.0}})",
+    ),
+    "global list": (
+        lambda: "global list",
+        f"G['{__name__}'].SCALE_LIST: value changed ([1.0, 2.0] -> [3.0, 2.0])",
+    ),
+    "global object": (
+        lambda: "global object",
+        f"G['{__name__}'].SETTINGS.__dict__: value changed "
+        "({'scale': 1.0, 'name': 'sgd'} -> {'scale': 3.0, 'name': 'sgd'})",
+    ),
 }
 
 
@@ -270,11 +301,12 @@ def test_what_a_step_reads_from_config_objects_and_globals_follows_their_changes
     try:
         step_both(model, opt, reference, eager, range(2))
         _change_config(kind, opt)
-        if kind != "global":
+        if not kind.startswith("global"):
             _change_config(kind, eager)
         step_both(model, opt, reference, eager, range(2, 4))
     finally:
         STEP_SCALE = 1.0
+        SCALES["scale"] = SCALE_LIST[0] = SETTINGS.scale = 1.0
     assert_same(model, opt, reference, eager, rtol=0, atol=0)
     report = optcompile.explain(opt)
     assert report.traces == (1 if reason is None else 2), report.retrace_reasons

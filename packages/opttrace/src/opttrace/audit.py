@@ -72,11 +72,22 @@ def user_functions(roots: Iterable[Any]) -> list[types.FunctionType]:
     return [f for f in found.values() if _is_user(f)]
 
 
-def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str, Any]]:
-    """(module, name, value) of each module global holding a Python constant (a number, a
-    bool, a string, None) that the code of ``functions`` names: the trace bakes its value
-    in, so it is guarded. A name that is only an attribute elsewhere may be included."""
-    found: dict[tuple[str, str], Any] = {}
+CONSTANT_TYPES = (bool, int, float, str, type(None))
+_CONSTANTS = CONSTANT_TYPES
+# Elements of a global container (or attributes of a global object) compared on each call at
+# most: a larger one is not guarded (its contents could be baked into the graph unseen)
+MAX_GUARDED_ITEMS = 256
+
+
+def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str, Any, bool]]:
+    """(module, name, value, whole) of each module global that the code of ``functions``
+    names and whose value the trace may bake in, so that it is guarded: a Python constant
+    (a number, a bool, a string, None; ``whole`` True), a list, tuple, dict or set of such
+    values (nested; a copy, compared with ``==``; ``whole`` True), or a plain object whose
+    attributes are such values (a ``SimpleNamespace``, a config class instance: a copy of
+    its ``__dict__``; ``whole`` False). A name that is only an attribute elsewhere may be
+    included."""
+    found: dict[tuple[str, str], tuple[Any, bool]] = {}
     for fn in functions:
         g = fn.__globals__
         module = g.get("__name__")
@@ -87,9 +98,46 @@ def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str
             continue  # not a module's namespace: cannot be fetched again
         for name in _names(fn.__code__):
             value = g.get(name, _EMPTY)
-            if type(value) in (bool, int, float, str, type(None)):
-                found[(module, name)] = value
-    return [(module, name, value) for (module, name), value in found.items()]
+            if type(value) in _CONSTANTS:
+                found[(module, name)] = (value, True)
+            elif type(value) in (list, tuple, dict, set, frozenset):
+                copied = _constant_copy(value, [MAX_GUARDED_ITEMS])
+                if copied is not _EMPTY:
+                    found[(module, name)] = (copied, True)
+            elif _plain_object(value):
+                copied = _constant_copy(vars(value), [MAX_GUARDED_ITEMS])
+                if copied is not _EMPTY:
+                    found[(module, name)] = (copied, False)
+    return [(module, name, value, whole) for (module, name), (value, whole) in found.items()]
+
+
+def _constant_copy(value: Any, budget: list[int]) -> Any:
+    """A copy of ``value`` if it is a constant or a container of constants (nested) within
+    ``budget`` elements in all, else ``_EMPTY``."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return _EMPTY
+    if type(value) in _CONSTANTS:
+        return value
+    if type(value) in (list, tuple, set, frozenset):
+        items = [_constant_copy(v, budget) for v in value]
+        return _EMPTY if any(v is _EMPTY for v in items) else type(value)(items)
+    if type(value) is dict:
+        pairs = [(_constant_copy(k, budget), _constant_copy(v, budget)) for k, v in value.items()]
+        if any(k is _EMPTY or v is _EMPTY for k, v in pairs):
+            return _EMPTY
+        return dict(pairs)
+    return _EMPTY
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of a user class or a ``SimpleNamespace``, with an instance dict (not a
+    module, function, class, tensor, optimizer or module of torch)."""
+    if isinstance(value, types.ModuleType | types.FunctionType | type | torch.Tensor):
+        return False
+    if isinstance(value, torch.optim.Optimizer | torch.nn.Module):
+        return False
+    return type(vars(value) if hasattr(value, "__dict__") else None) is dict
 
 
 def _names(code: types.CodeType) -> set[str]:

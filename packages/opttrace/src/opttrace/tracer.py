@@ -19,6 +19,7 @@ from optguard import (
     AttrSource,
     ConstantGuard,
     DataPtrGuard,
+    EqualGuard,
     GlobalSource,
     GuardSet,
     ItemSource,
@@ -146,8 +147,12 @@ def _record(
     functions = audit.user_functions([fn, *inputs.values()])
     draws = patches.RandomDraws()
     snap = audit.snapshot(functions, draws)
-    for module, name, value in audit.constant_globals(functions):
-        ctx.guard(ConstantGuard(GlobalSource(module, name), value))
+    for module, name, value, whole in audit.constant_globals(functions):
+        held = GlobalSource(module, name)
+        if whole and type(value) in audit.CONSTANT_TYPES:
+            ctx.guard(ConstantGuard(held, value))
+        else:  # (a container's contents, an object's attributes: compared with ==)
+            ctx.guard(EqualGuard(held if whole else AttrSource(held, "__dict__"), value))
     try:
         try:
             with (
