@@ -222,7 +222,10 @@ class _FrozenConfig:
 
 
 class _ConfiguredSGD(torch.optim.Optimizer):
-    """Reads its update's scale from a config object, or from a module global."""
+    """Reads its update's scale from a config object, a module global or its class."""
+
+    CLASS_SCALE = 1.0
+    CLASS_SCALES = {"scale": 1.0}  # noqa: RUF012 (what the test changes)
 
     def __init__(self, params: Any, config: Any) -> None:
         super().__init__(params, {"lr": 0.1})
@@ -235,6 +238,8 @@ class _ConfiguredSGD(torch.optim.Optimizer):
                 "global dict": lambda: SCALES["scale"],
                 "global list": lambda: SCALE_LIST[0],
                 "global object": lambda: SETTINGS.scale,
+                "class float": lambda: self.CLASS_SCALE,
+                "class dict": lambda: self.CLASS_SCALES["scale"],
             }[self.config]()
         elif self.config is None:
             scale = STEP_SCALE
@@ -255,6 +260,10 @@ def _change_config(kind: str, opt: Any) -> None:
         SCALE_LIST[0] = 3.0
     elif kind == "global object":
         SETTINGS.scale = 3.0
+    elif kind == "class float":
+        _ConfiguredSGD.CLASS_SCALE = 3.0
+    elif kind == "class dict":
+        _ConfiguredSGD.CLASS_SCALES["scale"] = 3.0
     elif kind == "frozen dataclass replaced":
         opt.config = _FrozenConfig(scale=3.0)
     elif kind.endswith("flag"):
@@ -280,6 +289,10 @@ CONFIGS: dict[str, tuple[Callable[[], Any], str | None]] = {
         lambda: "global list",
         f"G['{__name__}'].SCALE_LIST: value changed ([1.0, 2.0] -> [3.0, 2.0])",
     ),
+    # Read through the optimizer from its class (was baked in unseen): as an attribute of
+    # the instance, a float is an input
+    "class float": (lambda: "class float", None),
+    "class dict": (lambda: "class dict", None),
     "global object": (
         lambda: "global object",
         f"G['{__name__}'].SETTINGS.__dict__: value changed "
@@ -301,12 +314,13 @@ def test_what_a_step_reads_from_config_objects_and_globals_follows_their_changes
     try:
         step_both(model, opt, reference, eager, range(2))
         _change_config(kind, opt)
-        if not kind.startswith("global"):
+        if not kind.startswith(("global", "class")):  # (shared by both)
             _change_config(kind, eager)
         step_both(model, opt, reference, eager, range(2, 4))
     finally:
         STEP_SCALE = 1.0
         SCALES["scale"] = SCALE_LIST[0] = SETTINGS.scale = 1.0
+        _ConfiguredSGD.CLASS_SCALE = _ConfiguredSGD.CLASS_SCALES["scale"] = 1.0
     assert_same(model, opt, reference, eager, rtol=0, atol=0)
     report = optcompile.explain(opt)
     assert report.traces == (1 if reason is None else 2), report.retrace_reasons

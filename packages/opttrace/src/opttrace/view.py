@@ -80,7 +80,26 @@ def _getattribute(self: Any, name: str) -> Any:
     if name != _INFO and name in d:
         info: ViewInfo = d[_INFO]
         return info.read(name, d[name])
-    return object.__getattribute__(self, name)
+    value = object.__getattribute__(self, name)
+    if name.startswith("__") or name == _INFO or not _class_data(d[_INFO].owner, name):
+        return value
+    # A value a class of user code holds (``SCALE = 0.5`` in the optimizer's class body),
+    # read as an instance attribute is: a float an input, another constant a guard
+    return d[_INFO].read(name, value)
+
+
+def _class_data(owner: type, name: str) -> bool:
+    """Whether ``name`` is data (no function, descriptor or class) that a class of user
+    code in ``owner``'s MRO holds: the step reads it through the instance, and a change
+    to it must reach the compiled step (a float) or retrace it (a constant)."""
+    for cls in owner.__mro__:
+        if name in vars(cls):
+            raw = vars(cls)[name]  # (a method's function, not the bound method it gives)
+            if hasattr(type(raw), "__get__") or isinstance(raw, type | types.ModuleType):
+                return False
+            module = getattr(cls, "__module__", "") or ""
+            return module != "builtins" and module.split(".")[0] not in _LIBRARIES
+    return False
 
 
 def _setattr(self: Any, name: str, value: Any) -> None:
