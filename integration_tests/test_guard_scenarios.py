@@ -207,7 +207,11 @@ STEP_SCALE = 1.0  # a module global a custom step reads (test below changes it)
 # Module globals holding containers and an object a custom step reads items and attributes of
 SCALES = {"scale": 1.0}
 SCALE_LIST = [1.0, 2.0]
-SETTINGS = types.SimpleNamespace(scale=1.0, name="sgd")
+SETTINGS = types.SimpleNamespace(scale=1.0, name="sgd", buffer=torch.zeros(1))
+
+
+def scaled(value: float) -> float:  # a module helper the step calls (the test replaces it)
+    return value * 1.0
 
 
 @dataclasses.dataclass
@@ -238,6 +242,7 @@ class _ConfiguredSGD(torch.optim.Optimizer):
                 "global dict": lambda: SCALES["scale"],
                 "global list": lambda: SCALE_LIST[0],
                 "global object": lambda: SETTINGS.scale,
+                "global helper": lambda: scaled(1.0),
                 "class float": lambda: self.CLASS_SCALE,
                 "class dict": lambda: self.CLASS_SCALES["scale"],
             }[self.config]()
@@ -250,6 +255,9 @@ class _ConfiguredSGD(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"] * scale)
 
 
+_scaled = scaled
+
+
 def _change_config(kind: str, opt: Any) -> None:
     global STEP_SCALE
     if kind == "global":
@@ -260,6 +268,8 @@ def _change_config(kind: str, opt: Any) -> None:
         SCALE_LIST[0] = 3.0
     elif kind == "global object":
         SETTINGS.scale = 3.0
+    elif kind == "global helper":
+        globals()["scaled"] = lambda value: value * 3.0
     elif kind == "class float":
         _ConfiguredSGD.CLASS_SCALE = 3.0
     elif kind == "class dict":
@@ -294,10 +304,10 @@ CONFIGS: dict[str, tuple[Callable[[], Any], str | None]] = {
     "class float": (lambda: "class float", None),
     "class dict": (lambda: "class dict", None),
     "global object": (
-        lambda: "global object",
-        f"G['{__name__}'].SETTINGS.__dict__: value changed "
-        "({'scale': 1.0, 'name': 'sgd'} -> {'scale': 3.0, 'name': 'sgd'})",
+        lambda: "global object",  # (its attributes that hold constants, each)
+        f"G['{__name__}'].SETTINGS.scale: value changed (1.0 -> 3.0)",
     ),
+    "global helper": (lambda: "global helper", f"G['{__name__}'].scaled: a different object"),
 }
 
 
@@ -320,6 +330,7 @@ def test_what_a_step_reads_from_config_objects_and_globals_follows_their_changes
     finally:
         STEP_SCALE = 1.0
         SCALES["scale"] = SCALE_LIST[0] = SETTINGS.scale = 1.0
+        globals()["scaled"] = _scaled
         _ConfiguredSGD.CLASS_SCALE = _ConfiguredSGD.CLASS_SCALES["scale"] = 1.0
     assert_same(model, opt, reference, eager, rtol=0, atol=0)
     report = optcompile.explain(opt)

@@ -79,15 +79,21 @@ _CONSTANTS = CONSTANT_TYPES
 MAX_GUARDED_ITEMS = 256
 
 
-def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str, Any, bool]]:
-    """(module, name, value, whole) of each module global that the code of ``functions``
-    names and whose value the trace may bake in, so that it is guarded: a Python constant
-    (a number, a bool, a string, None; ``whole`` True), a list, tuple, dict or set of such
-    values (nested; a copy, compared with ``==``; ``whole`` True), or a plain object whose
-    attributes are such values (a ``SimpleNamespace``, a config class instance: a copy of
-    its ``__dict__``; ``whole`` False). A name that is only an attribute elsewhere may be
-    included."""
-    found: dict[tuple[str, str], tuple[Any, bool]] = {}
+def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str, Any, str]]:
+    """(module, name, value, kind) of each module global that the code of ``functions``
+    names and that the trace may bake in, so that it is guarded:
+
+    - ``"constant"``: a Python constant (a number, a bool, a string, None);
+    - ``"contents"``: a list, tuple, dict or set of such values (nested): a copy, compared
+      with ``==``;
+    - ``"attributes"``: a plain object (a ``SimpleNamespace``, a config class instance):
+      ``{attribute: copy}`` of its attributes holding such values (the others, tensors and
+      objects, are not guarded);
+    - ``"identity"``: a function or a class (a helper the step calls, replaced later: its
+      ops were traced into the graph).
+
+    A name that is only an attribute elsewhere may be included."""
+    found: dict[tuple[str, str], tuple[Any, str]] = {}
     for fn in functions:
         g = fn.__globals__
         module = g.get("__name__")
@@ -98,17 +104,21 @@ def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str
             continue  # not a module's namespace: cannot be fetched again
         for name in _names(fn.__code__):
             value = g.get(name, _EMPTY)
-            if type(value) in _CONSTANTS:
-                found[(module, name)] = (value, True)
+            if type(value) in CONSTANT_TYPES:
+                found[(module, name)] = (value, "constant")
             elif type(value) in (list, tuple, dict, set, frozenset):
                 copied = _constant_copy(value, [MAX_GUARDED_ITEMS])
                 if copied is not _EMPTY:
-                    found[(module, name)] = (copied, True)
+                    found[(module, name)] = (copied, "contents")
+            elif isinstance(value, types.FunctionType | type):
+                found[(module, name)] = (value, "identity")
             elif _plain_object(value):
-                copied = _constant_copy(vars(value), [MAX_GUARDED_ITEMS])
-                if copied is not _EMPTY:
-                    found[(module, name)] = (copied, False)
-    return [(module, name, value, whole) for (module, name), (value, whole) in found.items()]
+                budget = [MAX_GUARDED_ITEMS]
+                copies = {k: _constant_copy(v, budget) for k, v in vars(value).items()}
+                kept = {k: v for k, v in copies.items() if v is not _EMPTY}
+                if kept:
+                    found[(module, name)] = (kept, "attributes")
+    return [(module, name, value, kind) for (module, name), (value, kind) in found.items()]
 
 
 def _constant_copy(value: Any, budget: list[int]) -> Any:

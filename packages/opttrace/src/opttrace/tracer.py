@@ -22,6 +22,7 @@ from optguard import (
     EqualGuard,
     GlobalSource,
     GuardSet,
+    IdentityGuard,
     ItemSource,
     LocalSource,
     Source,
@@ -147,12 +148,19 @@ def _record(
     functions = audit.user_functions([fn, *inputs.values()])
     draws = patches.RandomDraws()
     snap = audit.snapshot(functions, draws)
-    for module, name, value, whole in audit.constant_globals(functions):
+    for module, name, value, kind in audit.constant_globals(functions):
         held = GlobalSource(module, name)
-        if whole and type(value) in audit.CONSTANT_TYPES:
+        if kind == "constant":
             ctx.guard(ConstantGuard(held, value))
-        else:  # (a container's contents, an object's attributes: compared with ==)
-            ctx.guard(EqualGuard(held if whole else AttrSource(held, "__dict__"), value))
+        elif kind == "contents":  # (compared with == to a copy)
+            ctx.guard(EqualGuard(held, value))
+        elif kind == "identity":
+            ctx.guard(IdentityGuard.of(held, value))
+        else:  # an object's attributes, each
+            for attr, copied in value.items():
+                on = AttrSource(held, attr)
+                simple = type(copied) in audit.CONSTANT_TYPES
+                ctx.guard(ConstantGuard(on, copied) if simple else EqualGuard(on, copied))
     try:
         try:
             with (
