@@ -605,3 +605,48 @@ def test_a_frozen_param_given_a_grad_later_is_stepped(backend):
             o.step()
     assert_same(model, opt, reference, eager, rtol=1e-5, atol=1e-6)
     assert optcompile.explain(opt).traces == 2
+
+
+class _ScaledPerParam(torch.optim.Optimizer):
+    """Scales each parameter's update by an attribute the user set on it (a per-parameter
+    lr multiplier), 1.0 where it has none."""
+
+    def __init__(self, params: Any, foreach: bool) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.foreach = foreach
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            scales = [getattr(p, "lr_scale", 1.0) for p in params]
+            if self.foreach:
+                torch._foreach_add_(
+                    params,
+                    torch._foreach_mul([p.grad for p in params], scales),
+                    alpha=-group["lr"],
+                )
+            else:
+                for p, scale in zip(params, scales, strict=True):
+                    p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_an_attribute_set_on_a_parameter_is_read_and_followed(foreach):
+    """``getattr(p, "lr_scale", 1.0)``: the traced stand-in of a parameter had none of the
+    parameter's own attributes, so every step used the default (silently). Now a float
+    there is an input: each parameter's own, a change needs no retrace."""
+    model = small_model()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        for k, p in enumerate(m.parameters()):
+            if k % 2 == 0:
+                p.lr_scale = 0.5 + k
+    opt = optcompile.compile(_ScaledPerParam(model.parameters(), foreach))
+    eager = _ScaledPerParam(reference.parameters(), foreach)
+    step_both(model, opt, reference, eager, range(2))
+    for m in (model, reference):
+        next(iter(m.parameters())).lr_scale = 3.0
+    step_both(model, opt, reference, eager, range(2, 4))
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    assert optcompile.explain(opt).traces == 1

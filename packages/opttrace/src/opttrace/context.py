@@ -152,6 +152,7 @@ class TraceContext:
         self._dtensor_inputs: dict[int, tuple[Source, torch.Tensor]] = {}  # id(seen) -> input
         recorder.on_decision = self._decided
         recorder.on_grad_store = self._grad_stored
+        recorder.on_attr_read = self._attr_read
         self._optimizer_sources: set[Source] = set()
         self._object_sources: dict[int, Source] = {}  # other objects read, for the replay
         self._object_views: dict[int, Any] = {}  # id(plain object) -> its view (view.py)
@@ -243,6 +244,17 @@ class TraceContext:
                 "the step assigns .grad of a tensor it created; only inputs' .grad can be set"
             )
         self.ledger.store_attr(Input(source), "grad", value)
+
+    def _attr_read(self, fake: TracedTensor, name: str) -> Any:
+        """``fake.name`` where the real input tensor holds ``name`` in its own dict (a
+        per-parameter setting a custom step reads), read as any value there is."""
+        i = self._fake_index.get(id(fake))
+        attrs = None if i is None else getattr(self.input_tensors[i], "__dict__", None)
+        if i is None or not attrs or name not in attrs:
+            raise AttributeError(f"'{type(fake).__name__}' object has no attribute '{name}'")
+        value = self.read(attrs[name], AttrSource(self.input_sources[i], name))
+        fake.__dict__[name] = value  # (the step's next read finds it)
+        return value
 
     def _decided(self, node: ScalarNode, value: Any) -> None:
         """Guard the outcome of a Python decision on symbolic scalars."""

@@ -61,6 +61,9 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         self.on_decision: Callable[[ScalarNode, Any], None] | None = None
         # Told of each store to a traced tensor's ``.grad`` (the context records it).
         self.on_grad_store: Callable[[TracedTensor, Any], None] | None = None
+        # Asked for an attribute a traced tensor lacks (one its real tensor holds: a
+        # per-parameter ``lr_scale``); raises AttributeError where there is none.
+        self.on_attr_read: Callable[[TracedTensor, str], Any] | None = None
         self.closed_by: str | None = None  # set when no more ops may be recorded, and why
         self._views: dict[int, list[TracedTensor]] = {}  # id(tensor) -> its partial views
 
@@ -71,6 +74,7 @@ class Recorder(compat.DispatchMode):  # type: ignore[no-untyped-call]
         graph keeps this recorder, and must not keep parameters alive through it."""
         self.on_decision = None
         self.on_grad_store = None
+        self.on_attr_read = None
 
     def placeholder(
         self,

@@ -177,7 +177,7 @@ def _record(
     state = (len(rec._views), len(rec._list_len), len(rec.constants), rec.closed_by)
     decided: list[Any] = []
     stored: list[Any] = []
-    on_decision, on_grad_store = rec.on_decision, rec.on_grad_store
+    on_decision, on_grad_store, on_attr_read = rec.on_decision, rec.on_grad_store, rec.on_attr_read
 
     def decision(node: Any, value: Any) -> None:
         decided.append(node.fx_node)
@@ -189,11 +189,22 @@ def _record(
         if on_grad_store is not None:
             on_grad_store(tensor, value)
 
-    rec.on_decision, rec.on_grad_store = decision, grad_store
+    def attr_read(tensor: Any, name: str) -> Any:
+        if on_attr_read is None:
+            raise AttributeError(name)
+        value = on_attr_read(tensor, name)
+        stored.append(tensor)  # (a per-parameter value read: no template for the others)
+        return value
+
+    rec.on_decision, rec.on_grad_store, rec.on_attr_read = decision, grad_store, attr_read
     try:
         result = _call(original, args, kwargs, lanes, start, stop)
     finally:
-        rec.on_decision, rec.on_grad_store = on_decision, on_grad_store
+        rec.on_decision, rec.on_grad_store, rec.on_attr_read = (
+            on_decision,
+            on_grad_store,
+            on_attr_read,
+        )
     if stop - start != 1 or stored:
         return result, None
     after = [args[k][start] for k in lanes]

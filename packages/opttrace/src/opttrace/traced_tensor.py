@@ -85,6 +85,16 @@ class TracedTensor(torch.Tensor):
             "keep tensors it received (or made) past its own return"
         )
 
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the tensor class lacks: one the real tensor holds in its own dict
+        (``p.lr_scale = 0.5`` on a parameter), read through the trace (a float a graph
+        input, another constant a guard); AttributeError otherwise, as for the real one."""
+        recorder = self.__dict__.get("_recorder")
+        reader = None if recorder is None or name.startswith("__") else recorder.on_attr_read
+        if reader is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return reader(self, name)
+
     # ``.grad`` lives in the instance dict, not autograd's slot: a store to it is a side
     # effect the recorder reports (replayed on the real tensor), and the cyclic collector can
     # see the reference (autograd's slot would hide it and leak the whole trace).
