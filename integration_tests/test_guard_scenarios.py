@@ -650,3 +650,30 @@ def test_an_attribute_set_on_a_parameter_is_read_and_followed(foreach):
     step_both(model, opt, reference, eager, range(2, 4))
     assert_same(model, opt, reference, eager, rtol=0, atol=0)
     assert optcompile.explain(opt).traces == 1
+
+
+def test_a_numpy_array_the_step_reads_runs_it_eagerly_with_a_warning():
+    """A numpy array in a param group changes in place under one identity: what the step
+    read from it was baked in (a change kept the old value, silently). Refused: eager."""
+    numpy = pytest.importorskip("numpy")
+
+    class ArrayScaled(torch.optim.Optimizer):
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {"lr": 0.1, "scale": numpy.array([0.5])})
+
+        @torch.no_grad()
+        def step(self) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad, alpha=-group["lr"] * float(group["scale"][0]))
+
+    model = small_model()
+    reference = copy.deepcopy(model)
+    opt = optcompile.compile(ArrayScaled(model.parameters()))
+    eager = ArrayScaled(reference.parameters())
+    with pytest.warns(optcompile.FallbackWarning, match="is a numpy array"):
+        step_both(model, opt, reference, eager, range(1))
+    for o in (opt, eager):
+        o.param_groups[0]["scale"][0] = 2.0
+    step_both(model, opt, reference, eager, range(1, 3))
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)

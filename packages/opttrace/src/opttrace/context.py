@@ -318,6 +318,14 @@ class TraceContext:
             # Their order matters only if the step iterates (TrackedDict then guards it).
             self.guard(KeysGuard(source, tuple(value), ordered=False))
             return TrackedDict(self, source, value)
+        if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+            # (an array changes in place under one identity: what the step read from it
+            # would stay baked in)
+            raise TraceError(
+                f"{source.name()} is a numpy array; its values, read into Python numbers, "
+                "would be baked into the graph and a change in place not seen. Use Python "
+                "floats or a tensor"
+            )
         # Anything else (a function, a frozen dataclass, a named tuple) is used as it is:
         # what the step reads from it is baked in, so another object there retraces.
         self.guard(IdentityGuard.of(source, value))
