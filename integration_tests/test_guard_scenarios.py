@@ -650,6 +650,12 @@ def test_an_attribute_set_on_a_parameter_is_read_and_followed(foreach):
     step_both(model, opt, reference, eager, range(2, 4))
     assert_same(model, opt, reference, eager, rtol=0, atol=0)
     assert optcompile.explain(opt).traces == 1
+    for m in (model, reference):  # one that had none (the default was taken) gets one
+        list(m.parameters())[1].lr_scale = 0.25
+    step_both(model, opt, reference, eager, range(4, 6))
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    report = optcompile.explain(opt)
+    assert report.traces == 2 and "hasattr(" in report.retrace_reasons[0], report
 
 
 def test_a_numpy_array_the_step_reads_runs_it_eagerly_with_a_warning():

@@ -245,8 +245,11 @@ def build_fast_check(
         if isinstance(guard, NoneGuard) and not guard.is_none and guard.source in matched:
             continue  # a tensor match fails on None
         under_state = None not in keyed  # (sources compare by identity: no __eq__)
-        if under_state or (guard.source in listed and len(sources) == 1):
-            continue  # under the state's dict versions; in its list's native check
+        listed_kind = isinstance(guard, TensorMatchGuard | IdentityGuard | NoneGuard)
+        if under_state or (guard.source in listed and len(sources) == 1 and listed_kind):
+            # under the state's dict versions; in its list's native check (which tests
+            # metadata, identity and None, not a predicate on an item: those stay below)
+            continue
         if not builder.add(guard):
             residual.append(guard)
         elif isinstance(guard, IdentityGuard):

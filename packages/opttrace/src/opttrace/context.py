@@ -250,6 +250,10 @@ class TraceContext:
         per-parameter setting a custom step reads), read as any value there is."""
         i = self._fake_index.get(id(fake))
         attrs = None if i is None else getattr(self.input_tensors[i], "__dict__", None)
+        if i is not None and (not attrs or name not in attrs):
+            # (``getattr(p, "lr_scale", 1.0)`` took the default: one set later retraces)
+            has = f"hasattr({{0}}, {name!r})"
+            self.guard(PredicateGuard(self.input_sources[i], has, False))
         if i is None or not attrs or name not in attrs:
             raise AttributeError(f"'{type(fake).__name__}' object has no attribute '{name}'")
         value = self.read(attrs[name], AttrSource(self.input_sources[i], name))

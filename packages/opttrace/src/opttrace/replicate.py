@@ -190,11 +190,10 @@ def _record(
             on_grad_store(tensor, value)
 
     def attr_read(tensor: Any, name: str) -> Any:
+        stored.append(tensor)  # (a per-parameter value, or its absence: no template)
         if on_attr_read is None:
             raise AttributeError(name)
-        value = on_attr_read(tensor, name)
-        stored.append(tensor)  # (a per-parameter value read: no template for the others)
-        return value
+        return on_attr_read(tensor, name)
 
     rec.on_decision, rec.on_grad_store, rec.on_attr_read = decision, grad_store, attr_read
     try:
