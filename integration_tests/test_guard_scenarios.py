@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import io
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -683,3 +684,30 @@ def test_a_numpy_array_the_step_reads_runs_it_eagerly_with_a_warning():
         o.param_groups[0]["scale"][0] = 2.0
     step_both(model, opt, reference, eager, range(1, 3))
     assert_same(model, opt, reference, eager, rtol=0, atol=0)
+
+
+def test_a_tensor_the_class_body_holds_is_used_as_it_is():
+    """Class data read through ``self`` is read as the instance's attributes are; a tensor
+    there is not (it is no input the trace collected): the step uses it as eager does."""
+
+    class ClassTensor(torch.optim.Optimizer):
+        SCALE = torch.tensor(0.5)
+
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad * self.SCALE, alpha=-group["lr"])
+
+    model = small_model()
+    reference = copy.deepcopy(model)
+    opt = optcompile.compile(ClassTensor(model.parameters()))
+    eager = ClassTensor(reference.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compiled, no fallback
+        step_both(model, opt, reference, eager, range(3))
+    assert_same(model, opt, reference, eager, rtol=0, atol=0)
+    assert optcompile.explain(opt).traces == 1

@@ -88,6 +88,11 @@ def _getattribute(self: Any, name: str) -> Any:
     return d[_INFO].read(name, value)
 
 
+# What a class body's value read through the instance is read as data for: numbers and
+# strings, and containers (their items read as the instance's are)
+_CLASS_DATA = frozenset({bool, int, float, str, type(None), list, tuple, dict, set, frozenset})
+
+
 def _class_data(owner: type, name: str) -> bool:
     """Whether ``name`` is data (no function, descriptor or class) that a class of user
     code in ``owner``'s MRO holds: the step reads it through the instance, and a change
@@ -95,8 +100,8 @@ def _class_data(owner: type, name: str) -> bool:
     for cls in owner.__mro__:
         if name in vars(cls):
             raw = vars(cls)[name]  # (a method's function, not the bound method it gives)
-            if hasattr(type(raw), "__get__") or isinstance(raw, type | types.ModuleType):
-                return False
+            if type(raw) not in _CLASS_DATA:
+                return False  # (a function, descriptor, class, tensor: used as it is)
             module = getattr(cls, "__module__", "") or ""
             return module != "builtins" and module.split(".")[0] not in _LIBRARIES
     return False
