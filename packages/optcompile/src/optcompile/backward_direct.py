@@ -125,6 +125,9 @@ class Directs:
         if not inb.thin or inb.compiled_autograd:
             raise NotDirect("the hooks are not thinned out (buckets learning, compiled autograd)")
         trigger = bucket.params[-1]
+        device = trigger.device
+        if device.type != "cuda":
+            raise NotDirect(f"its params live on {device}")
         if trigger is inb.first:
             raise NotDirect("its last parameter is the backward's first (its hook checks it)")
         entry = getattr(bucket.step, "last", None)
@@ -167,9 +170,6 @@ class Directs:
             (opt, "param_groups", live_groups),
             (opt, "state", live_state),
         ]
-        device = trigger.device
-        if device.type != "cuda":
-            raise NotDirect(f"its params live on {device}")
         stream = torch.cuda.current_stream(device)
         held = module.held(tensors, [t.data_ptr() for t in tensors])
         if bucket.direct is None:
