@@ -92,3 +92,32 @@ def test_only_in_place_writes_and_return_none_count_as_no_effect():
     assert _no_effect(Return(Const(None)))
     assert _no_effect(TensorWrite(target, None))
     assert not _no_effect(Return(Const(1)))
+
+
+class _ClassScaled(torch.optim.Optimizer):
+    FACTOR = 0.5
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                scale = getattr(p, "lr_scale", 1.0) * self.FACTOR
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+def test_a_parameter_attribute_is_checked_through_the_parameter_dict():
+    params = [torch.nn.Parameter(torch.randn(3))]
+    params[0].lr_scale = 0.25
+    _ClassScaled.FACTOR = 0.5
+    opt = _ClassScaled(params)
+    entry = _entry(opt, params)
+    with pytest.raises(NotDirect, match="from a class"):  # (FACTOR: no tag to check)
+        _reached(entry, {"opt": opt})
+    _ClassScaled.FACTOR = 0.5  # (an instance attribute now: its dict has a tag)
+    opt.FACTOR = 0.5
+    entry = _entry(opt, params)
+    dicts, _, _ = _reached(entry, {"opt": opt})
+    assert any(d is params[0].__dict__ for d in dicts)  # a change of lr_scale is seen

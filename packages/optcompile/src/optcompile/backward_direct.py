@@ -423,6 +423,14 @@ def _reached(entry: Any, L: dict[str, Any]) -> tuple[list[Any], list[Any], list[
             stack.append(source.base)
             if source.attr == "grad":
                 continue  # gradients are checked apart
+            owner = source.base.fetch(L)
+            own = getattr(owner, "__dict__", None)
+            if isinstance(owner, torch.Tensor) and isinstance(own, dict):
+                dicts.append(own)  # (an attribute set on a param: ``p.lr_scale``)
+            elif not isinstance(own, dict) or source.attr not in own:
+                raise NotDirect(
+                    f"its step reads {source.name()} from a class, whose dict has no version tag"
+                )
         elif isinstance(source, ItemSource):
             stack.append(source.base)
         elif isinstance(source, KeyedSource):
