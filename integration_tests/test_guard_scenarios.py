@@ -226,6 +226,11 @@ class _FrozenConfig:
     scale: float = 1.0
 
 
+@dataclasses.dataclass(slots=True)
+class _SlotsConfig:  # (no __dict__: not viewed, used as it is; its slots change in place)
+    scale: float = 1.0
+
+
 class _ConfiguredSGD(torch.optim.Optimizer):
     """Reads its update's scale from a config object, a module global or its class."""
 
@@ -289,6 +294,8 @@ CONFIGS: dict[str, tuple[Callable[[], Any], str | None]] = {
     "SimpleNamespace float": (lambda: types.SimpleNamespace(scale=1.0), None),
     "dataclass flag": (_Config, "L['opt'].config.double: value changed (False -> True)"),
     "frozen dataclass replaced": (_FrozenConfig, "L['opt'].config: a different object"),
+    # (its value was baked in and a change kept it, silently: now each slot is guarded)
+    "slots dataclass": (_SlotsConfig, "L['opt'].config.scale: value changed (1.0 -> 3.0)"),
     "global": (lambda: None, f"G['{__name__}'].STEP_SCALE: value changed (1.0 -> 3.0)"),
     # A container or a plain object held in a global: its contents were baked in unseen
     # (the old value kept silently); now compared with a copy on each call

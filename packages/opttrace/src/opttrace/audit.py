@@ -121,6 +121,12 @@ def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str
     return [(module, name, value, kind) for (module, name), (value, kind) in found.items()]
 
 
+def constant_copy(value: Any) -> Any:
+    """``value`` copied if it is a constant or a container of constants (at most
+    ``MAX_GUARDED_ITEMS`` elements), else ``NOT_CONSTANT``."""
+    return _constant_copy(value, [MAX_GUARDED_ITEMS])
+
+
 def _constant_copy(value: Any, budget: list[int]) -> Any:
     """A copy of ``value`` if it is a constant or a container of constants (nested) within
     ``budget`` elements in all, else ``_EMPTY``."""
@@ -332,3 +338,6 @@ def restore_quietly(snap: Snapshot) -> None:
     """Undo what changed without raising (the trace failed for another reason)."""
     with contextlib.suppress(TraceError):
         check_and_restore(snap)
+
+
+NOT_CONSTANT = _EMPTY  # (what constant_copy returns for anything else)

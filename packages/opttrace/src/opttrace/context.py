@@ -44,13 +44,19 @@ from optsidefx import Apply, Build, CallResult, Const, Input, Ledger, Output, Re
 from torch import fx
 
 from opttrace import _torch_compat as compat
-from opttrace import dtensor, meta
+from opttrace import audit, dtensor, meta
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder
 from opttrace.symbolic import ScalarNode, guard_template, node_of
 from opttrace.traced_tensor import TracedTensor
 from opttrace.trackers import TrackedDict, TrackedList, TrackedStateDict
-from opttrace.view import is_plain_object, object_view, optimizer_view, view_source
+from opttrace.view import (
+    is_plain_object,
+    object_view,
+    optimizer_view,
+    slot_values,
+    view_source,
+)
 
 CONSTANT_TYPES = (bool, int, float, str, type(None))
 
@@ -333,6 +339,12 @@ class TraceContext:
         # Anything else (a function, a frozen dataclass, a named tuple) is used as it is:
         # what the step reads from it is baked in, so another object there retraces.
         self.guard(IdentityGuard.of(source, value))
+        for name, held in slot_values(value):  # (one with __slots__ may change in place)
+            copied = audit.constant_copy(held)
+            if copied is not audit.NOT_CONSTANT:
+                on = AttrSource(source, name)
+                simple = type(copied) in CONSTANT_TYPES
+                self.guard(ConstantGuard(on, copied) if simple else EqualGuard(on, copied))
         return value
 
     def _fake(self, real: torch.Tensor, source: Source) -> torch.Tensor:

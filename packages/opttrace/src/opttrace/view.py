@@ -190,6 +190,24 @@ _LIBRARIES = frozenset(
 )
 
 
+def slot_values(value: Any) -> list[tuple[str, Any]]:
+    """The (name, value) of each ``__slots__`` attribute set on an object of a user class
+    (``@dataclass(slots=True)``): the step reads them off the object itself, which may
+    change them in place under one identity. Empty for other objects."""
+    cls = type(value)
+    module = getattr(cls, "__module__", "") or ""
+    if module == "builtins" or module.split(".")[0] in _LIBRARIES:
+        return []
+    found = []
+    for c in cls.__mro__:
+        slots = vars(c).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") or not hasattr(value, name):
+                continue
+            found.append((name, getattr(value, name)))
+    return found
+
+
 def view_source(value: Any) -> Source | None:
     """The Source of the optimizer behind a view, or None if ``value`` is not a view."""
     if type(value) not in _VIEW_CLASSES.values():
