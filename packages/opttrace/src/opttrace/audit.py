@@ -73,7 +73,6 @@ def user_functions(roots: Iterable[Any]) -> list[types.FunctionType]:
 
 
 CONSTANT_TYPES = (bool, int, float, str, type(None))
-_CONSTANTS = CONSTANT_TYPES
 # Elements of a global container (or attributes of a global object) compared on each call at
 # most: a larger one is not guarded (its contents could be baked into the graph unseen)
 MAX_GUARDED_ITEMS = 256
@@ -83,9 +82,8 @@ def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str
     """(module, name, value, kind) of each module global that the code of ``functions``
     names and that the trace may bake in, so that it is guarded:
 
-    - ``"constant"``: a Python constant (a number, a bool, a string, None);
-    - ``"contents"``: a list, tuple, dict or set of such values (nested): a copy, compared
-      with ``==``;
+    - ``"value"``: a Python constant (a number, a bool, a string, None), or a list, tuple,
+      dict or set of such values (nested): ``constant_copy`` of it;
     - ``"attributes"``: a plain object (a ``SimpleNamespace``, a config class instance):
       ``{attribute: copy}`` of its attributes holding such values (the others, tensors and
       objects, are not guarded);
@@ -104,13 +102,7 @@ def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str
             continue  # not a module's namespace: cannot be fetched again
         for name in _names(fn.__code__):
             value = g.get(name, _EMPTY)
-            if type(value) in CONSTANT_TYPES:
-                found[(module, name)] = (value, "constant")
-            elif type(value) in (list, tuple, dict, set, frozenset):
-                copied = _constant_copy(value, [MAX_GUARDED_ITEMS])
-                if copied is not _EMPTY:
-                    found[(module, name)] = (copied, "contents")
-            elif isinstance(value, types.FunctionType | type):
+            if isinstance(value, types.FunctionType | type):
                 found[(module, name)] = (value, "identity")
             elif _plain_object(value):
                 budget = [MAX_GUARDED_ITEMS]
@@ -118,6 +110,10 @@ def constant_globals(functions: list[types.FunctionType]) -> list[tuple[str, str
                 kept = {k: v for k, v in copies.items() if v is not _EMPTY}
                 if kept:
                     found[(module, name)] = (kept, "attributes")
+            elif value is not _EMPTY:
+                copied = constant_copy(value)
+                if copied is not _EMPTY:
+                    found[(module, name)] = (copied, "value")
     return [(module, name, value, kind) for (module, name), (value, kind) in found.items()]
 
 
@@ -133,7 +129,7 @@ def _constant_copy(value: Any, budget: list[int]) -> Any:
     budget[0] -= 1
     if budget[0] < 0:
         return _EMPTY
-    if type(value) in _CONSTANTS:
+    if type(value) in CONSTANT_TYPES:
         return value
     if type(value) in (list, tuple, set, frozenset):
         items = [_constant_copy(v, budget) for v in value]

@@ -45,6 +45,7 @@ from torch import fx
 
 from opttrace import _torch_compat as compat
 from opttrace import audit, dtensor, meta
+from opttrace.audit import CONSTANT_TYPES
 from opttrace.errors import TraceError
 from opttrace.recorder import Recorder
 from opttrace.symbolic import ScalarNode, guard_template, node_of
@@ -57,8 +58,6 @@ from opttrace.view import (
     slot_values,
     view_source,
 )
-
-CONSTANT_TYPES = (bool, int, float, str, type(None))
 
 
 def is_constant(value: Any) -> bool:
@@ -342,10 +341,14 @@ class TraceContext:
         for name, held in slot_values(value):  # (one with __slots__ may change in place)
             copied = audit.constant_copy(held)
             if copied is not audit.NOT_CONSTANT:
-                on = AttrSource(source, name)
-                simple = type(copied) in CONSTANT_TYPES
-                self.guard(ConstantGuard(on, copied) if simple else EqualGuard(on, copied))
+                self.guard_copy(AttrSource(source, name), copied)
         return value
+
+    def guard_copy(self, source: Source, copied: Any) -> None:
+        """Guard ``source`` to keep ``copied`` (``audit.constant_copy`` of what it held: a
+        constant compared by identity or value, a container with ``==``)."""
+        simple = type(copied) in CONSTANT_TYPES
+        self.guard(ConstantGuard(source, copied) if simple else EqualGuard(source, copied))
 
     def _fake(self, real: torch.Tensor, source: Source) -> torch.Tensor:
         if type(real) in _PLAIN_TENSORS:

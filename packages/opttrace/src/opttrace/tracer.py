@@ -17,9 +17,7 @@ import optsidefx
 import torch
 from optguard import (
     AttrSource,
-    ConstantGuard,
     DataPtrGuard,
-    EqualGuard,
     GlobalSource,
     GuardSet,
     IdentityGuard,
@@ -150,17 +148,13 @@ def _record(
     snap = audit.snapshot(functions, draws)
     for module, name, value, kind in audit.constant_globals(functions):
         held = GlobalSource(module, name)
-        if kind == "constant":
-            ctx.guard(ConstantGuard(held, value))
-        elif kind == "contents":  # (compared with == to a copy)
-            ctx.guard(EqualGuard(held, value))
-        elif kind == "identity":
+        if kind == "identity":
             ctx.guard(IdentityGuard.of(held, value))
-        else:  # an object's attributes, each
+        elif kind == "attributes":  # an object's, each
             for attr, copied in value.items():
-                on = AttrSource(held, attr)
-                simple = type(copied) in audit.CONSTANT_TYPES
-                ctx.guard(ConstantGuard(on, copied) if simple else EqualGuard(on, copied))
+                ctx.guard_copy(AttrSource(held, attr), copied)
+        else:
+            ctx.guard_copy(held, value)
     try:
         try:
             with (

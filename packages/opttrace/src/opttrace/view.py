@@ -102,8 +102,7 @@ def _class_data(owner: type, name: str) -> bool:
             raw = vars(cls)[name]  # (a method's function, not the bound method it gives)
             if type(raw) not in _CLASS_DATA:
                 return False  # (a function, descriptor, class, tensor: used as it is)
-            module = getattr(cls, "__module__", "") or ""
-            return module != "builtins" and module.split(".")[0] not in _LIBRARIES
+            return _user_class(cls)
     return False
 
 
@@ -174,8 +173,7 @@ def is_plain_object(value: Any) -> bool:
     cls = type(value)
     if cls is types.SimpleNamespace:
         return True
-    module = getattr(cls, "__module__", "") or ""
-    if module == "builtins" or module.split(".")[0] in _LIBRARIES:
+    if not _user_class(cls):
         return False
     if isinstance(value, type | types.FunctionType | types.MethodType | torch.Tensor):
         return False
@@ -190,13 +188,18 @@ _LIBRARIES = frozenset(
 )
 
 
+def _user_class(cls: type) -> bool:
+    """Whether ``cls`` is defined by user code (neither a builtin nor a library's)."""
+    module = getattr(cls, "__module__", "") or ""
+    return module != "builtins" and module.split(".")[0] not in _LIBRARIES
+
+
 def slot_values(value: Any) -> list[tuple[str, Any]]:
     """The (name, value) of each ``__slots__`` attribute set on an object of a user class
     (``@dataclass(slots=True)``): the step reads them off the object itself, which may
     change them in place under one identity. Empty for other objects."""
     cls = type(value)
-    module = getattr(cls, "__module__", "") or ""
-    if module == "builtins" or module.split(".")[0] in _LIBRARIES:
+    if not _user_class(cls):
         return []
     found = []
     for c in cls.__mro__:
