@@ -250,6 +250,20 @@ PyObject* g_spec = nullptr;          // "_spec"
 PyObject* g_mesh = nullptr;          // "mesh"
 PyObject* g_placements = nullptr;    // "placements"
 
+// Record a strided tensor's metadata into m (with ptr, its data pointer checked too); throws
+// for a tensor without plain sizes (a nested one).
+void fill_tensor_meta(Meta& m, const at::Tensor& t, bool ptr) {
+  m.set_dims(t.sizes(), t.strides());
+  if (ptr) {
+    m.check_ptr = true;
+    m.ptr = t.const_data_ptr();
+  }
+  m.dtype = t.scalar_type();
+  m.device = t.device();
+  m.layout = t.layout();
+  m.requires_grad = t.requires_grad();
+}
+
 // Record v's metadata into m (v: None or a strided tensor); false with an error set.
 bool fill_meta(Meta& m, PyObject* v, Py_ssize_t i, bool id, bool ptr) {
   m.index = i;
@@ -272,21 +286,13 @@ bool fill_meta(Meta& m, PyObject* v, Py_ssize_t i, bool id, bool ptr) {
     return false;
   }
   try {
-    m.set_dims(t.sizes(), t.strides());
-    if (ptr) {
-      m.check_ptr = true;
-      m.ptr = t.const_data_ptr();
-    }
+    fill_tensor_meta(m, t, ptr);
   } catch (const std::exception& e) {  // a nested tensor: no plain sizes
     PyErr_Format(PyExc_ValueError, "spec: item %zd: %s", i, e.what());
     return false;
   }
   m.type = Py_TYPE(v);
   Py_INCREF(reinterpret_cast<PyObject*>(m.type));
-  m.dtype = t.scalar_type();
-  m.device = t.device();
-  m.layout = t.layout();
-  m.requires_grad = t.requires_grad();
   return true;
 }
 
@@ -1455,13 +1461,7 @@ PyObject* direct_arm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       m.id = nullptr;
       m.none = false;
       m.type = nullptr;
-      m.dtype = grad.scalar_type();
-      m.device = grad.device();
-      m.layout = grad.layout();
-      m.requires_grad = grad.requires_grad();
-      m.check_ptr = true;
-      m.ptr = grad.const_data_ptr();
-      m.set_dims(grad.sizes(), grad.strides());
+      fill_tensor_meta(m, grad, true);
       Py_INCREF(p);
       d.params.push_back(p);
       d.grads.push_back(std::move(m));
